@@ -1,0 +1,26 @@
+"""cutemk: event-tensor megakernels on NVIDIA CuTe DSL.
+
+Build a :class:`Graph` of tile operators (``cutemk.ops``) over symbolic shapes, then compile it
+for a backend. Core modules never import concrete ops or models; ``cutemk.layers`` (Qwen3 MLP
+and MoE graphs) sits on top.
+"""
+
+from .errors import (CuteMKError, DeadlockError, DeviceError, DTypeError, GraphError,
+                     LayoutError, RaceError, ScheduleError, ShapeError, UnsupportedArchError)
+from .events import EventTensor
+from .graph import Graph, Node, Value
+from .plan import Plan, instantiate
+from .scheduling import (SchedulingMode, StaticSchedule, check_static_schedule, critical_path,
+                         resolve_scheduler)
+from .symbolic import Expr, Sym, cdiv, smax, smin, sym
+from .tileop import TensorSpec, TileOp, register_op
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CuteMKError", "DeadlockError", "DeviceError", "DTypeError", "GraphError", "LayoutError",
+    "RaceError", "ScheduleError", "ShapeError", "UnsupportedArchError", "EventTensor", "Graph",
+    "Node", "Value", "Plan", "instantiate", "SchedulingMode", "StaticSchedule",
+    "check_static_schedule", "critical_path", "resolve_scheduler", "Expr", "Sym", "cdiv",
+    "smax", "smin", "sym", "TensorSpec", "TileOp", "register_op",
+]

@@ -1,0 +1,86 @@
+"""Binding user tensors to a graph's leaves: argument checks and sym inference.
+
+Every backend goes through :func:`bind`, so every backend rejects bad input the same way: the
+error names the argument and says what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import DeviceError, DTypeError, LayoutError, ShapeError
+from .graph import Graph
+from .symbolic import Sym, evaluate, shape_str
+
+
+def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any],
+         device_type: str | None = None) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    """Match positional/keyword tensors to the graph's inputs and weights (declaration order).
+
+    Returns ``(env, tensors)``: the value of every sym, and tensors by leaf name.
+    """
+    leaves = graph.leaves
+    names = [v.name for v in leaves]
+    if len(args) > len(leaves):
+        raise TypeError(f"{graph.name} takes {len(leaves)} tensors {names}, got {len(args)} "
+                        "positional")
+    given: dict[str, Any] = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise TypeError(f"{graph.name} got an unexpected argument {k!r}; expected {names}")
+        if k in given:
+            raise TypeError(f"{graph.name} got argument {k!r} twice")
+        given[k] = v
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise TypeError(f"{graph.name} is missing arguments {missing}")
+
+    env: dict[str, int] = {}
+    source: dict[str, str] = {}
+    device = None
+    for leaf in leaves:
+        t = given[leaf.name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{leaf.name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != leaf.dtype:
+            raise DTypeError(f"{leaf.name} must have dtype {leaf.dtype}, got {t.dtype}")
+        if t.dim() != len(leaf.shape):
+            raise ShapeError(f"{leaf.name} must be {len(leaf.shape)}-D with shape "
+                             f"{shape_str(leaf.shape)}, got shape {tuple(t.shape)}")
+        if device_type is not None and t.device.type != device_type:
+            raise DeviceError(f"{leaf.name} must be on a {device_type} device, got {t.device}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise DeviceError(f"{leaf.name} is on {t.device} but earlier tensors are on {device}")
+        if not t.is_contiguous():
+            raise LayoutError(f"{leaf.name} must be contiguous (got strides {t.stride()} for "
+                              f"shape {tuple(t.shape)})")
+        for d, dim in enumerate(leaf.shape):
+            if isinstance(dim, Sym):
+                n = int(t.shape[d])
+                if dim.name in env and env[dim.name] != n:
+                    raise ShapeError(f"{leaf.name}.shape[{d}] is {dim.name}={n} but "
+                                     f"{source[dim.name]} gave {dim.name}={env[dim.name]}")
+                env[dim.name] = dim.check(n, f"{leaf.name}.shape[{d}]")
+                source[dim.name] = f"{leaf.name}.shape[{d}]"
+    for leaf in leaves:
+        t = given[leaf.name]
+        want = tuple(evaluate(d, env) for d in leaf.shape)
+        if tuple(t.shape) != want:
+            raise ShapeError(f"{leaf.name} must have shape {shape_str(leaf.shape)} = {want}, "
+                             f"got {tuple(t.shape)}")
+    return env, {leaf.name: given[leaf.name] for leaf in leaves}
+
+
+def env_key(env: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(env.items()))
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with a value no kernel writes by accident (NaN for floats)."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).min)

@@ -1,0 +1,1 @@
+"""Device-side CuTe DSL helpers, inlined into kernels when traced (no host code, no torch)."""

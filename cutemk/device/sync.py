@@ -1,0 +1,137 @@
+"""Inter-CTA synchronisation through global-memory int32 counters (device side).
+
+A persistent megakernel hands out work and orders it with two kinds of int32 counters in global
+memory, both touched by exactly one elected thread per CTA:
+
+* a **task counter**: ``pop_task`` atomically takes the next task index (``atom.add``). It only
+  distributes indices; it carries no data, so the atomic is relaxed.
+* **event counters**: a producer tile ends with ``notify_event`` (a gpu-scope *release* add); a
+  consumer tile starts with ``wait_event`` (a gpu-scope *acquire* load polled until the counter
+  reaches a target). Release/acquire on the same counter makes every global write that is
+  ordered before the release visible to every read ordered after the acquire.
+
+Memory-ordering protocol (the invariant every caller must keep):
+
+1. Producer CTA: all threads issue their global writes of the tile, then
+   ``cute.arch.sync_threads()`` (``bar.sync``: orders the other threads' writes before the
+   elected thread at CTA scope), then ONE thread calls ``notify_event``. PTX release is
+   cumulative, so ``red.release.gpu`` publishes the writes the releasing thread has observed
+   through ``bar.sync``, not only its own: the same guarantee as the
+   ``fence.acq_rel.gpu; red.relaxed.gpu`` idiom of CUTLASS's generic barrier, in one instruction.
+   Writes made through the async proxy (TMA stores) are not covered until they have completed:
+   ``cp.async.bulk.wait_group 0`` (not ``.read``) in the issuing thread before the barrier.
+2. Consumer CTA: ONE thread calls ``wait_event`` (``ld.acquire.gpu`` polled), then
+   ``cute.arch.sync_threads()`` so the other threads' reads are ordered after the acquire. Reads
+   through the async proxy (TMA loads) additionally need ``cute.arch.fence_proxy("async.global")``
+   (generic-to-async proxy ordering) after the barrier.
+3. Counters only grow within a launch. Wait for ``count_per_launch * epoch`` (epoch = launch
+   index, a runtime argument) instead of resetting counters between launches: no host memset, no
+   parity bugs. The task counter is the exception: every CTA pops one index past the end, so it
+   must be reset (or offset by ``num_tasks + grid_size`` per launch) by the caller.
+4. A waiter must not be able to starve its producer: the grid must be co-resident (at most one
+   persistent CTA per SM slot, or a cooperative launch), and tasks must be handed out in an order
+   where every dependency has a smaller index than its consumer.
+
+Only one thread per CTA may spin: 128+ threads polling the same line waste issue slots and L2
+bandwidth for nothing. The helpers do not elect that thread or synchronise the CTA themselves,
+because the caller already has a barrier in the same place (task broadcast through shared
+memory) and a second one would be pure cost.
+
+All functions are ``@cute.jit``: called from a ``@cute.kernel`` they are inlined when traced.
+"""
+
+import cutlass
+from cutlass import Boolean, Int32, Int64, cute
+from cutlass.experimental import primitives as _prims
+
+# Back-off for one spinning thread. The first sleep is short because the common case is a
+# producer that finishes within a few hundred ns; the cap keeps wake-up latency at ~1 us while
+# still taking the poller off the issue ports and the L2 line for most of the wait.
+BACKOFF_MIN_NS: int = 32
+BACKOFF_MAX_NS: int = 1024
+
+
+@cute.jit
+def pop_task(counter_ptr: cute.Pointer) -> Int32:
+    """Take the next task index: ``old = atomicAdd(counter, 1)``, returns ``old``.
+
+    ``counter_ptr``: pointer to an int32 counter in global memory (e.g. ``mCounter.iterator``).
+    Relaxed, gpu scope: the index carries no data (dependencies go through events), and relaxed
+    atomics on one address are still totally ordered, so every index is handed out exactly once.
+    Call from one thread and broadcast the result through shared memory.
+    """
+    return cute.arch.atomic_add(counter_ptr, Int32(1), sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def _poll_until(
+    event_ptr: cute.Pointer,
+    target: Int32,
+    timeout_ns: Int64,
+    bounded: cutlass.Constexpr[bool],
+) -> tuple[Boolean, Int32]:
+    """Spin (acquire loads, exponential nanosleep back-off) until ``*event_ptr >= target``.
+
+    With ``bounded`` the spin also stops once ``timeout_ns`` of ``%globaltimer`` have passed.
+    Returns ``(timed_out, last_seen)``. CuTe DSL has no ``break``/``return`` inside a dynamic
+    loop, so the exit condition is carried as ``spinning`` and every carried value is created
+    with its final type before the loop.
+    """
+    seen = cute.arch.load(event_ptr, Int32, sem="acquire", scope="gpu")
+    timed_out = Boolean(False)
+    spinning = seen < target
+    backoff = Int32(BACKOFF_MIN_NS)
+    start = Int64(0)
+    if cutlass.const_expr(bounded):
+        start = cute.arch.globaltimer()
+    while spinning:
+        _prims.nanosleep(backoff)
+        if backoff < BACKOFF_MAX_NS:
+            backoff = backoff * 2
+        seen = cute.arch.load(event_ptr, Int32, sem="acquire", scope="gpu")
+        spinning = seen < target
+        # Not merged with the inner `if`: const_expr must be the whole condition to stay a
+        # compile-time branch.
+        if cutlass.const_expr(bounded):  # noqa: SIM102
+            # Checked after the poll, so a counter that arrives exactly at the deadline counts
+            # as success, not as a timeout.
+            if spinning and cute.arch.globaltimer() - start > timeout_ns:
+                timed_out = Boolean(True)
+                spinning = Boolean(False)
+    return timed_out, seen
+
+
+@cute.jit
+def wait_event(event_ptr: cute.Pointer, target: Int32) -> None:
+    """Block until the int32 event counter at ``event_ptr`` is ``>= target`` (acquire, gpu scope).
+
+    One thread only; follow with ``cute.arch.sync_threads()`` so the whole CTA is ordered after
+    the acquire (see the module docstring). Spins forever if the producer never arrives: use
+    ``wait_event_or_timeout`` where a hang must be diagnosable.
+    """
+    _poll_until(event_ptr, target, Int64(0), False)
+
+
+@cute.jit
+def wait_event_or_timeout(
+    event_ptr: cute.Pointer, target: Int32, timeout_ns: Int64
+) -> tuple[Boolean, Int32]:
+    """``wait_event`` with a watchdog: give up after ``timeout_ns`` nanoseconds of ``%globaltimer``.
+
+    Returns ``(timed_out, seen)``: ``seen`` is the last counter value read, so the caller can
+    record ``(task, event, target, seen)`` in a debug buffer and end the kernel instead of hanging.
+    When ``timed_out`` is false, ``seen >= target`` and the acquire has happened. The bound is in
+    wall time, not polls, because the back-off makes the poll count a poor measure of time.
+    """
+    return _poll_until(event_ptr, target, timeout_ns, True)
+
+
+@cute.jit
+def notify_event(event_ptr: cute.Pointer, inc: Int32) -> None:
+    """Add ``inc`` to the int32 event counter at ``event_ptr`` with release semantics, gpu scope.
+
+    One thread only, after ``cute.arch.sync_threads()`` has ordered the whole CTA's global writes
+    of the tile before it (module docstring, rule 1). ``red`` rather than ``atom``: the old value
+    is not needed, so no round trip to L2 is waited for.
+    """
+    cute.arch.red(event_ptr, inc, op="add", dtype=Int32, sem="release", scope="gpu")

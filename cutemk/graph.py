@@ -1,0 +1,220 @@
+"""Graph composition: tensors (values) and tile-op calls (nodes), built once, symbolically.
+
+Invariants: every value has exactly one producer (a graph input/weight, or one node), so the
+graph is SSA and acyclic by construction; shapes are symbolic and every sym in the graph can be
+inferred from the shape of some graph input; data flows graph -> instantiate (``cutemk.plan``)
+-> schedule -> backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+import torch
+
+from .errors import GraphError
+from .events import EventMap, EventTensor, IndexMap
+from .symbolic import IntLike, Sym, const, free_syms
+from .tileop import TensorSpec, TileOp
+
+
+@dataclass(eq=False)
+class Value:
+    """A tensor in a graph. ``kind`` is 'input', 'weight' or 'intermediate'."""
+
+    graph: "Graph"
+    name: str
+    spec: TensorSpec
+    kind: str
+    producer: "Node | None" = None
+
+    @property
+    def shape(self) -> tuple[IntLike, ...]:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    def __repr__(self) -> str:
+        return f"Value({self.name}: {self.spec}, {self.kind})"
+
+
+@dataclass(eq=False)
+class Node:
+    """One tile-op call: its op instance and the values bound to the op's arguments."""
+
+    index: int
+    name: str
+    op: TileOp
+    args: dict[str, Value]
+    results: dict[str, Value] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Node({self.name})"
+
+
+OpBuilder = Callable[..., TileOp]
+
+
+class Graph:
+    """A graph of tile-op calls. Build with :meth:`input`, :meth:`weight`, :meth:`call`,
+    :meth:`output`; then :meth:`compile` for a backend."""
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self.values: list[Value] = []
+        self.nodes: list[Node] = []
+        self.outputs: list[Value] = []
+        self.event_maps: list[EventMap] = []
+        self._names: set[str] = set()
+
+    # -- building ---------------------------------------------------------------------------
+    def input(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype = torch.float32
+              ) -> Value:
+        """A per-launch input (activations). Its symbolic dims are bound from its shape."""
+        return self._leaf(name, shape, dtype, "input")
+
+    def weight(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype = torch.float32
+               ) -> Value:
+        """A parameter tensor, passed at every call like an input."""
+        return self._leaf(name, shape, dtype, "weight")
+
+    def call(self, op: Union[OpBuilder, TileOp], *args: Value, name: str | None = None,
+             **config: Any) -> Union[Value, tuple[Value, ...]]:
+        """Call a tile op on graph values. ``op`` is an op builder (e.g. ``ops.gemm``) taking
+        the input specs positionally and config by keyword, or an already-built op instance.
+        Returns the op's output value(s) in its declared output order."""
+        for i, a in enumerate(args):
+            if not isinstance(a, Value) or a.graph is not self:
+                raise GraphError(f"argument {i} of {getattr(op, '__name__', op)} is not a value "
+                                 f"of graph {self.name!r}")
+        if isinstance(op, TileOp):
+            if config:
+                raise GraphError("config keywords are given to the op builder, not with an op "
+                                 "instance")
+            inst = op
+        else:
+            inst = op(*[a.spec for a in args], **config)
+        if not isinstance(inst, TileOp):
+            raise GraphError(f"{op} did not build a TileOp")
+        if len(args) != len(inst.inputs):
+            raise GraphError(f"{inst.name} takes {len(inst.inputs)} inputs {inst.inputs}, "
+                             f"got {len(args)}")
+        node_name = name or f"{inst.name}{sum(n.op.name == inst.name for n in self.nodes)}"
+        self._claim(node_name)
+        node = Node(len(self.nodes), node_name, inst, dict(zip(inst.inputs, args)))
+        for oname, spec in inst.output_specs().items():
+            v = Value(self, f"{node_name}.{oname}", spec, "intermediate", node)
+            node.results[oname] = v
+            self.values.append(v)
+        self.nodes.append(node)
+        outs = tuple(node.results[o] for o in inst.outputs)
+        return outs[0] if len(outs) == 1 else outs
+
+    def output(self, value: Value, name: str | None = None) -> Value:
+        """Mark an intermediate value as a graph output (returned by a compiled graph)."""
+        if value.graph is not self or value.producer is None:
+            raise GraphError(f"output {value.name} must be produced by a node of this graph")
+        if value in self.outputs:
+            raise GraphError(f"{value.name} is already an output")
+        if name is not None and name != value.name:
+            self._claim(name)
+            value.name = name
+        self.outputs.append(value)
+        return value
+
+    def event(self, shape: Sequence[IntLike], count: Any = None, *, name: str = "event",
+              notify: Sequence[tuple[Value, IndexMap]] = (),
+              wait: Sequence[tuple[Value, IndexMap]] = ()) -> EventTensor:
+        """Declare an explicit event tensor (Event Tensor paper, Fig. 3).
+
+        ``notify``/``wait`` pair a value *produced by* the node that notifies / waits with an
+        index map from that node's tile coordinate to event indices. A (producer, consumer)
+        pair wired explicitly gets no automatic events: the explicit wiring is trusted for
+        ordering, and its counts are checked when the graph is instantiated.
+        """
+        ev = EventTensor(tuple(const(d) if not isinstance(d, int) else d for d in shape),
+                         count, name)
+        em = EventMap(ev)
+        for v, fn in notify:
+            em.notify.append((self._node_of(v, "notify"), fn))
+        for v, fn in wait:
+            em.wait.append((self._node_of(v, "wait"), fn))
+        if not em.notify or not em.wait:
+            raise GraphError(f"event {name}: needs at least one notifying and one waiting node")
+        self.event_maps.append(em)
+        return ev
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def leaves(self) -> list[Value]:
+        return [v for v in self.values if v.kind in ("input", "weight")]
+
+    def syms(self) -> dict[str, Sym]:
+        out: dict[str, Sym] = {}
+        for v in self.values:
+            for s in free_syms(*v.shape):
+                if out.setdefault(s.name, s) != s:
+                    raise GraphError(f"two different syms named {s.name}: {out[s.name]} and {s}")
+        return out
+
+    def validate(self) -> None:
+        """Check the graph before instantiation; raises :class:`GraphError`."""
+        if not self.outputs:
+            raise GraphError(f"graph {self.name!r} has no outputs")
+        bound = {s for v in self.leaves for s in v.shape if isinstance(s, Sym)}
+        for name, s in self.syms().items():
+            if s not in bound:
+                raise GraphError(f"sym {name} appears in the graph but is not a plain dim of any "
+                                 "input or weight, so no launch can bind it")
+        for node in self.nodes:
+            for a, v in node.args.items():
+                if v.producer is not None and v.producer.index >= node.index:
+                    raise GraphError(f"{node.name}.{a} reads {v.name} before it is produced")
+
+    def compile(self, backend: str | None = None, **options: Any):
+        """Compile for a backend: 'interpret' (CPU reference with simulated SMs).
+
+        Options of the interpreter: ``num_sms``, ``scheduler`` ('static' | 'dynamic' | a
+        scheduler instance), ``seed``, ``check_races``.
+        """
+        self.validate()
+        backend = backend or "interpret"
+        if backend == "interpret":
+            from .interpret import InterpretedGraph
+
+            return InterpretedGraph(self, **options)
+        raise GraphError(f"unknown backend {backend!r}; known: 'interpret'")
+
+    # -- internals --------------------------------------------------------------------------
+    def _leaf(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype, kind: str) -> Value:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
+        self._claim(name)
+        v = Value(self, name, TensorSpec(tuple(const(d) if not isinstance(d, int) else d
+                                               for d in shape), dtype), kind)
+        self.values.append(v)
+        return v
+
+    def _claim(self, name: str) -> None:
+        if name in self._names:
+            raise GraphError(f"name {name!r} is used twice in graph {self.name!r}")
+        self._names.add(name)
+
+    def _node_of(self, v: Value, what: str) -> Node:
+        if not isinstance(v, Value) or v.producer is None or v.graph is not self:
+            raise GraphError(f"event {what}: expected a value produced by a node of this graph")
+        return v.producer
+
+    def __repr__(self) -> str:
+        lines = [f"Graph {self.name}"]
+        for v in self.leaves:
+            lines.append(f"  {v.kind} {v.name}: {v.spec}")
+        for n in self.nodes:
+            ins = ", ".join(f"{k}={v.name}" for k, v in n.args.items())
+            outs = ", ".join(f"{v.name}: {v.spec}" for v in n.results.values())
+            lines.append(f"  {n.name} = {n.op.name}({ins}) -> {outs}")
+        lines.append("  outputs: " + ", ".join(v.name for v in self.outputs))
+        return "\n".join(lines)

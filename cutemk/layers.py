@@ -1,0 +1,98 @@
+"""Qwen3 layers as cutemk graphs, built once over a symbolic token count.
+
+Weight layouts follow Hugging Face Qwen3: linear weights are (out_features, in_features);
+the MLP's gate and up projections are stacked as one (2*I, H) ``w_gate_up`` = cat(gate, up);
+MoE expert weights are stacked per expert: ``w_gate_up`` (E, 2*I, H), ``w_down`` (E, H, I).
+The plain-torch references below are the ground truth the tests compare against.
+
+This module sits above the core: it imports concrete ops, and no core module imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cutemk import ops
+from cutemk.graph import Graph
+from cutemk.symbolic import Sym
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool = True
+    block_m: int = 16  # grouped row tile
+    block_n: int = 32
+
+
+def mlp_graph(tokens: Sym, hidden: int, intermediate: int, dtype: torch.dtype = torch.float32,
+              block_m: int = 16, block_n: int = 32, fuse_silu: bool = False) -> Graph:
+    """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down."""
+    g = Graph("qwen3_mlp")
+    x = g.input("x", (tokens, hidden), dtype)
+    w_gu = g.weight("w_gate_up", (2 * intermediate, hidden), dtype)
+    w_down = g.weight("w_down", (hidden, intermediate), dtype)
+    if fuse_silu:
+        act = g.call(ops.gemm, x, w_gu, block_m=block_m, block_n=block_n, epilogue="silu_mul")
+    else:
+        h = g.call(ops.gemm, x, w_gu, block_m=block_m, block_n=block_n)
+        act = g.call(ops.silu_mul, h, block_m=block_m)
+    y = g.call(ops.gemm, act, w_down, block_m=block_m, block_n=block_n)
+    g.output(y, "y")
+    return g
+
+
+def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -> Graph:
+    """Qwen3-MoE sparse block: gate GEMM -> softmax/top-k -> route -> grouped GEMM gate_up ->
+    SiLU*mul -> grouped GEMM down -> combine. Leaves: x, w_router, w_gate_up, w_down."""
+    g = Graph("qwen3_moe")
+    e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
+    x = g.input("x", (tokens, h), dtype)
+    w_router = g.weight("w_router", (e, h), dtype)
+    w_gu = g.weight("w_gate_up", (e, 2 * i, h), dtype)
+    w_down = g.weight("w_down", (e, h, i), dtype)
+    logits = g.call(ops.gemm, x, w_router, block_m=cfg.block_m, block_n=e,
+                    out_dtype=torch.float32, name="router")
+    weights, ids = g.call(ops.topk_softmax, logits, k=cfg.top_k,
+                          renormalize=cfg.norm_topk_prob)
+    tile_info, row_token, slot_row, _ = g.call(ops.moe_route, ids, num_experts=e,
+                                               block_m=cfg.block_m)
+    hgu = g.call(ops.moe_grouped_gemm, x, w_gu, tile_info, row_token, block_m=cfg.block_m,
+                 block_n=cfg.block_n, name="experts_gate_up")
+    act = g.call(ops.silu_mul, hgu, tile_info, block_m=cfg.block_m)
+    down = g.call(ops.moe_grouped_gemm, act, w_down, tile_info, block_m=cfg.block_m,
+                  block_n=cfg.block_n, name="experts_down")
+    y = g.call(ops.moe_combine, down, weights, slot_row)
+    g.output(y, "y")
+    return g
+
+
+# -- plain torch references (fp32) -----------------------------------------------------------
+def mlp_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    x, w_gate_up, w_down = x.float(), w_gate_up.float(), w_down.float()
+    gate, up = (x @ w_gate_up.T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w_down.T
+
+
+def moe_reference(x: torch.Tensor, w_router: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> torch.Tensor:
+    """Token-by-expert loop as in HF Qwen3MoeSparseMoeBlock, in fp32."""
+    x, w_router, w_gate_up, w_down = (t.float() for t in (x, w_router, w_gate_up, w_down))
+    probs = torch.softmax(x @ w_router.T, dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for e in range(w_router.shape[0]):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gate, up = (x[tok] @ w_gate_up[e].T).chunk(2, dim=-1)
+        y.index_add_(0, tok, ((F.silu(gate) * up) @ w_down[e].T) * w[tok, slot, None])
+    return y

@@ -1,0 +1,246 @@
+"""Instantiation: a symbolic graph plus bound dims -> a concrete task graph with event counters.
+
+A :class:`Plan` is what schedulers and backends consume. Its invariants:
+
+- tasks are numbered node by node, each node's tiles in row-major order of its grid;
+- every event element has a wait count equal to the number of tasks that notify it (checked
+  for explicit events, true by construction for automatic ones);
+- a task may start once every event it waits on has reached its count, and the union of those
+  events' notifiers covers every producer tile that writes what the task reads (for the
+  conservative, data-independent regions the ops declare).
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .errors import GraphError
+from .events import apply_map
+from .graph import Graph, Node
+from .symbolic import Bindings
+from .tileop import Box, Coord, box_is_empty
+
+
+@dataclass(frozen=True)
+class Task:
+    tid: int
+    node: Node
+    coord: Coord
+
+    @property
+    def label(self) -> str:
+        return f"{self.node.name}{list(self.coord)}"
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    env: dict[str, int]
+    tasks: list[Task]
+    node_tasks: list[range]
+    shapes: dict[str, tuple[int, ...]]
+    event_count: list[int] = field(default_factory=list)
+    event_label: list[str] = field(default_factory=list)
+    waits: list[list[int]] = field(default_factory=list)
+    notifies: list[list[int]] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def num_events(self) -> int:
+        return len(self.event_count)
+
+    def new_event(self, label: str, count: int = 0) -> int:
+        self.event_count.append(count)
+        self.event_label.append(label)
+        return len(self.event_count) - 1
+
+    def producers(self) -> list[list[int]]:
+        """Event id -> tasks notifying it."""
+        out: list[list[int]] = [[] for _ in range(self.num_events)]
+        for t, evs in enumerate(self.notifies):
+            for e in evs:
+                out[e].append(t)
+        return out
+
+    def consumers(self) -> list[list[int]]:
+        """Event id -> tasks waiting on it."""
+        out: list[list[int]] = [[] for _ in range(self.num_events)]
+        for t, evs in enumerate(self.waits):
+            for e in evs:
+                out[e].append(t)
+        return out
+
+    def preds(self) -> list[set[int]]:
+        """Task -> tasks it depends on (through any event)."""
+        prod = self.producers()
+        return [set(itertools.chain.from_iterable(prod[e] for e in self.waits[t]))
+                for t in range(self.num_tasks)]
+
+    def num_edges(self) -> int:
+        return sum(len(p) for p in self.preds())
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able dump of the task graph (``CUTEMK_DUMP``)."""
+        return {
+            "graph": self.graph.name,
+            "env": self.env,
+            "tasks": [{"tid": t.tid, "label": t.label, "waits": self.waits[t.tid],
+                       "notifies": self.notifies[t.tid], "cost_us": self.cost[t.tid]}
+                      for t in self.tasks],
+            "events": [{"eid": e, "label": self.event_label[e], "count": self.event_count[e]}
+                       for e in range(self.num_events)],
+        }
+
+
+class _WriteIndex:
+    """Which producer tiles write which cells of one tensor.
+
+    Cells are the grid formed by every producer box boundary, so intersecting a consumer's box
+    with all producer boxes costs only the cells it covers.
+    """
+
+    def __init__(self, value_name: str, boxes: list[tuple[int, Box]]) -> None:
+        self.name = value_name
+        boxes = [(t, b) for t, b in boxes if not box_is_empty(b)]
+        ndim = len(boxes[0][1]) if boxes else 0
+        self.bps = [sorted({x for _, b in boxes for x in b[d]}) for d in range(ndim)]
+        self.cells: dict[tuple[int, ...], int] = {}
+        for t, b in boxes:
+            ranges = [range(bisect_left(bp, lo), bisect_left(bp, hi))
+                      for bp, (lo, hi) in zip(self.bps, b)]
+            for cell in itertools.product(*ranges):
+                prev = self.cells.setdefault(cell, t)
+                if prev != t:
+                    raise GraphError(f"tasks {prev} and {t} both write the same part of "
+                                     f"{value_name}: tiles of one op must write disjoint boxes")
+        self._memo: dict[Box, frozenset[int]] = {}
+
+    def query(self, box: Box) -> frozenset[int]:
+        if box_is_empty(box) or not self.bps:
+            return frozenset()
+        hit = self._memo.get(box)
+        if hit is None:
+            ranges = []
+            for bp, (lo, hi) in zip(self.bps, box):
+                j0 = max(bisect_right(bp, lo) - 1, 0)
+                j1 = bisect_left(bp, hi)
+                ranges.append(range(j0, min(j1, len(bp) - 1)))
+            found = (self.cells.get(c) for c in itertools.product(*ranges))
+            hit = frozenset(t for t in found if t is not None)
+            self._memo[box] = hit
+        return hit
+
+
+def instantiate(graph: Graph, env: Bindings) -> Plan:
+    """Bind every sym of ``graph`` to a value and build the concrete task graph."""
+    env = dict(env)
+    shapes = {v.name: v.spec.concrete(env) for v in graph.values}
+    tasks: list[Task] = []
+    node_tasks: list[range] = []
+    for node in graph.nodes:
+        grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in node.op.grid()))
+        start = len(tasks)
+        for coord in itertools.product(*(range(n) for n in grid)):
+            tasks.append(Task(len(tasks), node, coord))
+        node_tasks.append(range(start, len(tasks)))
+    plan = Plan(graph, env, tasks, node_tasks, shapes)
+    plan.waits = [[] for _ in tasks]
+    plan.notifies = [[] for _ in tasks]
+    plan.cost = [float(t.node.op.cost(t.coord, env)) for t in tasks]
+    explicit_pairs = _explicit_events(graph, plan)
+    _automatic_events(graph, plan, explicit_pairs)
+    return plan
+
+
+def _ev(d, env):
+    return d if isinstance(d, int) else d.eval(env)
+
+
+def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> None:
+    env = plan.env
+    index: dict[str, _WriteIndex] = {}
+    for node in graph.nodes:
+        for oname, v in node.results.items():
+            boxes = []
+            for t in plan.node_tasks[node.index]:
+                w = node.op.writes(plan.tasks[t].coord, env).get(oname)
+                if w is not None:
+                    boxes.append((t, w))
+            index[v.name] = _WriteIndex(v.name, boxes)
+    for cons in graph.nodes:
+        by_producer: dict[int, list[str]] = {}
+        for arg, v in cons.args.items():
+            if v.producer is not None and (v.producer.index, cons.index) not in skip:
+                by_producer.setdefault(v.producer.index, []).append(arg)
+        for p_idx, args in by_producer.items():
+            prod = graph.nodes[p_idx]
+            groups: dict[frozenset[int], int] = {}
+            for t in plan.node_tasks[cons.index]:
+                reads = cons.op.reads(plan.tasks[t].coord, env)
+                sources: frozenset[int] = frozenset()
+                for a in args:
+                    box = reads.get(a)
+                    if box is not None:
+                        sources |= index[cons.args[a].name].query(box)
+                if not sources:
+                    continue
+                eid = groups.get(sources)
+                if eid is None:
+                    eid = plan.new_event(f"{prod.name}->{cons.name}#{len(groups)}", len(sources))
+                    groups[sources] = eid
+                    for p in sorted(sources):
+                        plan.notifies[p].append(eid)
+                plan.waits[t].append(eid)
+
+
+def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
+    env = plan.env
+    pairs: set[tuple[int, int]] = set()
+    for em in graph.event_maps:
+        ev = em.event
+        shape = ev.concrete_shape(env)
+        ids: dict[tuple[int, ...], int] = {}
+        notifiers: dict[tuple[int, ...], int] = {}
+
+        def eid_of(idx: tuple[int, ...], who: str) -> int:
+            if len(idx) != len(shape) or any(not 0 <= i < n for i, n in zip(idx, shape)):
+                raise GraphError(f"{who} maps to {ev.name}{list(idx)}, outside shape {shape}")
+            if idx not in ids:
+                ids[idx] = plan.new_event(f"{ev.name}{list(idx)}")
+            return ids[idx]
+
+        for node, fn in em.notify:
+            for t in plan.node_tasks[node.index]:
+                for idx in apply_map(fn, plan.tasks[t].coord, env):
+                    plan.notifies[t].append(eid_of(idx, plan.tasks[t].label))
+                    notifiers[idx] = notifiers.get(idx, 0) + 1
+        waited: set[tuple[int, ...]] = set()
+        for node, fn in em.wait:
+            for t in plan.node_tasks[node.index]:
+                for idx in apply_map(fn, plan.tasks[t].coord, env):
+                    plan.waits[t].append(eid_of(idx, plan.tasks[t].label))
+                    waited.add(idx)
+        for idx, eid in ids.items():
+            have = notifiers.get(idx, 0)
+            want = ev.count_at(idx, env)
+            want = have if want is None else want
+            if idx in waited and want != have:
+                verdict = "would deadlock" if want > have else "would release its waiters early"
+                raise GraphError(f"{ev.name}{list(idx)} waits for count {want} but {have} tasks "
+                                 f"notify it: {verdict}")
+            plan.event_count[eid] = want
+        for pn, _ in em.notify:
+            for wn, _ in em.wait:
+                pairs.add((pn.index, wn.index))
+    return pairs
+
+
+def iter_labels(plan: Plan, tids: Iterable[int]) -> str:
+    return ", ".join(plan.tasks[t].label for t in tids)

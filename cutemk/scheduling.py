@@ -1,0 +1,166 @@
+"""The scheduler protocol shared by every policy, and schedule checks.
+
+A policy is one of two modes. STATIC: a pure function ``(plan, num_sms) -> StaticSchedule``
+(per-SM task queues, each SM runs its queue in order and waits on events before each task).
+DYNAMIC: an on-GPU ready queue; the policy gives the order in which initially-ready tasks are
+pushed, and tasks become ready when the last event they wait on completes.
+
+A static schedule is valid only if the union of dependency edges and same-queue order edges is
+acyclic: a cycle means some SM waits on a task queued behind a waiting task on another SM, which
+on the GPU is a hang. :func:`check_static_schedule` rejects such schedules when they are built.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import Protocol, Union, runtime_checkable
+
+from .errors import GraphError, ScheduleError
+from .plan import Plan
+
+
+class SchedulingMode(enum.Enum):
+    STATIC = "static"
+    DYNAMIC = "dynamic"
+
+
+@dataclass(frozen=True)
+class StaticSchedule:
+    queues: tuple[tuple[int, ...], ...]  # per SM, task ids in run order
+
+    @property
+    def num_sms(self) -> int:
+        return len(self.queues)
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    mode: SchedulingMode
+    name: str
+
+
+@runtime_checkable
+class StaticPolicy(Scheduler, Protocol):
+    def build(self, plan: Plan, num_sms: int) -> StaticSchedule: ...
+
+
+@runtime_checkable
+class DynamicPolicy(Scheduler, Protocol):
+    def initial_order(self, plan: Plan) -> list[int]: ...
+
+
+def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
+    """'static' / 'dynamic' -> the default policy of that mode; instances pass through."""
+    if isinstance(spec, Scheduler):
+        return spec
+    mod = importlib.import_module("cutemk.schedulers")
+    try:
+        return mod.BY_NAME[spec]()
+    except KeyError:
+        raise ValueError(f"scheduler must be one of {sorted(mod.BY_NAME)} or a Scheduler "
+                         f"instance, got {spec!r}") from None
+
+
+def topological_order(plan: Plan) -> list[int]:
+    """Task ids in dependency order; raises GraphError if the task graph has a cycle."""
+    preds = plan.preds()
+    succs: list[list[int]] = [[] for _ in range(plan.num_tasks)]
+    indeg = [len(p) for p in preds]
+    for t, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(t)
+    order = [t for t in range(plan.num_tasks) if indeg[t] == 0]
+    i = 0
+    while i < len(order):
+        for s in succs[order[i]]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                order.append(s)
+        i += 1
+    if len(order) != plan.num_tasks:
+        stuck = [plan.tasks[t].label for t in range(plan.num_tasks) if indeg[t] > 0][:8]
+        raise GraphError(f"the task graph has a dependency cycle through {', '.join(stuck)}")
+    return order
+
+
+def check_static_schedule(plan: Plan, sched: StaticSchedule) -> None:
+    """Raise ScheduleError unless every task is queued once and no cross-SM wait cycle exists."""
+    seen: dict[int, int] = {}
+    for sm, q in enumerate(sched.queues):
+        for t in q:
+            if not 0 <= t < plan.num_tasks:
+                raise ScheduleError(f"SM {sm} queues task id {t}, outside 0..{plan.num_tasks - 1}")
+            if t in seen:
+                raise ScheduleError(f"task {plan.tasks[t].label} is queued twice "
+                                    f"(SM {seen[t]} and SM {sm})")
+            seen[t] = sm
+    if len(seen) != plan.num_tasks:
+        missing = [plan.tasks[t].label for t in range(plan.num_tasks) if t not in seen][:8]
+        raise ScheduleError(f"{plan.num_tasks - len(seen)} tasks are in no queue: {missing}")
+    # edges: dependency p -> t, and queue order q[i] -> q[i+1]
+    preds = plan.preds()
+    edges_in: list[list[tuple[int, str]]] = [[(p, "dep") for p in ps] for ps in preds]
+    for q in sched.queues:
+        for a, b in zip(q, q[1:]):
+            edges_in[b].append((a, "queue"))
+    indeg = [len(e) for e in edges_in]
+    succs: list[list[int]] = [[] for _ in range(plan.num_tasks)]
+    for t, es in enumerate(edges_in):
+        for p, _ in es:
+            succs[p].append(t)
+    ready = [t for t in range(plan.num_tasks) if indeg[t] == 0]
+    done = 0
+    while ready:
+        t = ready.pop()
+        done += 1
+        for s in succs[t]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    if done == plan.num_tasks:
+        return
+    raise ScheduleError("static schedule would deadlock on the GPU: "
+                        + _describe_cycle(plan, seen, edges_in, indeg))
+
+
+def _describe_cycle(plan: Plan, sm_of: dict[int, int], edges_in, indeg) -> str:
+    # walk predecessors inside the unresolved set until a task repeats
+    t = next(t for t in range(plan.num_tasks) if indeg[t] > 0)
+    path: list[tuple[int, str]] = []
+    pos: dict[int, int] = {}
+    while t not in pos:
+        pos[t] = len(path)
+        p, kind = next((p, k) for p, k in edges_in[t] if indeg[p] > 0)
+        path.append((t, kind))
+        t = p
+    cycle = path[pos[t]:]
+    parts = []
+    for i, (task, kind) in enumerate(cycle):
+        pred = cycle[(i + 1) % len(cycle)][0]
+        how = "waits on" if kind == "dep" else "is queued behind"
+        parts.append(f"{plan.tasks[task].label}@SM{sm_of[task]} {how} "
+                     f"{plan.tasks[pred].label}@SM{sm_of[pred]}")
+    return "; ".join(parts) + " (cycle)"
+
+
+def critical_path(plan: Plan) -> tuple[float, list[int]]:
+    """Longest cost-weighted dependency path: (microseconds, task ids)."""
+    order = topological_order(plan)
+    preds = plan.preds()
+    best = [0.0] * plan.num_tasks
+    via = [-1] * plan.num_tasks
+    for t in order:
+        start = 0.0
+        for p in preds[t]:
+            if best[p] > start:
+                start, via[t] = best[p], p
+        best[t] = start + plan.cost[t]
+    if not order:
+        return 0.0, []
+    end = max(range(plan.num_tasks), key=best.__getitem__)
+    path = [end]
+    while via[path[-1]] >= 0:
+        path.append(via[path[-1]])
+    return best[end], path[::-1]

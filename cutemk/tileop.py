@@ -1,0 +1,156 @@
+"""The tile-operator protocol.
+
+A tile op is a frozen dataclass (its config plus the specs of its inputs) that *declares*:
+
+- its task grid, in symbolic dims (:meth:`TileOp.grid`);
+- for one tile, the boxes of each tensor argument it reads and writes (:meth:`reads`,
+  :meth:`writes`). With ``data=None`` the boxes must be a sound superset valid for any data
+  (used to derive events when the graph is instantiated); with ``data`` (the live tensors) an
+  op whose regions depend on values computed earlier in the same launch returns the exact boxes
+  (used by the interpreter's race checker);
+- whether a tile exists given such data (:meth:`exists`): a data-dependent task grid is declared
+  at its maximum and tiles that do not exist are skipped, still completing their events;
+- a cost estimate in microseconds and a torch :meth:`reference` that computes one tile in place.
+
+Ops never name events: the graph derives them from the regions (see ``cutemk.plan``). Core
+modules never import a concrete op; ops register themselves with :func:`register_op`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+
+from .errors import DTypeError, ShapeError
+from .symbolic import Bindings, IntLike, evaluate, shape_str
+
+Box = tuple[tuple[int, int], ...]
+"""Half-open interval per tensor dim: ((lo0, hi0), (lo1, hi1), ...)."""
+
+Coord = tuple[int, ...]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape (ints or symbolic exprs) and dtype of a tensor in a graph."""
+
+    shape: tuple[IntLike, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def concrete(self, env: Bindings) -> tuple[int, ...]:
+        return tuple(evaluate(d, env) for d in self.shape)
+
+    def __str__(self) -> str:
+        return f"{shape_str(self.shape)}:{str(self.dtype).removeprefix('torch.')}"
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def block(index: int, size: int, extent: int) -> tuple[int, int]:
+    """Interval of block ``index`` of ``size`` elements, clipped to ``extent``."""
+    lo = index * size
+    return (min(lo, extent), min(lo + size, extent))
+
+
+def box_is_empty(box: Box) -> bool:
+    return any(hi <= lo for lo, hi in box)
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+class TileOp:
+    """Base class of tile operators. Subclasses are frozen dataclasses."""
+
+    name: ClassVar[str]
+    inputs: ClassVar[tuple[str, ...]]
+    outputs: ClassVar[tuple[str, ...]]
+
+    # -- declarations -------------------------------------------------------------------
+    def input_specs(self) -> dict[str, TensorSpec]:
+        return {n: getattr(self, n) for n in self.inputs}
+
+    def output_specs(self) -> dict[str, TensorSpec]:
+        raise NotImplementedError
+
+    def grid(self) -> tuple[IntLike, ...]:
+        raise NotImplementedError
+
+    def reads(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
+              ) -> dict[str, Box]:
+        raise NotImplementedError
+
+    def writes(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
+               ) -> dict[str, Box]:
+        raise NotImplementedError
+
+    def exists(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor]) -> bool:
+        """False when data computed earlier in the launch says this tile has no work."""
+        return True
+
+    data_inputs: ClassVar[tuple[str, ...]] = ()
+    """Inputs whose values (not only shapes) decide the task grid or regions."""
+
+    def cost(self, coord: Coord, env: Bindings) -> float:
+        """Estimated microseconds for one tile on one SM (see ``cutemk.costmodel``)."""
+        return 1.0
+
+    def reference(self, coord: Coord, env: Bindings, t: Mapping[str, torch.Tensor]) -> None:
+        """Compute one tile with torch, writing its outputs in place into ``t``."""
+        raise NotImplementedError
+
+    # -- helpers --------------------------------------------------------------------------
+    def label(self, coord: Coord) -> str:
+        return f"{self.name}{list(coord)}"
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description for dumps."""
+        out: dict[str, Any] = {"op": self.name}
+        for f in self.__dataclass_fields__:  # type: ignore[attr-defined]
+            v = getattr(self, f)
+            out[f] = str(v)
+        return out
+
+
+_REGISTRY: dict[str, type[TileOp]] = {}
+
+
+def register_op(cls: type[TileOp]) -> type[TileOp]:
+    """Class decorator: make an op known by name (for dumps and codegen dispatch)."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"tile op name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_ops() -> dict[str, type[TileOp]]:
+    return dict(_REGISTRY)
+
+
+# -- argument checks shared by op builders ----------------------------------------------------
+def expect_ndim(spec: TensorSpec, ndim: int, arg: str) -> None:
+    if spec.ndim != ndim:
+        raise ShapeError(f"{arg} must be {ndim}-D, got shape {shape_str(spec.shape)}")
+
+
+def expect_dtype(spec: TensorSpec, allowed: Sequence[torch.dtype], arg: str) -> None:
+    if spec.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise DTypeError(f"{arg} must have dtype in ({names}), got {spec.dtype}")
+
+
+def expect_same_dim(a: IntLike, b: IntLike, what: str) -> None:
+    """Static check that two dims are the same int or the same symbolic expression."""
+    if a != b:
+        raise ShapeError(f"{what}: {a} != {b}")

@@ -1,0 +1,19 @@
+"""Tile operators, one per file. Importing this package registers them.
+
+Each module defines a ``...Tile`` op class (a frozen dataclass) and a builder function of the
+same name as the module, used with ``Graph.call``: ``g.call(ops.gemm, x, w, block_n=128)``.
+"""
+
+from .gemm import GemmTile, gemm
+from .moe_combine import MoeCombineTile, moe_combine
+from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
+from .moe_route import MoeRouteTile, max_tiles, moe_route
+from .rmsnorm import RmsNormTile, rmsnorm
+from .silu_mul import SiluMulTile, silu_mul
+from .topk import TopkSoftmaxTile, topk_softmax
+
+__all__ = [
+    "GemmTile", "gemm", "MoeCombineTile", "moe_combine", "MoeGroupedGemmTile",
+    "moe_grouped_gemm", "MoeRouteTile", "max_tiles", "moe_route", "RmsNormTile", "rmsnorm",
+    "SiluMulTile", "silu_mul", "TopkSoftmaxTile", "topk_softmax",
+]

@@ -1,0 +1,90 @@
+"""MoE combine tile op: y[t] = sum_j weights[t, j] * rows[slot_row[t, j]].
+
+One block of tokens (and of hidden columns) a task. Which rows a token reads is data (the
+routing), so the declared read of ``rows`` is the whole tensor: a combine tile waits for every
+grouped-GEMM tile. With data the read boxes are exact (the interpreter's race check uses them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from cutemk.costmodel import tile_time_us
+from cutemk.symbolic import cdiv
+from cutemk.tileop import (FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim,
+                           expect_same_dim, full_box, register_op)
+
+
+@register_op
+@dataclass(frozen=True)
+class MoeCombineTile(TileOp):
+    rows: TensorSpec  # (tiles*block_m, hidden), grouped layout
+    weights: TensorSpec  # (tokens, k) fp32
+    slot_row: TensorSpec  # (tokens, k) int32
+    block_m: int = 16
+    block_n: int = 256
+
+    name: ClassVar[str] = "moe_combine"
+    inputs: ClassVar[tuple[str, ...]] = ("rows", "weights", "slot_row")
+    outputs: ClassVar[tuple[str, ...]] = ("y",)
+    data_inputs: ClassVar[tuple[str, ...]] = ("slot_row",)
+
+    def __post_init__(self) -> None:
+        expect_ndim(self.rows, 2, "moe_combine rows")
+        expect_ndim(self.weights, 2, "moe_combine weights")
+        expect_ndim(self.slot_row, 2, "moe_combine slot_row")
+        expect_dtype(self.rows, FLOAT_DTYPES, "moe_combine rows")
+        expect_dtype(self.weights, (torch.float32,), "moe_combine weights")
+        expect_dtype(self.slot_row, (torch.int32,), "moe_combine slot_row")
+        expect_same_dim(self.weights.shape[0], self.slot_row.shape[0], "moe_combine: tokens")
+        expect_same_dim(self.weights.shape[1], self.slot_row.shape[1], "moe_combine: top-k")
+        for f in ("block_m", "block_n"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"moe_combine {f} must be a positive int")
+
+    def output_specs(self):
+        return {"y": TensorSpec((self.weights.shape[0], self.rows.shape[1]), self.rows.dtype)}
+
+    def grid(self):
+        return (cdiv(self.weights.shape[0], self.block_m), cdiv(self.rows.shape[1], self.block_n))
+
+    def _boxes(self, coord, env):
+        t, k = self.weights.concrete(env)
+        h = self.rows.concrete(env)[1]
+        return block(coord[0], self.block_m, t), block(coord[1], self.block_n, h), k
+
+    def reads(self, coord, env, data=None):
+        tr, hc, k = self._boxes(coord, env)
+        r = {"weights": (tr, (0, k)), "slot_row": (tr, (0, k)),
+             "rows": full_box(self.rows.concrete(env))}
+        if data is not None and k:
+            # the span of rows it gathers: all inside existing tiles, which are written whole
+            rows = data["slot_row"][tr[0]:tr[1]].reshape(-1)
+            if rows.numel():
+                r["rows"] = ((int(rows.min()), int(rows.max()) + 1), hc)
+        return r
+
+    def writes(self, coord, env, data=None):
+        tr, hc, _ = self._boxes(coord, env)
+        return {"y": (tr, hc)}
+
+    def cost(self, coord, env):
+        _, k = self.weights.concrete(env)
+        es = self.rows.dtype.itemsize
+        return tile_time_us(2.0 * self.block_m * self.block_n * k,
+                            self.block_m * self.block_n * (k + 1) * es, torch.float32)
+
+    def reference(self, coord, env, t):
+        (t0, t1), (c0, c1), _ = self._boxes(coord, env)
+        idx = t["slot_row"][t0:t1].long()  # (bt, k)
+        gathered = t["rows"][idx, c0:c1].float()  # (bt, k, bn)
+        y = (gathered * t["weights"][t0:t1].unsqueeze(-1)).sum(dim=1)
+        t["y"][t0:t1, c0:c1] = y.to(t["y"].dtype)
+
+
+def moe_combine(rows: TensorSpec, weights: TensorSpec, slot_row: TensorSpec, *, block_m: int = 16,
+                block_n: int = 256) -> MoeCombineTile:
+    return MoeCombineTile(rows, weights, slot_row, block_m, block_n)

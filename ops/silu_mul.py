@@ -1,0 +1,88 @@
+"""SiLU-and-multiply tile op: out = silu(h[:, :n]) * h[:, n:], one block of rows a task.
+
+With ``tile_info`` (from ``moe_route``) the rows are the grouped-GEMM padded layout: tile i is
+row block i of ``block_m`` rows and exists only when ``tile_info[i, 0] >= 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+
+from cutemk.costmodel import tile_time_us
+from cutemk.errors import ShapeError
+from cutemk.symbolic import cdiv
+from cutemk.tileop import FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim, register_op
+
+
+@register_op
+@dataclass(frozen=True)
+class SiluMulTile(TileOp):
+    h: TensorSpec  # (rows, 2n)
+    tile_info: Optional[TensorSpec] = None  # (tiles, 2) int32, grouped layout only
+    block_m: int = 64
+
+    name: ClassVar[str] = "silu_mul"
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    data_inputs: ClassVar[tuple[str, ...]] = ("tile_info",)
+
+    def __post_init__(self) -> None:
+        expect_ndim(self.h, 2, "silu_mul h")
+        expect_dtype(self.h, FLOAT_DTYPES, "silu_mul h")
+        if isinstance(self.h.shape[1], int) and self.h.shape[1] % 2:
+            raise ShapeError(f"silu_mul h.shape[1] must be even, got {self.h.shape[1]}")
+        if not isinstance(self.block_m, int) or self.block_m < 1:
+            raise ValueError(f"silu_mul block_m must be a positive int, got {self.block_m!r}")
+        if self.tile_info is not None:
+            expect_ndim(self.tile_info, 2, "silu_mul tile_info")
+            expect_dtype(self.tile_info, (torch.int32,), "silu_mul tile_info")
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("h",) if self.tile_info is None else ("h", "tile_info")
+
+    def output_specs(self):
+        return {"out": TensorSpec((self.h.shape[0], self.h.shape[1] // 2), self.h.dtype)}
+
+    def grid(self):
+        if self.tile_info is not None:
+            return (self.tile_info.shape[0],)
+        return (cdiv(self.h.shape[0], self.block_m),)
+
+    def _dims(self, env):
+        return tuple(d if isinstance(d, int) else d.eval(env) for d in self.h.shape)
+
+    def exists(self, coord, env, data):
+        return self.tile_info is None or int(data["tile_info"][coord[0], 0]) >= 0
+
+    def reads(self, coord, env, data=None):
+        rows, cols = self._dims(env)
+        r = {"h": (block(coord[0], self.block_m, rows), (0, cols))}
+        if self.tile_info is not None:
+            r["tile_info"] = ((coord[0], coord[0] + 1), (0, 2))
+        return r
+
+    def writes(self, coord, env, data=None):
+        rows, cols = self._dims(env)
+        return {"out": (block(coord[0], self.block_m, rows), (0, cols // 2))}
+
+    def cost(self, coord, env):
+        _, cols = self._dims(env)
+        es = self.h.dtype.itemsize
+        return tile_time_us(4.0 * self.block_m * cols, 1.5 * self.block_m * cols * es, self.h.dtype)
+
+    def reference(self, coord, env, t):
+        _, cols = self._dims(env)
+        (r0, r1), _ = self.writes(coord, env)["out"]
+        h = t["h"][r0:r1].float()
+        n = cols // 2
+        t["out"][r0:r1] = (F.silu(h[:, :n]) * h[:, n:]).to(t["out"].dtype)
+
+
+def silu_mul(h: TensorSpec, tile_info: Optional[TensorSpec] = None, *, block_m: int = 64
+             ) -> SiluMulTile:
+    """silu(gate) * up of a [gate | up] tensor; grouped layout when ``tile_info`` is given."""
+    return SiluMulTile(h, tile_info, block_m)
