@@ -28,7 +28,8 @@ from .errors import DeadlockError, RaceError
 from .graph import Graph
 from .plan import Plan, instantiate
 from .costmodel import H200
-from .scheduling import SchedulingMode, StaticSchedule, critical_path, resolve_scheduler
+from .scheduling import (SchedulingMode, StaticSchedule, check_static_schedule, critical_path,
+                         resolve_scheduler)
 from .tileop import box_is_empty, box_slices
 
 
@@ -96,7 +97,9 @@ class InterpretedGraph:
     def schedule(self, env: dict[str, int]) -> StaticSchedule:
         key = env_key(env)
         if key not in self._schedules:
-            self._schedules[key] = self.scheduler.build(self.plan(env), self.num_sms)
+            sched = self.scheduler.build(self.plan(env), self.num_sms)
+            check_static_schedule(self.plan(env), sched)  # custom policies are checked too
+            self._schedules[key] = sched
         return self._schedules[key]
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):

@@ -13,8 +13,11 @@ A :class:`Plan` is what schedulers and backends consume. Its invariants:
 from __future__ import annotations
 
 import itertools
+import json
+import os
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import GraphError
@@ -156,6 +159,12 @@ def instantiate(graph: Graph, env: Bindings) -> Plan:
     plan.cost = [float(t.node.op.cost(t.coord, env)) for t in tasks]
     explicit_pairs = _explicit_events(graph, plan)
     _automatic_events(graph, plan, explicit_pairs)
+    dump_dir = os.environ.get("CUTEMK_DUMP")
+    if dump_dir:
+        tag = "_".join(f"{k}{v}" for k, v in sorted(env.items()))
+        path = Path(dump_dir) / f"{graph.name}_{tag or 'static'}.plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan.describe(), indent=1))
     return plan
 
 

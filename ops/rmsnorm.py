@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
+from cutlass import Float32, Int32, cute
+
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_WARPS, WARP_SIZE
 from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim, register_op
@@ -62,6 +66,39 @@ class RmsNormTile(TileOp):
         x = t["x"][r0:r1].float()
         y = x * (x.pow(2).mean(dim=-1, keepdim=True) + self.eps).rsqrt() * t["weight"].float()
         t["y"][r0:r1] = y.to(t["y"].dtype)
+
+    # -- device -----------------------------------------------------------------------------
+    def device_smem_bytes(self) -> int:
+        return 0  # one warp per row: the reduction stays in registers (warp shuffles)
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Rows ``[coord0 * block_m, +block_m)`` of y; ``tensors`` = (mX, mW, mY).
+
+        mX: (rows, hidden), mW: (hidden,), mY: (rows, hidden). Warp w normalises rows w,
+        w + NUM_WARPS, ...: lanes stride the columns (coalesced), a butterfly shuffle sums the
+        squares, so no shared memory and no CTA barrier are needed. x is read twice (the second
+        pass mostly hits L1/L2) because the row length is a runtime value.
+        """
+        mX, mW, mY = tensors
+        rows = mX.shape[0]
+        cols = mX.shape[1]
+        warp = tidx // WARP_SIZE
+        lane = tidx % WARP_SIZE
+        row0 = coord0 * self.block_m
+        inv_cols = Float32(1.0) / Float32(cols)
+        for r in range(warp, self.block_m, NUM_WARPS):
+            row = row0 + r
+            if row < rows:
+                ss = Float32(0.0)
+                for c in range(lane, cols, WARP_SIZE):
+                    v = mX[row, c].to(Float32)
+                    ss = ss + v * v
+                ss = cute.arch.warp_reduction_sum(ss)
+                rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
+                for c in range(lane, cols, WARP_SIZE):
+                    y = mX[row, c].to(Float32) * rstd * mW[c].to(Float32)
+                    mY[row, c] = y.to(mY.element_type)
 
 
 def rmsnorm(x: TensorSpec, weight: TensorSpec, *, eps: float = 1e-6, block_m: int = 16

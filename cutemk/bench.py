@@ -1,0 +1,122 @@
+"""The benchmark convention, in one place.
+
+Every ``benchmarks/<name>.py`` times each implementation in the same process with
+:func:`time_us` (warm-up, then the median of many CUDA-event-timed runs), collects rows with
+:class:`Results` and ends with :meth:`Results.finish`, which prints a table and writes
+``benchmarks/results/<name>.json``::
+
+    {"gpu": ..., "versions": {...}, "commit": ..., "meta": {...},
+     "rows": [{"case": ..., "impl": ..., "median_us": ..., ...}, ...]}
+
+Floors use the H200 rates measured on the benchmark machine (``cutemk.costmodel.H200``):
+bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .costmodel import H200
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def floor_us(flops: float = 0.0, nbytes: float = 0.0) -> float:
+    """Roofline floor in microseconds at the measured H200 rates."""
+    return 1e6 * max(flops / H200.tensor_flops, nbytes / H200.mem_bw)
+
+
+def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100) -> float:
+    """Median microseconds of ``fn()``: CUDA events on a GPU, a wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        samples = [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        for _ in range(rep):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(samples)
+
+
+def environment() -> dict[str, Any]:
+    """GPU name and library versions for the results header."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "cuda": torch.version.cuda}
+    try:
+        import cutlass
+
+        versions["nvidia-cutlass-dsl"] = getattr(cutlass, "__version__", "unknown")
+    except ImportError:  # pragma: no cover - cutlass is a hard dependency
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"gpu": gpu, "versions": versions, "commit": commit}
+
+
+@dataclass
+class Results:
+    name: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, case: str, impl: str, median_us: float, **extra: Any) -> dict[str, Any]:
+        row = {"case": case, "impl": impl, "median_us": round(float(median_us), 3), **extra}
+        self.rows.append(row)
+        return row
+
+    def add_ratios(self, baseline: str, key: str = "median_us") -> None:
+        """Add ``speedup_vs_<baseline>`` (baseline time / this time) to rows of the same case."""
+        base = {r["case"]: r[key] for r in self.rows if r["impl"] == baseline}
+        for r in self.rows:
+            if r["case"] in base and r[key]:
+                r[f"speedup_vs_{baseline}"] = round(base[r["case"]] / r[key], 3)
+
+    def table(self) -> str:
+        cols: list[str] = []
+        for r in self.rows:
+            cols += [k for k in r if k not in cols]
+        cells = [[_fmt(r.get(c, "")) for c in cols] for r in self.rows]
+        width = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, width))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, width)) for row in cells]
+        return "\n".join(lines)
+
+    def finish(self, out_dir: Path | None = None) -> Path:
+        out_dir = Path(out_dir) if out_dir else RESULTS_DIR
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{self.name}.json"
+        doc = {**environment(), "meta": self.meta, "rows": self.rows}
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(self.table())
+        print(f"wrote {path}")
+        return path
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1e4 else f"{v:.4g}"
+    return str(v)

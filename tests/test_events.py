@@ -1,0 +1,96 @@
+"""Event derivation: automatic (from tile regions) and explicit (declared by the user)."""
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk import ops
+from cutemk.layers import mlp_graph
+from cutemk.plan import instantiate
+
+
+def _labels(plan, tids):
+    return sorted(plan.tasks[t].label for t in tids)
+
+
+def test_gemm_to_silu_gets_one_event_per_row_block():
+    T = mk.sym("T", max=64)
+    g = mlp_graph(T, hidden=32, intermediate=24, block_m=8, block_n=16)
+    plan = instantiate(g, {"T": 20})
+    gemm_up, silu, down = (plan.node_tasks[i] for i in range(3))
+    assert len(gemm_up) == 3 * 3 and len(silu) == 3 and len(down) == 3 * 2
+    preds = plan.preds()
+    # silu row block 1 waits for exactly the 3 gate_up tiles of row block 1, through one event
+    s1 = silu[1]
+    assert _labels(plan, preds[s1]) == ["gemm0[1, 0]", "gemm0[1, 1]", "gemm0[1, 2]"]
+    assert len(plan.waits[s1]) == 1 and plan.event_count[plan.waits[s1][0]] == 3
+    # both down tiles of row block 2 share the one event silu[2] notifies
+    d = [t for t in down if plan.tasks[t].coord[0] == 2]
+    assert plan.waits[d[0]] == plan.waits[d[1]]
+    assert _labels(plan, preds[d[0]]) == ["silu_mul0[2]"]
+    assert plan.notifies[silu[2]] == plan.waits[d[0]]
+
+
+def test_mismatched_block_sizes_still_cover_exact_producers():
+    T = mk.sym("T", max=64)
+    g = mk.Graph()
+    x = g.input("x", (T, 16))
+    w = g.weight("w", (16, 16))
+    h = g.call(ops.gemm, x, w, block_m=8, block_n=16)
+    y = g.call(ops.rmsnorm, h, g.weight("nw", (16,)), block_m=3)
+    g.output(y)
+    plan = instantiate(g, {"T": 16})
+    preds = plan.preds()
+    norm = plan.node_tasks[1]
+    # rows [6, 9) straddle gemm row blocks 0 and 1
+    assert _labels(plan, preds[norm[2]]) == ["gemm0[0, 0]", "gemm0[1, 0]"]
+    assert _labels(plan, preds[norm[0]]) == ["gemm0[0, 0]"]
+
+
+def _two_gemms():
+    T = mk.sym("T", max=32)
+    g = mk.Graph("explicit")
+    x = g.input("x", (T, 8))
+    h = g.call(ops.gemm, x, g.weight("w1", (16, 8)), block_m=4, block_n=8)
+    y = g.call(ops.gemm, h, g.weight("w2", (8, 16)), block_m=4, block_n=8)
+    g.output(y)
+    return g, T, h, y
+
+
+def test_explicit_event_replaces_automatic_wiring():
+    g, T, h, y = _two_gemms()
+    ev = g.event((mk.cdiv(T, 4),), count=2, name="rows",
+                 notify=[(h, lambda m, n: (m,))], wait=[(y, lambda m, n: (m,))])
+    assert isinstance(ev, mk.EventTensor)
+    plan = instantiate(g, {"T": 12})
+    assert plan.num_events == 3
+    assert all(c == 2 for c in plan.event_count)
+    assert plan.event_label[0].startswith("rows")
+    x, w1, w2 = torch.randn(12, 8), torch.randn(16, 8), torch.randn(8, 16)
+    for sched in ("static", "dynamic"):
+        out = g.compile("interpret", num_sms=3, scheduler=sched)(x, w1, w2)
+        torch.testing.assert_close(out, (x @ w1.T) @ w2.T, rtol=1e-5, atol=1e-5)
+
+
+def test_explicit_event_count_is_checked():
+    g, T, h, y = _two_gemms()
+    g.event((mk.cdiv(T, 4),), count=3, name="rows",
+            notify=[(h, lambda m, n: (m,))], wait=[(y, lambda m, n: (m,))])
+    with pytest.raises(mk.GraphError, match="waits for count 3 but 2 tasks notify it: would deadlock"):
+        instantiate(g, {"T": 12})
+
+
+def test_explicit_event_out_of_range_index():
+    g, T, h, y = _two_gemms()
+    g.event((mk.cdiv(T, 8),), name="rows",
+            notify=[(h, lambda m, n: (m,))], wait=[(y, lambda m, n: (m // 2,))])
+    with pytest.raises(mk.GraphError, match="outside shape"):
+        instantiate(g, {"T": 12})
+
+
+def test_explicit_derived_count_and_env_map():
+    g, T, h, y = _two_gemms()
+    g.event((1,), name="all", notify=[(h, lambda m, n, env: (0,))],
+            wait=[(y, lambda m, n: [(0,)])])
+    plan = instantiate(g, {"T": 9})
+    assert plan.event_count == [3 * 2]
