@@ -5,6 +5,10 @@ for a backend. Core modules never import concrete ops or models; ``cutemk.layers
 and MoE graphs) sits on top.
 """
 
+from .arch import pin_arch as _pin_arch
+
+_pin_arch()  # before anything imports cutlass (it reads the target arch once, at import)
+
 from .errors import (CuteMKError, DeadlockError, DeviceError, DTypeError, GraphError,
                      LayoutError, RaceError, ScheduleError, ShapeError, UnsupportedArchError)
 from .events import EventTensor

@@ -175,18 +175,25 @@ class Graph:
                     raise GraphError(f"{node.name}.{a} reads {v.name} before it is produced")
 
     def compile(self, backend: str | None = None, **options: Any):
-        """Compile for a backend: 'interpret' (CPU reference with simulated SMs).
+        """Compile for a backend: 'cute' (one persistent CuTe DSL kernel; the default where a
+        GPU exists) or 'interpret' (CPU reference with simulated SMs).
 
-        Options of the interpreter: ``num_sms``, ``scheduler`` ('static' | 'dynamic' | a
-        scheduler instance), ``seed``, ``check_races``.
+        Common options: ``num_sms``, ``scheduler`` ('static' | 'dynamic' | a scheduler
+        instance). Interpreter: ``seed``, ``check_races``. Cute: ``watchdog``, ``timeout_s``,
+        ``profile``, ``poison_outputs``.
         """
         self.validate()
-        backend = backend or "interpret"
+        if backend is None:
+            backend = "cute" if torch.cuda.is_available() else "interpret"
         if backend == "interpret":
             from .interpret import InterpretedGraph
 
             return InterpretedGraph(self, **options)
-        raise GraphError(f"unknown backend {backend!r}; known: 'interpret'")
+        if backend == "cute":
+            from .runtime import CuteGraph
+
+            return CuteGraph(self, **options)
+        raise GraphError(f"unknown backend {backend!r}; known: 'cute', 'interpret'")
 
     # -- internals --------------------------------------------------------------------------
     def _leaf(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype, kind: str) -> Value:

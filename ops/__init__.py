@@ -10,10 +10,12 @@ from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
 from .moe_route import MoeRouteTile, max_tiles, moe_route
 from .rmsnorm import RmsNormTile, rmsnorm
 from .silu_mul import SiluMulTile, silu_mul
+from .synthetic import SyntheticDagTile, dag_graph, dag_inputs, synthetic_dag
 from .topk import TopkSoftmaxTile, topk_softmax
 
 __all__ = [
     "GemmTile", "gemm", "MoeCombineTile", "moe_combine", "MoeGroupedGemmTile",
     "moe_grouped_gemm", "MoeRouteTile", "max_tiles", "moe_route", "RmsNormTile", "rmsnorm",
-    "SiluMulTile", "silu_mul", "TopkSoftmaxTile", "topk_softmax",
+    "SiluMulTile", "silu_mul", "SyntheticDagTile", "synthetic_dag", "dag_graph", "dag_inputs",
+    "TopkSoftmaxTile", "topk_softmax",
 ]

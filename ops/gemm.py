@@ -9,16 +9,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+import cutlass
 import torch
 import torch.nn.functional as F
+from cutlass import BFloat16, Float16, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
 from cutemk.errors import ShapeError
 from cutemk.symbolic import IntLike, cdiv
 from cutemk.tileop import (FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim,
                            expect_same_dim, register_op)
 
 EPILOGUES = (None, "silu_mul")
+
+BLOCK_K = 32
+"""K-slice staged in shared memory per main-loop step (two mma.sync k-steps of 16)."""
+
+_CUTE_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16}
+
+
+@dataclass(frozen=True)
+class GemmDevicePlan:
+    """Host-side tiling facts of the device GEMM, all compile-time ints.
+
+    ``mma_m x mma_n`` is the tile one pass of the CTA's tiled MMA covers; the staged A/B tiles
+    are ``block_m``/``block_n`` rounded up to it (``pad_m``/``pad_n``), the extra rows zeroed
+    and their results never stored. Shared-memory rows are ``BLOCK_K + row_pad`` elements long:
+    the pad skews rows across banks, because the MMA partitions read one k of many rows at once.
+    """
+
+    simt: bool  # fp32: CUDA-core FMA (keeps fp32 accuracy); fp16/bf16: warp mma.sync
+    atom_layout: tuple[int, int, int]  # threads (SIMT) or warps (mma.sync) over (m, n, k)
+    mma_m: int
+    mma_n: int
+    pad_m: int
+    pad_n: int
+    row_stride: int  # elements per shared-memory row
+    n_b_tiles: int  # 2 with the silu_mul epilogue (gate and up), else 1
+    k_unroll: int  # unroll factor of the per-slice loop over MMA k-steps
+
+    def smem_elems(self) -> int:
+        return (self.pad_m + self.n_b_tiles * self.pad_n) * self.row_stride
 
 
 @register_op
@@ -104,6 +136,147 @@ class GemmTile(TileOp):
         else:
             out = a @ t["b"][c0:c1].float().T
         t["c"][r0:r1, c0:c1] = out.to(t["c"].dtype)
+
+    # -- device -----------------------------------------------------------------------------
+    def device_plan(self) -> GemmDevicePlan:
+        simt = self.a.dtype == torch.float32
+        if simt:
+            atom, mma_m, mma_n, row_pad = (16, 8, 1), 16, 8, 1  # 128 threads of 1x1x1 FMA
+        elif self.block_m <= 16:  # decode-sized blocks: spread the 4 warps along n
+            atom, mma_m, mma_n, row_pad = (1, 4, 1), 16, 32, 8
+        else:  # 4 warps of 16x8x16 mma.sync as 2x2
+            atom, mma_m, mma_n, row_pad = (2, 2, 1), 32, 16, 8
+        assert atom[0] * atom[1] * (1 if simt else 32) == NUM_THREADS
+        return GemmDevicePlan(
+            simt=simt,
+            atom_layout=atom,
+            mma_m=mma_m,
+            mma_n=mma_n,
+            pad_m=-(-self.block_m // mma_m) * mma_m,
+            pad_n=-(-self.block_n // mma_n) * mma_n,
+            row_stride=BLOCK_K + row_pad,
+            n_b_tiles=2 if self.epilogue == "silu_mul" else 1,
+            k_unroll=4 if simt else BLOCK_K // 16,
+        )
+
+    def device_smem_bytes(self) -> int:
+        return self.device_plan().smem_elems() * self.a.dtype.itemsize
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Tile (coord0, coord1) of C; ``tensors`` = (mA, mB, mC).
+
+        mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n). Each BLOCK_K slice of
+        A and B is staged in shared memory by all threads (coalesced, zero-filled outside the
+        tensors and the block), then the tiled MMA accumulates in fp32 registers. Not yet
+        fast: no cp.async pipelining, no ldmatrix, scalar epilogue stores.
+        """
+        plan = self.device_plan()
+        fused = self.epilogue == "silu_mul"
+        mA, mB, mC = tensors
+        ab_dtype = _CUTE_DTYPES[self.a.dtype]
+        if cutlass.const_expr(mA.element_type != ab_dtype or mB.element_type != ab_dtype):
+            raise TypeError(f"gemm device_tile: a/b tensors must be {ab_dtype}")
+        m = mA.shape[0]
+        k = mA.shape[1]
+        n = mC.shape[1]
+        row0 = coord0 * self.block_m
+        col0 = coord1 * self.block_n
+
+        base = cute.recast_ptr(smem_ptr, dtype=ab_dtype)
+        sA = cute.make_tensor(base, _smem_layout(plan.pad_m, plan))  # (pad_m, BLOCK_K)
+        sB = cute.make_tensor(base + plan.pad_m * plan.row_stride, _smem_layout(plan.pad_n, plan))
+        sBu = sB  # (pad_n, BLOCK_K) up rows; aliases sB when not fused (never read then)
+        if cutlass.const_expr(fused):
+            off = (plan.pad_m + plan.pad_n) * plan.row_stride
+            sBu = cute.make_tensor(base + off, _smem_layout(plan.pad_n, plan))
+
+        tiled_mma = _make_tiled_mma(ab_dtype, plan)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sA)  # (MMA, MMA_M, MMA_K)
+        tCsB = thr_mma.partition_B(sB)  # (MMA, MMA_N, MMA_K)
+        tCsBu = thr_mma.partition_B(sBu)
+        # Register fragments of one MMA k-step, refilled from shared memory each step.
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, 0])  # (MMA, MMA_M)
+        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, 0])  # (MMA, MMA_N)
+        tCrBu = tiled_mma.make_fragment_B(tCsBu[None, None, 0])
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((plan.pad_m, plan.pad_n)))
+        acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((plan.pad_m, plan.pad_n)))
+        acc_up = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((plan.pad_m, plan.pad_n)))
+        acc.fill(0.0)
+        acc_up.fill(0.0)
+
+        for kt in range((k + BLOCK_K - 1) // BLOCK_K):
+            k0 = kt * BLOCK_K
+            # The previous slice (or the previous task's use of the scratch) must be consumed
+            # by every thread before it is overwritten.
+            cute.arch.sync_threads()
+            _stage_rows(sA, mA, row0, row0, m, self.block_m, k0, k, tidx)
+            _stage_rows(sB, mB, col0, col0, n, self.block_n, k0, k, tidx)
+            if cutlass.const_expr(fused):
+                _stage_rows(sBu, mB, n + col0, col0, n, self.block_n, k0, k, tidx)
+            cute.arch.sync_threads()
+            # A runtime loop over k-steps (SIMT has BLOCK_K of them): full unrolling made the
+            # fp32 128x128 fused tile take ~16 s to compile for no measured gain here.
+            for kb in cutlass.range(cute.size(tCsA, mode=[2]), unroll=plan.k_unroll):
+                cute.autovec_copy(tCsA[None, None, kb], tCrA)
+                cute.autovec_copy(tCsB[None, None, kb], tCrB)
+                cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
+                if cutlass.const_expr(fused):
+                    cute.autovec_copy(tCsBu[None, None, kb], tCrBu)
+                    cute.gemm(tiled_mma, acc_up, tCrA, tCrBu, acc_up)
+
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = tCcC[i]
+            if r < self.block_m and c < self.block_n and row0 + r < m and col0 + c < n:
+                v = acc[i]
+                if cutlass.const_expr(fused):
+                    v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[i]
+                mC[row0 + r, col0 + c] = v.to(mC.element_type)
+
+
+def _smem_layout(rows: int, plan: GemmDevicePlan) -> cute.Layout:
+    return cute.make_layout((rows, BLOCK_K), stride=(plan.row_stride, 1))
+
+
+def _make_tiled_mma(ab_dtype, plan: GemmDevicePlan):
+    if cutlass.const_expr(plan.simt):
+        op = cute.nvgpu.MmaUniversalOp(Float32)
+    else:
+        op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, Float32, (16, 8, 16))
+    return cute.make_tiled_mma(op, cute.make_layout(plan.atom_layout))
+
+
+@cute.jit
+def _stage_rows(
+    sX: cute.Tensor,  # (rows, BLOCK_K) shared
+    mX: cute.Tensor,  # (*, k) global
+    g_row0: Int32,
+    lim_row0: Int32,
+    lim: Int32,
+    block_rows: cutlass.Constexpr[int],
+    k0: Int32,
+    k: Int32,
+    tidx: Int32,
+):
+    """``sX[r, c] = mX[g_row0 + r, k0 + c]`` where ``r < block_rows``, ``lim_row0 + r < lim`` and
+    ``k0 + c < k``, else 0 (the zeros make padded rows and the k tail contribute nothing).
+
+    A warp covers one row of BLOCK_K consecutive elements: coalesced global reads, and shared
+    writes to consecutive addresses (no bank conflicts). Out-of-range elements load a clamped
+    in-range address and are then replaced by 0, so every load is unconditional and all of a
+    thread's loads can be in flight together (a load under a branch would serialise them).
+    """
+    rows_valid = cute.min(lim - lim_row0, block_rows)  # >= 1: the tile exists
+    k_last = k - 1
+    for i in cutlass.range_constexpr(cute.size(sX, mode=[0]) * BLOCK_K // NUM_THREADS):
+        idx = tidx + i * NUM_THREADS
+        r = idx // BLOCK_K
+        c = idx % BLOCK_K
+        v = mX[g_row0 + cute.min(r, rows_valid - 1), cute.min(k0 + c, k_last)]
+        if r >= rows_valid or k0 + c > k_last:
+            v = sX.element_type(0)
+        sX[r, c] = v
 
 
 def gemm(a: TensorSpec, b: TensorSpec, *, block_m: int = 64, block_n: int = 64,

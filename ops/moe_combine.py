@@ -10,12 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
 import torch
+from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
 from cutemk.symbolic import cdiv
-from cutemk.tileop import (FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim,
-                           expect_same_dim, full_box, register_op)
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    expect_same_dim,
+    full_box,
+    register_op,
+)
 
 
 @register_op
@@ -58,11 +70,14 @@ class MoeCombineTile(TileOp):
 
     def reads(self, coord, env, data=None):
         tr, hc, k = self._boxes(coord, env)
-        r = {"weights": (tr, (0, k)), "slot_row": (tr, (0, k)),
-             "rows": full_box(self.rows.concrete(env))}
+        r = {
+            "weights": (tr, (0, k)),
+            "slot_row": (tr, (0, k)),
+            "rows": full_box(self.rows.concrete(env)),
+        }
         if data is not None and k:
             # the span of rows it gathers: all inside existing tiles, which are written whole
-            rows = data["slot_row"][tr[0]:tr[1]].reshape(-1)
+            rows = data["slot_row"][tr[0] : tr[1]].reshape(-1)
             if rows.numel():
                 r["rows"] = ((int(rows.min()), int(rows.max()) + 1), hc)
         return r
@@ -74,8 +89,11 @@ class MoeCombineTile(TileOp):
     def cost(self, coord, env):
         _, k = self.weights.concrete(env)
         es = self.rows.dtype.itemsize
-        return tile_time_us(2.0 * self.block_m * self.block_n * k,
-                            self.block_m * self.block_n * (k + 1) * es, torch.float32)
+        return tile_time_us(
+            2.0 * self.block_m * self.block_n * k,
+            self.block_m * self.block_n * (k + 1) * es,
+            torch.float32,
+        )
 
     def reference(self, coord, env, t):
         (t0, t1), (c0, c1), _ = self._boxes(coord, env)
@@ -84,7 +102,42 @@ class MoeCombineTile(TileOp):
         y = (gathered * t["weights"][t0:t1].unsqueeze(-1)).sum(dim=1)
         t["y"][t0:t1, c0:c1] = y.to(t["y"].dtype)
 
+    # -- device -----------------------------------------------------------------------------
+    def device_smem_bytes(self) -> int:
+        return 0  # a pure gather-reduce: nothing is reused across threads
 
-def moe_combine(rows: TensorSpec, weights: TensorSpec, slot_row: TensorSpec, *, block_m: int = 16,
-                block_n: int = 256) -> MoeCombineTile:
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """y[tokens block coord0, cols block coord1]; ``tensors`` = (mRows, mWeights, mSlotRow,
+        mY).
+
+        mRows: (tiles*block_m, H), mWeights: (T, k) fp32, mSlotRow: (T, k) int32, mY: (T, H).
+        The CTA sweeps one token at a time, consecutive threads on consecutive columns, so
+        every gathered row is read coalesced.
+        """
+        mRows, mWeights, mSlotRow, mY = tensors
+        k = self.weights.shape[1]
+        tokens = mY.shape[0]
+        hidden = mY.shape[1]
+        t0 = coord0 * self.block_m
+        t_end = cute.min(t0 + self.block_m, tokens)
+        c0 = coord1 * self.block_n
+        c_end = cute.min(c0 + self.block_n, hidden)
+        for tok in range(t0, t_end):
+            for c in range(c0 + tidx, c_end, NUM_THREADS):
+                acc = Float32(0.0)
+                for j in cutlass.range_constexpr(k):
+                    w = mWeights[tok, j].to(Float32)
+                    acc = acc + w * mRows[mSlotRow[tok, j], c].to(Float32)
+                mY[tok, c] = acc.to(mY.element_type)
+
+
+def moe_combine(
+    rows: TensorSpec,
+    weights: TensorSpec,
+    slot_row: TensorSpec,
+    *,
+    block_m: int = 16,
+    block_n: int = 256,
+) -> MoeCombineTile:
     return MoeCombineTile(rows, weights, slot_row, block_m, block_n)

@@ -15,12 +15,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+import cutlass
 import torch
+from cutlass import Boolean, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
 from cutemk.symbolic import cdiv
-from cutemk.tileop import (FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim,
-                           expect_same_dim, full_box, register_op)
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    expect_same_dim,
+    full_box,
+    register_op,
+)
 
 
 @register_op
@@ -34,6 +46,8 @@ class MoeGroupedGemmTile(TileOp):
     block_n: int = 64
 
     name: ClassVar[str] = "moe_grouped_gemm"
+    block_k: ClassVar[int] = 32
+    """K slice staged through shared memory per step of the device main loop."""
     outputs: ClassVar[tuple[str, ...]] = ("out",)
     data_inputs: ClassVar[tuple[str, ...]] = ("tile_info", "row_token")
 
@@ -44,14 +58,21 @@ class MoeGroupedGemmTile(TileOp):
         expect_dtype(self.x, FLOAT_DTYPES, "moe_grouped_gemm x")
         expect_dtype(self.tile_info, (torch.int32,), "moe_grouped_gemm tile_info")
         if self.w.dtype != self.x.dtype:
-            raise TypeError(f"moe_grouped_gemm w must have x's dtype {self.x.dtype}, got {self.w.dtype}")
-        expect_same_dim(self.x.shape[1], self.w.shape[2], "moe_grouped_gemm: x.shape[1] vs w.shape[2]")
+            raise TypeError(
+                f"moe_grouped_gemm w must have x's dtype {self.x.dtype}, got {self.w.dtype}"
+            )
+        expect_same_dim(
+            self.x.shape[1], self.w.shape[2], "moe_grouped_gemm: x.shape[1] vs w.shape[2]"
+        )
         if self.row_token is not None:
             expect_ndim(self.row_token, 1, "moe_grouped_gemm row_token")
             expect_dtype(self.row_token, (torch.int32,), "moe_grouped_gemm row_token")
         else:
-            expect_same_dim(self.x.shape[0], self.tile_info.shape[0] * self.block_m,
-                            "moe_grouped_gemm: padded x rows vs tiles*block_m")
+            expect_same_dim(
+                self.x.shape[0],
+                self.tile_info.shape[0] * self.block_m,
+                "moe_grouped_gemm: padded x rows vs tiles*block_m",
+            )
         for f in ("block_m", "block_n"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"moe_grouped_gemm {f} must be a positive int")
@@ -108,15 +129,117 @@ class MoeGroupedGemmTile(TileOp):
         (r0, r1), (c0, c1) = self.writes(coord, env)["out"]
         e, valid = (int(v) for v in t["tile_info"][i])
         if self.row_token is None:
-            a = t["x"][r0:r0 + valid].float()
+            a = t["x"][r0 : r0 + valid].float()
         else:
-            a = t["x"][t["row_token"][r0:r0 + valid].long()].float()
+            a = t["x"][t["row_token"][r0 : r0 + valid].long()].float()
         out = t["out"][r0:r1, c0:c1]
         out[:valid] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
         out[valid:] = 0
 
+    # -- device -----------------------------------------------------------------------------
+    def device_smem_bytes(self) -> int:
+        # fp32 A (block_m, block_k) and B (block_n, block_k) slices with row pitch block_k + 1,
+        # then the block_m source rows (int32)
+        return 4 * ((self.block_m + self.block_n) * (self.block_k + 1) + self.block_m)
 
-def moe_grouped_gemm(x: TensorSpec, w: TensorSpec, tile_info: TensorSpec,
-                     row_token: Optional[TensorSpec] = None, *, block_m: int = 64,
-                     block_n: int = 64) -> MoeGroupedGemmTile:
+    @cute.jit
+    def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
+        """Device twin of :meth:`exists`: row tile ``coord0`` has an expert at this routing."""
+        mTileInfo = tensors[2]
+        return mTileInfo[coord0, 0] >= 0
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """out[row tile coord0, cols block coord1]; ``tensors`` = (mX, mW, mTileInfo,
+        [mRowToken,] mOut).
+
+        mX: (T, K) gathered through mRowToken (x token-major) or (tiles*block_m, K) padded,
+        mW: (E, N, K), mTileInfo: (tiles, 2) int32, mRowToken: (tiles*block_m,) int32,
+        mOut: (tiles*block_m, N). Correct, not yet fast: SIMT FMA. Each block_k slice of A and
+        of w[e] is converted to fp32 into shared memory (zero outside valid rows, N and K: the
+        main loop needs no predicates); thread t owns outputs t, t + NUM_THREADS, ... of the
+        (block_m, block_n) tile in row-major order with fp32 accumulators in registers.
+        Consecutive threads read consecutive n: the B pitch block_k + 1 spreads them over all
+        banks while A is a broadcast. Rows >= valid are written as zeros; no-op when e < 0.
+        """
+        bm, bn, bk = self.block_m, self.block_n, self.block_k
+        gathered = self.row_token is not None
+        mX, mW, mTileInfo = tensors[0], tensors[1], tensors[2]
+        mOut = tensors[len(tensors) - 1]
+        expert = mTileInfo[coord0, 0]
+        valid = mTileInfo[coord0, 1]
+        if expert >= 0:
+            kdim = mX.shape[1]
+            ndim = mW.shape[1]
+            r0 = coord0 * bm
+            c0 = coord1 * bn
+            pitch = bk + 1
+            base = cute.recast_ptr(smem_ptr, dtype=Float32)
+            sA = cute.make_tensor(base, cute.make_layout((bm, bk), stride=(pitch, 1)))
+            sB = cute.make_tensor(base + bm * pitch, cute.make_layout((bn, bk), stride=(pitch, 1)))
+            sSrc = cute.make_tensor(
+                cute.recast_ptr(base + (bm + bn) * pitch, dtype=Int32), cute.make_layout(bm)
+            )
+            for m in range(tidx, bm, NUM_THREADS):
+                src = Int32(-1)
+                if m < valid:
+                    if cutlass.const_expr(gathered):
+                        src = tensors[3][r0 + m]
+                    else:
+                        src = r0 + m
+                sSrc[m] = src
+
+            per_thread = (bm * bn + NUM_THREADS - 1) // NUM_THREADS
+            acc = cute.make_rmem_tensor((per_thread,), Float32)
+            acc.fill(0.0)
+            cute.arch.sync_threads()
+            for k0 in range(0, kdim, bk):
+                for idx in range(tidx, bm * bk, NUM_THREADS):
+                    m = idx // bk
+                    kk = k0 + idx % bk
+                    src = sSrc[m]
+                    a = Float32(0.0)
+                    if src >= 0 and kk < kdim:
+                        a = mX[src, kk].to(Float32)
+                    sA[m, idx % bk] = a
+                for idx in range(tidx, bn * bk, NUM_THREADS):
+                    n = c0 + idx // bk
+                    kk = k0 + idx % bk
+                    b = Float32(0.0)
+                    if n < ndim and kk < kdim:
+                        b = mW[expert, n, kk].to(Float32)
+                    sB[idx // bk, idx % bk] = b
+                cute.arch.sync_threads()
+                for q in cutlass.range_constexpr(per_thread):
+                    idx = tidx + q * NUM_THREADS
+                    if idx < bm * bn:
+                        m = idx // bn
+                        n = idx % bn
+                        s = acc[q]
+                        for kk in cutlass.range_constexpr(bk):
+                            s = s + sA[m, kk] * sB[n, kk]
+                        acc[q] = s
+                # the next slice overwrites sA/sB: everyone must be done reading this one
+                cute.arch.sync_threads()
+
+            for q in cutlass.range_constexpr(per_thread):
+                idx = tidx + q * NUM_THREADS
+                m = idx // bn
+                n = c0 + idx % bn
+                if idx < bm * bn and n < ndim:
+                    v = Float32(0.0)
+                    if m < valid:
+                        v = acc[q]
+                    mOut[r0 + m, n] = v.to(mOut.element_type)
+
+
+def moe_grouped_gemm(
+    x: TensorSpec,
+    w: TensorSpec,
+    tile_info: TensorSpec,
+    row_token: Optional[TensorSpec] = None,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> MoeGroupedGemmTile:
     return MoeGroupedGemmTile(x, w, tile_info, row_token, block_m, block_n)

@@ -20,9 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
 import torch
+from cutlass import Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
 from cutemk.symbolic import IntLike, smin
 from cutemk.tileop import TensorSpec, TileOp, expect_dtype, expect_ndim, full_box, register_op
 
@@ -47,7 +50,9 @@ class MoeRouteTile(TileOp):
         expect_ndim(self.ids, 2, "moe_route ids")
         expect_dtype(self.ids, (torch.int32,), "moe_route ids")
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise ValueError(f"moe_route num_experts must be a positive int, got {self.num_experts!r}")
+            raise ValueError(
+                f"moe_route num_experts must be a positive int, got {self.num_experts!r}"
+            )
         if not isinstance(self.block_m, int) or self.block_m < 1:
             raise ValueError(f"moe_route block_m must be a positive int, got {self.block_m!r}")
         if not isinstance(self.ids.shape[1], int):
@@ -59,10 +64,12 @@ class MoeRouteTile(TileOp):
 
     def output_specs(self):
         t, k = self.ids.shape
-        return {"tile_info": TensorSpec((self.max_tiles, 2), torch.int32),
-                "row_token": TensorSpec((self.max_tiles * self.block_m,), torch.int32),
-                "slot_row": TensorSpec((t, k), torch.int32),
-                "exp_indptr": TensorSpec((self.num_experts + 1,), torch.int32)}
+        return {
+            "tile_info": TensorSpec((self.max_tiles, 2), torch.int32),
+            "row_token": TensorSpec((self.max_tiles * self.block_m,), torch.int32),
+            "slot_row": TensorSpec((t, k), torch.int32),
+            "exp_indptr": TensorSpec((self.num_experts + 1,), torch.int32),
+        }
 
     def grid(self):
         return (1,)
@@ -108,6 +115,103 @@ class MoeRouteTile(TileOp):
         t["tile_info"][:n, 0] = tile_e.to(torch.int32)
         t["tile_info"][:n, 1] = torch.clamp(counts[tile_e] - j * bm, max=bm).to(torch.int32)
         t["exp_indptr"].copy_(indptr.to(torch.int32))
+
+    # -- device -----------------------------------------------------------------------------
+    def device_smem_bytes(self) -> int:
+        e = self.num_experts
+        # per-thread-chunk counters (NUM_THREADS, E) with row pitch E+1, tile starts (E+1),
+        # per-expert counts (E); all int32
+        return 4 * (NUM_THREADS * (e + 1) + (e + 1) + e)
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """The whole routing (grid (1,)); ``tensors`` = (mIds, mTileInfo, mRowToken, mSlotRow,
+        mIndptr).
+
+        mIds: (T, k), mTileInfo: (max_tiles, 2), mRowToken: (max_tiles*block_m,),
+        mSlotRow: (T, k), mIndptr: (E+1,), all int32. Stable without sorting: thread c owns the
+        c-th contiguous chunk of tokens, so (chunk, token) order is token order.
+
+        1. each thread counts its chunk per expert into its own smem row (no atomics), while
+           row_token is filled with -1;
+        2. thread e scans column e over the chunks: sCnt[c, e] becomes the rank of chunk c's first
+           row within expert e, and sCount[e] the expert's total;
+        3. thread 0 scans the experts: tile starts and exp_indptr;
+        4. thread e writes expert e's tile_info rows, all threads the [-1, 0] tail;
+        5. each thread walks its chunk again in token order, placing rows at tile_start*bm + rank.
+
+        Ids outside [0, E) are ignored (their slot_row is -1) so bad routing cannot write out of
+        bounds. The smem row pitch E+1 keeps both access patterns (a thread along its row, a
+        warp across a row) free of bank conflicts.
+        """
+        mIds, mTileInfo, mRowToken, mSlotRow, mIndptr = tensors
+        num_e = self.num_experts
+        k = self.ids.shape[1]
+        bm = self.block_m
+        tokens = mIds.shape[0]
+        pitch = num_e + 1
+        base = cute.recast_ptr(smem_ptr, dtype=Int32)
+        sCnt = cute.make_tensor(base, cute.make_layout((NUM_THREADS, num_e), stride=(pitch, 1)))
+        sTileStart = cute.make_tensor(base + NUM_THREADS * pitch, cute.make_layout(num_e + 1))
+        sCount = cute.make_tensor(base + NUM_THREADS * pitch + pitch, cute.make_layout(num_e))
+
+        chunk = (tokens + NUM_THREADS - 1) // NUM_THREADS
+        tok_lo = cute.min(tidx * chunk, tokens)
+        tok_hi = cute.min(tok_lo + chunk, tokens)
+
+        for e in cutlass.range(num_e):
+            sCnt[tidx, e] = Int32(0)
+        for r in range(tidx, mRowToken.shape[0], NUM_THREADS):
+            mRowToken[r] = Int32(-1)
+        for tok in range(tok_lo, tok_hi):
+            for j in cutlass.range_constexpr(k):
+                e = mIds[tok, j]
+                if e >= 0 and e < num_e:
+                    sCnt[tidx, e] = sCnt[tidx, e] + 1
+        cute.arch.sync_threads()
+
+        for e in range(tidx, num_e, NUM_THREADS):
+            run = Int32(0)
+            for c in cutlass.range(NUM_THREADS):
+                n = sCnt[c, e]
+                sCnt[c, e] = run
+                run = run + n
+            sCount[e] = run
+        cute.arch.sync_threads()
+
+        if tidx == 0:
+            tiles = Int32(0)
+            rows = Int32(0)
+            for e in cutlass.range(num_e):
+                sTileStart[e] = tiles
+                mIndptr[e] = rows
+                n = sCount[e]
+                rows = rows + n
+                tiles = tiles + (n + bm - 1) // bm
+            sTileStart[num_e] = tiles
+            mIndptr[num_e] = rows
+        cute.arch.sync_threads()
+
+        for e in range(tidx, num_e, NUM_THREADS):
+            n = sCount[e]
+            t0 = sTileStart[e]
+            for i in range((n + bm - 1) // bm):
+                mTileInfo[t0 + i, 0] = e
+                mTileInfo[t0 + i, 1] = cute.min(n - i * bm, bm)
+        for i in range(sTileStart[num_e] + tidx, mTileInfo.shape[0], NUM_THREADS):
+            mTileInfo[i, 0] = Int32(-1)
+            mTileInfo[i, 1] = Int32(0)
+
+        for tok in range(tok_lo, tok_hi):
+            for j in cutlass.range_constexpr(k):
+                e = mIds[tok, j]
+                row = Int32(-1)
+                if e >= 0 and e < num_e:
+                    rank = sCnt[tidx, e]
+                    sCnt[tidx, e] = rank + 1
+                    row = sTileStart[e] * bm + rank
+                    mRowToken[row] = tok
+                mSlotRow[tok, j] = row
 
 
 def moe_route(ids: TensorSpec, *, num_experts: int, block_m: int = 64) -> MoeRouteTile:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import cutlass
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us

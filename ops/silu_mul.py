@@ -12,7 +12,10 @@ from typing import ClassVar, Optional
 import torch
 import torch.nn.functional as F
 
+from cutlass import Float32, Int32, cute
+
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
 from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim, register_op
@@ -80,6 +83,33 @@ class SiluMulTile(TileOp):
         h = t["h"][r0:r1].float()
         n = cols // 2
         t["out"][r0:r1] = (F.silu(h[:, :n]) * h[:, n:]).to(t["out"].dtype)
+
+    # -- device -----------------------------------------------------------------------------
+    def device_smem_bytes(self) -> int:
+        return 0  # purely elementwise
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Rows ``[coord0 * block_m, +block_m)`` of out; ``tensors`` = (mH, [mTileInfo,] mOut).
+
+        mH: (rows, 2n), mOut: (rows, n). The grouped layout uses the same row block: whether
+        the tile exists (``tile_info[coord0, 0] >= 0``) is the caller's check, so ``tile_info``
+        is not read here. The whole CTA sweeps each row (consecutive threads on consecutive
+        columns: coalesced) so that a block with a single valid row (decode) still uses every
+        thread.
+        """
+        mH = tensors[0]
+        mOut = tensors[len(tensors) - 1]
+        rows = mH.shape[0]
+        n = mOut.shape[1]
+        row0 = coord0 * self.block_m
+        row_end = cute.min(row0 + self.block_m, rows)
+        for row in range(row0, row_end):
+            for c in range(tidx, n, NUM_THREADS):
+                g = mH[row, c].to(Float32)
+                u = mH[row, n + c].to(Float32)
+                # silu(g) = g * sigmoid(g); exp(-g) overflowing to inf gives g / inf = -0: right.
+                mOut[row, c] = (g / (Float32(1.0) + cute.math.exp(-g)) * u).to(mOut.element_type)
 
 
 def silu_mul(h: TensorSpec, tile_info: Optional[TensorSpec] = None, *, block_m: int = 64

@@ -1,7 +1,7 @@
 """Top-k softmax tile op (MoE gate): softmax over experts, top-k, optional renormalisation.
 
 One block of tokens a task. Outputs ``weights`` (T, k) fp32 and ``ids`` (T, k) int32, ordered by
-decreasing weight (ties go to the lower expert id, as ``torch.topk`` does).
+decreasing weight (ties go to the lower expert id, on every backend).
 """
 
 from __future__ import annotations
@@ -9,11 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
 import torch
+from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
 from cutemk.symbolic import cdiv
-from cutemk.tileop import FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim, register_op
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    register_op,
+)
 
 
 @register_op
@@ -41,8 +52,10 @@ class TopkSoftmaxTile(TileOp):
 
     def output_specs(self):
         t = self.logits.shape[0]
-        return {"weights": TensorSpec((t, self.k), torch.float32),
-                "ids": TensorSpec((t, self.k), torch.int32)}
+        return {
+            "weights": TensorSpec((t, self.k), torch.float32),
+            "ids": TensorSpec((t, self.k), torch.int32),
+        }
 
     def grid(self):
         return (cdiv(self.logits.shape[0], self.block_m),)
@@ -65,13 +78,67 @@ class TopkSoftmaxTile(TileOp):
     def reference(self, coord, env, t):
         r0, r1 = self._rows(coord, env)
         p = torch.softmax(t["logits"][r0:r1].float(), dim=-1)
-        w, ids = torch.topk(p, self.k, dim=-1)
+        # a stable descending sort, not torch.topk: topk does not break ties to the lower
+        # expert id on every backend (the CPU one picks higher ids first)
+        w, ids = torch.sort(p, dim=-1, descending=True, stable=True)
+        w, ids = w[:, : self.k], ids[:, : self.k]
         if self.renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
         t["weights"][r0:r1] = w
         t["ids"][r0:r1] = ids.to(torch.int32)
 
+    # -- device -----------------------------------------------------------------------------
+    def device_smem_bytes(self) -> int:
+        return 0  # one thread owns a whole token row: nothing is shared
 
-def topk_softmax(logits: TensorSpec, *, k: int = 2, renormalize: bool = True, block_m: int = 32
-                 ) -> TopkSoftmaxTile:
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Rows ``[coord0 * block_m, +block_m)``; ``tensors`` = (mLogits, mWeights, mIds).
+
+        mLogits: (T, E) float, mWeights: (T, k) fp32, mIds: (T, k) int32. One thread per token
+        row (rows strided by NUM_THREADS when block_m > NUM_THREADS): E is at most a few hundred,
+        so a serial sweep is cheaper than a warp reduction's shuffles at decode sizes.
+        """
+        mLogits, mWeights, mIds = tensors[0], tensors[1], tensors[2]
+        num_experts = self.logits.shape[1]
+        tokens = mLogits.shape[0]
+        row0 = coord0 * self.block_m
+        row_end = cute.min(row0 + self.block_m, tokens)
+        for row in range(row0 + tidx, row_end, NUM_THREADS):
+            # softmax is monotone in the logit, so the top-k is selected on logits: exact ties
+            # (equal logits) are the only ties, and they go to the lower expert id.
+            vmax = mLogits[row, 0].to(Float32)
+            for e in range(1, num_experts):
+                vmax = cute.arch.fmax(vmax, mLogits[row, e].to(Float32))
+            denom = Float32(0.0)
+            for e in range(num_experts):
+                denom = denom + cute.math.exp(mLogits[row, e].to(Float32) - vmax)
+            # j-th pick = the largest (value, -id) strictly after the previous pick in that order
+            prev_v = Float32(float("inf"))
+            prev_e = Int32(-1)
+            wsum = Float32(0.0)
+            for j in cutlass.range_constexpr(self.k):
+                best_v = Float32(-float("inf"))
+                best_e = Int32(-1)
+                for e in range(num_experts):
+                    v = mLogits[row, e].to(Float32)
+                    after = v < prev_v or (v == prev_v and e > prev_e)
+                    if after and (v > best_v or best_e < 0):
+                        best_v = v
+                        best_e = e
+                w = cute.math.exp(best_v - vmax) / denom
+                mWeights[row, j] = w.to(mWeights.element_type)
+                mIds[row, j] = best_e.to(mIds.element_type)
+                wsum = wsum + w
+                prev_v = best_v
+                prev_e = best_e
+            if cutlass.const_expr(self.renormalize):
+                for j in cutlass.range_constexpr(self.k):
+                    w = mWeights[row, j].to(Float32)
+                    mWeights[row, j] = (w / wsum).to(mWeights.element_type)
+
+
+def topk_softmax(
+    logits: TensorSpec, *, k: int = 2, renormalize: bool = True, block_m: int = 32
+) -> TopkSoftmaxTile:
     return TopkSoftmaxTile(logits, k, renormalize, block_m)

@@ -1,0 +1,1 @@
+"""Lowering of plans to device arrays, and the megakernel itself."""

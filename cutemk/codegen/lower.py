@@ -1,0 +1,104 @@
+"""Lowering a plan and its schedule to the int32 arrays the megakernel reads.
+
+The megakernel is compiled once per graph structure; everything that depends on the bound dims
+(task list, events, queues) lives in these arrays, built on the host per token count and cached.
+Fixed-width task record: ``task_rec[t] = (node, coord0, coord1, 0)``. Wait/notify lists and the
+dynamic scheduler's consumer lists are CSR arrays. Every array has at least one element (an
+empty array cannot be handed to the kernel as a tensor).
+
+Counters use epoch counting: in launch number ``epoch`` (1, 2, ...) of a plan an event is
+complete when its counter reaches ``count * epoch``, so nothing is reset between launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..errors import GraphError
+from ..plan import Plan
+from ..scheduling import StaticSchedule
+
+REC_WIDTH = 4
+STATE_SIZE = 8
+# state[] slots (int32), shared by host and device
+EPOCH, HEAD, TAIL, DONE, EXITED, ABORT = range(6)
+DEBUG_SIZE = 8
+# debug[] slots written by a watchdog timeout
+DBG_TASK, DBG_EVENT, DBG_EXPECTED, DBG_SEEN, DBG_SM, DBG_KIND = range(6)
+KIND_EVENT_WAIT, KIND_QUEUE_IDLE = 1, 2
+MAX_EPOCH_COUNT = 2**31 - 1
+
+
+@dataclass
+class LoweredPlan:
+    """Host copies (numpy int32) of the megakernel's program for one plan."""
+
+    num_tasks: int
+    num_events: int
+    task_rec: np.ndarray  # (N * REC_WIDTH,)
+    wait_ptr: np.ndarray  # (N + 1,)
+    wait_ev: np.ndarray  # (W,)
+    notify_ptr: np.ndarray  # (N + 1,)
+    notify_ev: np.ndarray  # (M,)
+    ev_count: np.ndarray  # (E,)
+    queue_ptr: np.ndarray  # (G + 1,) static: SM g runs queue_tasks[queue_ptr[g]:queue_ptr[g+1]]
+    queue_tasks: np.ndarray  # (N,)
+    cons_ptr: np.ndarray  # (E + 1,) dynamic: tasks waiting on each event
+    cons_task: np.ndarray  # (C,)
+    task_nwait: np.ndarray  # (N,) number of waits of each task
+    init_tasks: np.ndarray  # (I,) tasks with no waits (pushed at launch start)
+    num_init: int
+
+    def program_arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if isinstance(getattr(self, f.name), np.ndarray)}
+
+    def max_launches(self) -> int:
+        """Launches before a counter target (count * epoch) would overflow int32."""
+        worst = max(int(self.ev_count.max(initial=1)), int(self.task_nwait.max(initial=1)), 1)
+        return MAX_EPOCH_COUNT // worst
+
+
+def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(lists) + 1, dtype=np.int32)
+    ptr[1:] = np.cumsum([len(x) for x in lists])
+    flat = np.fromiter((v for x in lists for v in x), dtype=np.int32, count=int(ptr[-1]))
+    return ptr, _nonempty(flat)
+
+
+def _nonempty(a: np.ndarray) -> np.ndarray:
+    return a if a.size else np.zeros(1, dtype=np.int32)
+
+
+def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan:
+    """Arrays for ``plan``; ``schedule`` (static mode) must have at most ``grid`` queues."""
+    n = plan.num_tasks
+    rec = np.zeros((max(n, 1), REC_WIDTH), dtype=np.int32)
+    for t in plan.tasks:
+        if len(t.coord) > 2:
+            raise GraphError(f"{t.node.name}: task grids of more than 2 dims are not lowered yet")
+        rec[t.tid, 0] = t.node.index
+        rec[t.tid, 1:1 + len(t.coord)] = t.coord
+    wait_ptr, wait_ev = _csr(plan.waits)
+    notify_ptr, notify_ev = _csr(plan.notifies)
+    ev_count = _nonempty(np.asarray(plan.event_count, dtype=np.int32))
+    if schedule is not None:
+        if schedule.num_sms > grid:
+            raise GraphError(f"static schedule has {schedule.num_sms} queues for {grid} CTAs")
+        queues = list(schedule.queues) + [()] * (grid - schedule.num_sms)
+    else:
+        queues = [()] * grid
+    queue_ptr, queue_tasks = _csr([list(q) for q in queues])
+    cons_ptr, cons_task = _csr([c if plan.event_count[e] > 0 else []
+                                for e, c in enumerate(plan.consumers())])
+    # an explicit event of count 0 is complete from the start: it never readies a consumer
+    live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
+    init = [t for t in range(n) if not live_waits[t]]
+    return LoweredPlan(
+        num_tasks=n, num_events=plan.num_events, task_rec=rec.reshape(-1), wait_ptr=wait_ptr,
+        wait_ev=wait_ev, notify_ptr=notify_ptr, notify_ev=notify_ev, ev_count=ev_count,
+        queue_ptr=queue_ptr, queue_tasks=queue_tasks, cons_ptr=cons_ptr, cons_task=cons_task,
+        task_nwait=_nonempty(np.asarray([len(w) for w in live_waits], dtype=np.int32)),
+        init_tasks=_nonempty(np.asarray(init, dtype=np.int32)), num_init=len(init))

@@ -1,0 +1,280 @@
+"""The CuTe DSL backend on the host: compile cache, per-token-count buffers, launch, diagnosis.
+
+One megakernel is compiled per :class:`~cutemk.codegen.megakernel.KernelSpec` (graph structure,
+dtypes, scheduler mode, flags, arch) and cached for the process; a new token count only builds
+a new plan and its int32 program arrays (cached per bound dims), never a new kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .arch import target_arch
+from .binding import bind, env_key, poison_
+from .codegen.lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK,
+                            DEBUG_SIZE, EPOCH, KIND_EVENT_WAIT, STATE_SIZE, LoweredPlan, lower)
+from .codegen.megakernel import DEVICE_STATE, PROF_WIDTH, PROGRAM, KernelSpec, Megakernel
+from .errors import DeadlockError, DeviceError, LayoutError
+from .graph import Graph
+from .plan import Plan, instantiate
+from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
+
+_COMPILED: dict[KernelSpec, Any] = {}
+_LOCK = threading.Lock()
+compile_count = 0
+"""Megakernels compiled by this process (tests assert it stays flat across token counts)."""
+
+
+def _cute_tensor(t: torch.Tensor):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+@dataclass
+class _Buffers:
+    """Device state of one plan (one token count): program, counters, intermediates."""
+
+    plan: Plan
+    lowered: LoweredPlan
+    prog: tuple  # cute tensors, PROGRAM order
+    dev: tuple  # cute tensors, DEVICE_STATE order
+    torch_dev: dict[str, torch.Tensor]
+    intermediates: dict[str, torch.Tensor]
+    cute_intermediates: dict[str, Any]
+    launches: int = 0
+
+
+class CuteGraph:
+    """A graph compiled to one persistent CuTe DSL kernel. Call it like a function of the graph
+    leaves (CUDA tensors); returns the graph outputs."""
+
+    def __init__(self, graph: Graph, num_sms: int | None = None, scheduler: Any = "static",
+                 watchdog: bool = False, timeout_s: float = 1.0, profile: bool = False,
+                 poison_outputs: bool = False) -> None:
+        if not torch.cuda.is_available():
+            raise DeviceError("the cute backend needs a CUDA GPU; use backend='interpret'")
+        self.graph = graph
+        self.arch = target_arch()
+        dev_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.num_sms = dev_sms if num_sms is None else int(num_sms)
+        if not 1 <= self.num_sms <= dev_sms:
+            raise ValueError(f"num_sms must be in [1, {dev_sms}] (one persistent CTA per SM), "
+                             f"got {num_sms}")
+        self.scheduler = resolve_scheduler(scheduler)
+        self.dynamic = self.scheduler.mode is SchedulingMode.DYNAMIC
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.poison_outputs = poison_outputs
+        self.spec = kernel_spec(graph, self.dynamic, watchdog, profile)
+        self._buffers: dict[tuple, _Buffers] = {}
+        self.last_env: dict[str, int] | None = None
+
+    # -- plans and buffers ----------------------------------------------------------------------
+    def plan(self, env: dict[str, int]) -> Plan:
+        return self._bufs(env).plan
+
+    def _bufs(self, env: dict[str, int]) -> _Buffers:
+        key = env_key(env)
+        b = self._buffers.get(key)
+        if b is None:
+            b = self._build_buffers(instantiate(self.graph, env))
+            self._buffers[key] = b
+        return b
+
+    def load_plan(self, plan: Plan) -> None:
+        """Install ``plan`` (e.g. one a tool or test edited) for its bound dims."""
+        self._buffers[env_key(plan.env)] = self._build_buffers(plan)
+
+    def _build_buffers(self, plan: Plan) -> _Buffers:
+        sched = None
+        if not self.dynamic:
+            sched = self.scheduler.build(plan, self.num_sms)
+            check_static_schedule(plan, sched)
+        low = lower(plan, sched, self.num_sms)
+        dev = "cuda"
+        prog_t = {k: torch.from_numpy(v).to(dev) for k, v in low.program_arrays().items()}
+        n = max(plan.num_tasks, 1)
+        state = {
+            "state": torch.zeros(STATE_SIZE, dtype=torch.int32, device=dev),
+            "debug": torch.full((DEBUG_SIZE,), -1, dtype=torch.int32, device=dev),
+            "ev_counter": torch.zeros(max(plan.num_events, 1), dtype=torch.int32, device=dev),
+            "task_pending": torch.zeros(n, dtype=torch.int32, device=dev),
+            "ring_task": torch.zeros(n, dtype=torch.int32, device=dev),
+            "ring_epoch": torch.zeros(n, dtype=torch.int32, device=dev),
+            "prof": torch.zeros(n * PROF_WIDTH if self.spec.profile else 1, dtype=torch.int64,
+                                device=dev),
+        }
+        inter = {v.name: poison_(torch.empty(plan.shapes[v.name], dtype=v.dtype, device=dev))
+                 for v in self.graph.values
+                 if v.kind == "intermediate" and v not in self.graph.outputs}
+        return _Buffers(plan, low, tuple(_cute_tensor(prog_t[k]) for k in PROGRAM),
+                        tuple(_cute_tensor(state[k]) for k in DEVICE_STATE),
+                        {**state, **{f"prog.{k}": v for k, v in prog_t.items()}}, inter,
+                        {k: _cute_tensor(v) for k, v in inter.items()})
+
+    # -- launching --------------------------------------------------------------------------------
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):
+        env, leaves = bind(self.graph, args, kwargs, device_type="cuda")
+        for name, t in leaves.items():
+            if t.data_ptr() % 16:
+                raise LayoutError(f"{name} must be 16-byte aligned (data_ptr % 16 = "
+                                  f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor")
+        b = self._bufs(env)
+        self.last_env = env
+        device = next(iter(leaves.values())).device
+        outs = {}
+        for v in self.graph.outputs:
+            t = torch.empty(b.plan.shapes[v.name], dtype=v.dtype, device=device)
+            outs[v.name] = poison_(t) if self.poison_outputs else t
+        tensors = []
+        for v in self.graph.values:
+            if v.name in leaves:
+                tensors.append(_cute_tensor(leaves[v.name]))
+            elif v.name in outs:
+                tensors.append(_cute_tensor(outs[v.name]))
+            else:
+                tensors.append(b.cute_intermediates[v.name])
+        if b.plan.num_tasks:
+            if b.launches >= b.lowered.max_launches():
+                self._reset(b)  # counter targets (count * epoch) would overflow int32
+            self._launch(b, tuple(tensors))
+            b.launches += 1
+            if self.spec.watchdog:
+                self._check(b)
+        res = tuple(outs[v.name] for v in self.graph.outputs)
+        return res[0] if len(res) == 1 else res
+
+    def _launch(self, b: _Buffers, tensors: tuple) -> None:
+        import cuda.bindings.driver as cuda
+        from cutlass import Int32, Int64
+
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        args = (tensors, b.prog, b.dev, Int32(b.plan.num_tasks), Int32(b.lowered.num_init),
+                Int64(self.timeout_ns), Int32(self.num_sms), stream)
+        fn = _COMPILED.get(self.spec)
+        if fn is None:
+            fn = _compile(self.spec, args)
+        fn(*args)
+
+    def _reset(self, b: _Buffers) -> None:
+        for k in ("state", "ev_counter", "task_pending", "ring_epoch"):
+            b.torch_dev[k].zero_()
+        b.torch_dev["debug"].fill_(-1)
+        b.launches = 0
+
+    def _check(self, b: _Buffers) -> None:
+        state = b.torch_dev["state"].cpu()
+        if int(state[ABORT]) == 0:
+            return
+        dbg = b.torch_dev["debug"].cpu().tolist()
+        counters = b.torch_dev["ev_counter"].cpu().numpy()
+        epoch = int(state[EPOCH]) + 1
+        self._reset(b)
+        raise DeadlockError(_diagnose(b.plan, dbg, counters, epoch))
+
+    # -- profiling ------------------------------------------------------------------------------
+    def profile_records(self) -> list[dict[str, Any]]:
+        """Per task of the last launch: SM, start/end ns (``%globaltimer``), label."""
+        if not self.spec.profile or self.last_env is None:
+            raise ValueError("compile with profile=True and run once before reading a profile")
+        b = self._bufs(self.last_env)
+        raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[:b.plan.num_tasks]
+        return [{"sm": int(r[0]), "start_ns": int(r[1]), "end_ns": int(r[2]),
+                 "label": b.plan.tasks[t].label, "node": b.plan.tasks[t].node.name}
+                for t, r in enumerate(raw) if r[2] > 0]
+
+    def export_trace(self, path: str | Path) -> Path:
+        """Chrome-trace JSON of the last launch (one track per SM); opens in Perfetto."""
+        from .trace import chrome_trace
+
+        path = Path(path)
+        path.write_text(json.dumps(chrome_trace(self.profile_records(), self.graph.name)))
+        return path
+
+
+def kernel_spec(graph: Graph, dynamic: bool, watchdog: bool = False, profile: bool = False
+                ) -> KernelSpec:
+    """The compile-cache key of ``graph``'s megakernel."""
+    index = {id(v): i for i, v in enumerate(graph.values)}
+    node_tensors = tuple(
+        tuple(index[id(n.args[a])] for a in n.op.inputs)
+        + tuple(index[id(n.results[o])] for o in n.op.outputs) for n in graph.nodes)
+    for n in graph.nodes:
+        if not hasattr(n.op, "device_tile"):
+            raise NotImplementedError(f"op {n.op.name} has no device function yet")
+    return KernelSpec(tuple(n.op for n in graph.nodes), node_tensors, bool(dynamic),
+                      bool(watchdog), bool(profile), target_arch())
+
+
+def compile_offline(graph: Graph, scheduler: Any = "static", watchdog: bool = False,
+                    profile: bool = False, options: str = ""):
+    """Compile ``graph``'s megakernel with fake tensors, no GPU needed (CI compile checks).
+
+    ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``).
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    graph.validate()
+    dynamic = resolve_scheduler(scheduler).mode is SchedulingMode.DYNAMIC
+    spec = kernel_spec(graph, dynamic, watchdog, profile)
+    dtypes = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,
+              torch.float16: cutlass.Float16, torch.int32: cutlass.Int32,
+              torch.int64: cutlass.Int64}
+
+    def fake(dtype, ndim):
+        shape = tuple(cute.sym_int() for _ in range(ndim))
+        return make_fake_compact_tensor(dtypes[dtype], shape, stride_order=tuple(
+            range(ndim - 1, -1, -1)), assumed_align=16)
+
+    tensors = tuple(fake(v.dtype, len(v.shape)) for v in graph.values)
+    prog = tuple(fake(torch.int32, 1) for _ in PROGRAM)
+    dev = tuple(fake(torch.int64 if k == "prof" else torch.int32, 1) for k in DEVICE_STATE)
+    return cute.compile(Megakernel(spec).launch, tensors, prog, dev, Int32(1), Int32(1),
+                        Int64(1), Int32(132), make_fake_stream(), options=options)
+
+
+def _compile(spec: KernelSpec, args: tuple):
+    global compile_count
+    import cutlass.cute as cute
+
+    with _LOCK:
+        fn = _COMPILED.get(spec)
+        if fn is None:
+            fn = cute.compile(Megakernel(spec).launch, *args)
+            _COMPILED[spec] = fn
+            compile_count += 1
+    return fn
+
+
+def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int) -> str:
+    """Name the event a stuck task waits on, from the watchdog record and the live counters."""
+    lines = []
+    if dbg[DBG_KIND] == KIND_EVENT_WAIT and 0 <= dbg[DBG_TASK] < plan.num_tasks:
+        lines.append(f"task {plan.tasks[dbg[DBG_TASK]].label} on SM {dbg[DBG_SM]} timed out "
+                     f"waiting on event {plan.event_label[dbg[DBG_EVENT]]}: expected count "
+                     f"{dbg[DBG_EXPECTED]}, seen {dbg[DBG_SEEN]} (launch {epoch})")
+    else:
+        lines.append(f"the ready queue stayed empty on SM {dbg[DBG_SM]} with "
+                     f"{dbg[DBG_SEEN]} of {plan.num_tasks} tasks done (launch {epoch})")
+    base = (epoch - 1) * np.asarray(plan.event_count, dtype=np.int64)
+    seen = counters[:plan.num_events].astype(np.int64) - base
+    for t in range(plan.num_tasks):
+        for e in plan.waits[t]:
+            if seen[e] < plan.event_count[e]:
+                lines.append(f"first stuck task {plan.tasks[t].label} waits on event "
+                             f"{plan.event_label[e]}: expected count {plan.event_count[e]}, "
+                             f"seen {int(seen[e])}")
+                break
+        if len(lines) > 1:
+            break
+    return "megakernel watchdog: " + "; ".join(lines)

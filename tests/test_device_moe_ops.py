@@ -1,0 +1,345 @@
+"""Device functions of the MoE tile ops (topk_softmax, moe_route, moe_grouped_gemm, moe_combine).
+
+CPU: each op's ``device_tile`` is compiled for sm_90a inside the one-tile-per-CTA harness
+(``cutemk.device.harness``) with fake tensors whose token-derived extents are dynamic, and the
+PTX is checked for what the design promises (barriers, shared memory, FMA, conversions).
+GPU: each op runs over its whole grid against its torch ``reference`` (fp32, on the CPU), with
+fresh random inputs, poisoned outputs and routings that leave an expert empty or send every
+token to one expert. The MoE inputs of later ops come from the torch references of earlier ones.
+"""
+
+import itertools
+import os
+import re
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cuda.bindings.driver as cuda
+import cutlass
+import pytest
+import torch
+from cutlass import Int32, cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+import cutemk as mk
+from cutemk import ops
+from cutemk.device.harness import as_cute_tensor, compile_tile, concrete_grid
+from cutemk.symbolic import Expr, evaluate
+from cutemk.tileop import TensorSpec, TileOp
+
+E, TOP_K, BM, BN = 8, 2, 16, 32
+HIDDEN, INTER = 40, 24  # K not a multiple of the 32-wide k-slice; partial column blocks
+TOKENS = (1, 7, 300)
+ROUTINGS = ("random", "empty_expert", "one_expert")
+INT_POISON = -777
+CUTE_DTYPE = {
+    torch.float32: cutlass.Float32,
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.int32: Int32,
+}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+FLOATS = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+# -- op builders (token count symbolic, as in the MoE graph) ---------------------------------
+def _sym_t():
+    return mk.sym("T", max=4096)
+
+
+def _topk(dtype):
+    return ops.topk_softmax(TensorSpec((_sym_t(), E), dtype), k=TOP_K, block_m=BM)
+
+
+def _route():
+    return ops.moe_route(TensorSpec((_sym_t(), TOP_K), torch.int32), num_experts=E, block_m=BM)
+
+
+def _route_specs():
+    return _route().output_specs()
+
+
+def _grouped_gemm(dtype, gathered: bool):
+    s = _route_specs()
+    tiles = s["tile_info"].shape[0]
+    if gathered:  # gate/up: token-major x gathered through row_token
+        x = TensorSpec((_sym_t(), HIDDEN), dtype)
+        w = TensorSpec((E, 2 * INTER, HIDDEN), dtype)
+        return ops.moe_grouped_gemm(x, w, s["tile_info"], s["row_token"], block_m=BM, block_n=BN)
+    x = TensorSpec((tiles * BM, INTER), dtype)  # down: x already in the padded layout
+    w = TensorSpec((E, HIDDEN, INTER), dtype)
+    return ops.moe_grouped_gemm(x, w, s["tile_info"], block_m=BM, block_n=BN)
+
+
+def _combine(dtype):
+    s = _route_specs()
+    rows = TensorSpec((s["tile_info"].shape[0] * BM, HIDDEN), dtype)
+    weights = TensorSpec((_sym_t(), TOP_K), torch.float32)
+    return ops.moe_combine(rows, weights, s["slot_row"], block_m=BM, block_n=BN)
+
+
+def _specs(op: TileOp) -> list[TensorSpec]:
+    ins, outs = op.input_specs(), op.output_specs()
+    return [ins[n] for n in op.inputs] + [outs[n] for n in op.outputs]
+
+
+# -- CPU: compile for sm_90a ------------------------------------------------------------------
+def _fake(spec: TensorSpec):
+    """A fake compact tensor: every symbolic extent (T and what derives from it) is dynamic."""
+    shape = tuple(cute.sym_int() if isinstance(d, Expr) else int(d) for d in spec.shape)
+    return make_fake_compact_tensor(CUTE_DTYPE[spec.dtype], shape, assumed_align=4)
+
+
+def _compile_ptx(op: TileOp, dump_dir: Path) -> str:
+    t0 = time.perf_counter()
+    compiled = compile_tile(
+        op, [_fake(s) for s in _specs(op)], options=f"--keep-ptx --dump-dir={dump_dir}"
+    )
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30, f"{op.name}: compile took {elapsed:.1f} s"
+    assert compiled.ptx, "no PTX although --keep-ptx was given"
+    entries = re.findall(r"\.entry\s+(\w+)", compiled.ptx)
+    assert len(entries) == 1 and "cutlass" not in entries[0].lower(), entries
+    return compiled.ptx
+
+
+def _count(pattern: str, ptx: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@FLOATS
+def test_topk_softmax_compiles(tmp_path, dtype):
+    ptx = _compile_ptx(_topk(dtype), tmp_path)
+    assert _count(r"\bex2\.approx", ptx) >= 1  # softmax exp
+    assert _count(r"\bbar\.sync\b", ptx) == 0  # thread-per-token: no barrier, no smem
+    assert _count(r"\bst\.global\.[bsu]32\b", ptx) >= 2  # weights and ids
+
+
+def test_moe_route_compiles(tmp_path):
+    ptx = _compile_ptx(_route(), tmp_path)
+    # count -> scan over chunks -> scan over experts -> placement: three CTA barriers
+    assert _count(r"\bbar\.sync\b", ptx) == 3
+    assert _count(r"\bld\.shared\.", ptx) >= 3 and _count(r"\bst\.shared\.", ptx) >= 3
+    # per-thread smem rows: no atomics anywhere
+    assert _count(r"\b(atom|red)\.", ptx) == 0
+
+
+@FLOATS
+@pytest.mark.parametrize("gathered", [True, False], ids=["gather", "padded"])
+def test_moe_grouped_gemm_compiles(tmp_path, dtype, gathered):
+    ptx = _compile_ptx(_grouped_gemm(dtype, gathered), tmp_path)
+    # smem staging: one barrier after the row indices, two per k-slice
+    assert _count(r"\bbar\.sync\b", ptx) == 3
+    # block_m*block_n/NUM_THREADS = 4 accumulators x 32-wide k-slice, unrolled
+    assert _count(r"\bfma\.rn\.f32\b", ptx) >= 4 * 32
+    assert _count(r"\bld\.shared\.", ptx) >= 2 * 32
+    if dtype == torch.bfloat16:
+        assert re.search(r"\bcvt\.rn\.bf16\.f32\b", ptx), "fp32 -> bf16 epilogue conversion"
+
+
+@FLOATS
+def test_moe_combine_compiles(tmp_path, dtype):
+    ptx = _compile_ptx(_combine(dtype), tmp_path)
+    assert _count(r"\bbar\.sync\b", ptx) == 0
+    assert _count(r"\bfma\.rn\.f32\b|\bmul\.(rn\.)?f32\b", ptx) >= TOP_K
+    if dtype == torch.bfloat16:
+        assert re.search(r"\bcvt\.rn\.bf16\.f32\b", ptx)
+
+
+class _ExistsHarness:
+    """flags[i] = op.device_exists(tensors, i, 0): one CTA, one thread per row tile."""
+
+    def __init__(self, op: TileOp) -> None:
+        self.op = op
+
+    @cute.kernel
+    def kernel(self, tensors: tuple, mFlags: cute.Tensor):  # mFlags: (tiles,) int32
+        tidx, _, _ = cute.arch.thread_idx()
+        for i in range(tidx, mFlags.shape[0], 128):
+            flag = Int32(0)
+            if self.op.device_exists(tensors, i, Int32(0)):
+                flag = Int32(1)
+            mFlags[i] = flag
+
+    @cute.jit
+    def launch(self, tensors: tuple, mFlags: cute.Tensor, stream):
+        self.kernel(tensors, mFlags).launch(grid=(1, 1, 1), block=(128, 1, 1), stream=stream)
+
+
+_ExistsHarness.kernel.set_name_prefix("cutemk_exists", remove_cutlass_symbol=True)
+_ExistsHarness.launch.set_name_prefix("cutemk_exists_launch", remove_cutlass_symbol=True)
+
+
+def _compile_exists(op: TileOp, tensors, flags):
+    return cute.compile(
+        _ExistsHarness(op).launch, tuple(tensors), flags, make_fake_stream(), options=""
+    )
+
+
+def test_moe_grouped_gemm_device_exists_compiles():
+    op = _grouped_gemm(torch.float32, gathered=True)
+    flags = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
+    _compile_exists(op, [_fake(s) for s in _specs(op)], flags)
+
+
+# -- GPU: device function vs torch reference -------------------------------------------------
+def _logits(t: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """Router logits x @ w^T; a constant column of x with large router weights skews them."""
+    x = torch.randn(t, HIDDEN, generator=gen)
+    w = torch.randn(E, HIDDEN, generator=gen)
+    if routing != "random":
+        x[:, 0] = 4.0
+        w[:, 0] = 0.0
+        w[5, 0] = -25.0  # expert 5 never chosen
+        if routing == "one_expert":
+            w[3, 0] = 25.0  # every token's top-1 is expert 3
+    return x @ w.T
+
+
+def _env(t: int) -> dict[str, int]:
+    return {"T": t}
+
+
+def _empty(spec: TensorSpec, env) -> torch.Tensor:
+    shape = spec.concrete(env)
+    if spec.dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=spec.dtype)
+    return torch.full(shape, INT_POISON, dtype=spec.dtype)
+
+
+def _reference(op: TileOp, inputs: dict[str, torch.Tensor], env) -> dict[str, torch.Tensor]:
+    """The op's torch reference over its grid (fp32 tensors, CPU); skipped tiles stay poisoned."""
+    t = {n: v.float() if v.dtype.is_floating_point else v.clone() for n, v in inputs.items()}
+    for n, s in op.output_specs().items():
+        out = _empty(s, env)
+        t[n] = out.float() if out.dtype.is_floating_point else out
+    for coord in itertools.product(*(range(evaluate(g, env)) for g in op.grid())):
+        if op.exists(coord, env, t):
+            op.reference(coord, env, t)
+    return {n: t[n] for n in op.outputs}
+
+
+def _device(op: TileOp, compiled, inputs: dict[str, torch.Tensor], env) -> dict[str, torch.Tensor]:
+    outs = {n: _empty(s, env).cuda() for n, s in op.output_specs().items()}
+    tensors = [inputs[n].cuda() for n in op.inputs] + [outs[n] for n in op.outputs]
+    compiled(tensors, concrete_grid(op, env))
+    torch.cuda.synchronize()
+    return {n: v.cpu() for n, v in outs.items()}
+
+
+def _check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    nan = torch.isnan(ref) if ref.dtype.is_floating_point else ref == INT_POISON
+    got_nan = torch.isnan(out) if out.dtype.is_floating_point else out == INT_POISON
+    assert torch.equal(got_nan, nan), f"{name}: written/unwritten elements differ"
+    if not ref.dtype.is_floating_point:
+        assert torch.equal(out, ref), f"{name}: {out} != {ref}"
+        return
+    o, r = out[~nan].float(), ref[~nan]
+    err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def _compile_live(op: TileOp, inputs: dict[str, torch.Tensor], env):
+    """Compile once per op: dynamic layouts let one kernel serve every token count."""
+    outs = [_empty(s, env).cuda() for s in op.output_specs().values()]
+    return compile_tile(op, [inputs[n].cuda() for n in op.inputs] + outs)
+
+
+def _routing(t: int, routing: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """weights, ids, tile_info, row_token, slot_row from the torch references."""
+    env = _env(t)
+    logits = _logits(t, routing, gen)
+    r = _reference(_topk(torch.float32), {"logits": logits}, env)
+    r.update(_reference(_route(), {"ids": r["ids"]}, env))
+    if routing == "one_expert":
+        assert bool((r["ids"][:, 0] == 3).all()) and not bool((r["ids"] == 5).any())
+    return r
+
+
+@pytest.mark.gpu
+@FLOATS
+def test_topk_softmax_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(11)
+    op = _topk(dtype)
+    compiled = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS + ("ties",)):
+        env = _env(t)
+        logits = _logits(t, "random" if routing == "ties" else routing, gen)
+        if routing == "ties":  # integer logits: many exact ties, which go to the lower id
+            logits = logits.round().clamp(-2, 2)
+        inputs = {"logits": logits.to(dtype)}
+        compiled = compiled or _compile_live(op, inputs, env)
+        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+        _check(f"weights T={t} {routing}", got["weights"], ref["weights"], 1e-5)
+        _check(f"ids T={t} {routing}", got["ids"], ref["ids"], 0)
+
+
+@pytest.mark.gpu
+def test_moe_route_matches_reference():
+    gen = torch.Generator().manual_seed(12)
+    op = _route()
+    compiled = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS):
+        env = _env(t)
+        inputs = {"ids": _routing(t, routing, gen)["ids"]}
+        compiled = compiled or _compile_live(op, inputs, env)
+        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+        for n in op.outputs:
+            _check(f"{n} T={t} {routing}", got[n], ref[n], 0)
+
+
+@pytest.mark.gpu
+@FLOATS
+@pytest.mark.parametrize("gathered", [True, False], ids=["gather", "padded"])
+def test_moe_grouped_gemm_matches_reference(dtype, gathered):
+    gen = torch.Generator().manual_seed(13)
+    op = _grouped_gemm(dtype, gathered)
+    compiled = exists = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS):
+        env = _env(t)
+        r = _routing(t, routing, gen)
+        xs, ws = op.x.concrete(env), op.w.concrete(env)
+        inputs = {
+            "x": torch.randn(xs, generator=gen).to(dtype),
+            "w": (torch.randn(ws, generator=gen) / ws[2] ** 0.5).to(dtype),
+            "tile_info": r["tile_info"],
+            "row_token": r["row_token"],
+        }
+        compiled = compiled or _compile_live(op, inputs, env)
+        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+        _check(f"out T={t} {routing}", got["out"], ref["out"], TOL[dtype])
+
+        # device_exists agrees with the Python exists for every row tile
+        tensors = [inputs[n].cuda() for n in op.inputs] + [got["out"].cuda()]
+        flags = torch.full((r["tile_info"].shape[0],), INT_POISON, dtype=torch.int32).cuda()
+        args = [as_cute_tensor(x) for x in tensors]
+        exists = exists or _compile_exists(op, args, as_cute_tensor(flags))
+        exists(tuple(args), as_cute_tensor(flags), _stream())
+        torch.cuda.synchronize()
+        want = [int(op.exists((i, 0), env, inputs)) for i in range(flags.numel())]
+        assert flags.cpu().tolist() == want
+
+
+def _stream():
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+@pytest.mark.gpu
+@FLOATS
+def test_moe_combine_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(14)
+    op = _combine(dtype)
+    compiled = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS):
+        env = _env(t)
+        r = _routing(t, routing, gen)
+        inputs = {
+            "rows": torch.randn(op.rows.concrete(env), generator=gen).to(dtype),
+            "weights": r["weights"],
+            "slot_row": r["slot_row"],
+        }
+        compiled = compiled or _compile_live(op, inputs, env)
+        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+        _check(f"y T={t} {routing}", got["y"], ref["y"], TOL[dtype])
