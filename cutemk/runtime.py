@@ -175,7 +175,7 @@ class CuteGraph:
             return
         dbg = b.torch_dev["debug"].cpu().tolist()
         counters = b.torch_dev["ev_counter"].cpu().numpy()
-        epoch = int(state[EPOCH]) + 1
+        epoch = int(state[EPOCH])  # the last CTA out stored the failed launch's epoch
         self._reset(b)
         raise DeadlockError(_diagnose(b.plan, dbg, counters, epoch))
 
@@ -260,9 +260,11 @@ def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int) -> s
     """Name the event a stuck task waits on, from the watchdog record and the live counters."""
     lines = []
     if dbg[DBG_KIND] == KIND_EVENT_WAIT and 0 <= dbg[DBG_TASK] < plan.num_tasks:
-        lines.append(f"task {plan.tasks[dbg[DBG_TASK]].label} on SM {dbg[DBG_SM]} timed out "
-                     f"waiting on event {plan.event_label[dbg[DBG_EVENT]]}: expected count "
-                     f"{dbg[DBG_EXPECTED]}, seen {dbg[DBG_SEEN]} (launch {epoch})")
+        e = dbg[DBG_EVENT]
+        count = plan.event_count[e]
+        lines.append(f"task {plan.tasks[dbg[DBG_TASK]].label} on SM {dbg[DBG_SM]} waits on event "
+                     f"{plan.event_label[e]}: expected count {count}, seen "
+                     f"{dbg[DBG_SEEN] - (epoch - 1) * count} (timed out in launch {epoch})")
     else:
         lines.append(f"the ready queue stayed empty on SM {dbg[DBG_SM]} with "
                      f"{dbg[DBG_SEEN]} of {plan.num_tasks} tasks done (launch {epoch})")

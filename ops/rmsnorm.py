@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
@@ -90,12 +91,12 @@ class RmsNormTile(TileOp):
             row = row0 + r
             if row < rows:
                 ss = Float32(0.0)
-                for c in range(lane, cols, WARP_SIZE):
+                for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
                     v = mX[row, c].to(Float32)
                     ss = ss + v * v
                 ss = cute.arch.warp_reduction_sum(ss)
                 rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
-                for c in range(lane, cols, WARP_SIZE):
+                for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
                     y = mX[row, c].to(Float32) * rstd * mW[c].to(Float32)
                     mY[row, c] = y.to(mY.element_type)
 

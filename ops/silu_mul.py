@@ -11,7 +11,7 @@ from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
-
+import cutlass
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
@@ -105,7 +105,7 @@ class SiluMulTile(TileOp):
         row0 = coord0 * self.block_m
         row_end = cute.min(row0 + self.block_m, rows)
         for row in range(row0, row_end):
-            for c in range(tidx, n, NUM_THREADS):
+            for c in cutlass.range(tidx, n, NUM_THREADS, unroll=4):
                 g = mH[row, c].to(Float32)
                 u = mH[row, n + c].to(Float32)
                 # silu(g) = g * sigmoid(g); exp(-g) overflowing to inf gives g / inf = -0: right.

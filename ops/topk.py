@@ -105,15 +105,16 @@ class TopkSoftmaxTile(TileOp):
         row0 = coord0 * self.block_m
         row_end = cute.min(row0 + self.block_m, tokens)
         for row in range(row0 + tidx, row_end, NUM_THREADS):
-            # softmax is monotone in the logit, so the top-k is selected on logits: exact ties
-            # (equal logits) are the only ties, and they go to the lower expert id.
+            # Selected on logits (softmax is monotone in them), so only equal logits tie, never
+            # two probabilities that rounding made equal; ties go to the lower expert id.
             vmax = mLogits[row, 0].to(Float32)
             for e in range(1, num_experts):
                 vmax = cute.arch.fmax(vmax, mLogits[row, e].to(Float32))
             denom = Float32(0.0)
             for e in range(num_experts):
                 denom = denom + cute.math.exp(mLogits[row, e].to(Float32) - vmax)
-            # j-th pick = the largest (value, -id) strictly after the previous pick in that order
+            rW = cute.make_rmem_tensor((self.k,), Float32)
+            # pick j = the largest (logit, -id) strictly below pick j-1 in that order
             prev_v = Float32(float("inf"))
             prev_e = Int32(-1)
             wsum = Float32(0.0)
@@ -122,20 +123,20 @@ class TopkSoftmaxTile(TileOp):
                 best_e = Int32(-1)
                 for e in range(num_experts):
                     v = mLogits[row, e].to(Float32)
-                    after = v < prev_v or (v == prev_v and e > prev_e)
-                    if after and (v > best_v or best_e < 0):
+                    below = v < prev_v or (v == prev_v and e > prev_e)
+                    if below and (v > best_v or best_e < 0):
                         best_v = v
                         best_e = e
-                w = cute.math.exp(best_v - vmax) / denom
-                mWeights[row, j] = w.to(mWeights.element_type)
+                rW[j] = cute.math.exp(best_v - vmax) / denom
+                wsum = wsum + rW[j]
                 mIds[row, j] = best_e.to(mIds.element_type)
-                wsum = wsum + w
                 prev_v = best_v
                 prev_e = best_e
-            if cutlass.const_expr(self.renormalize):
-                for j in cutlass.range_constexpr(self.k):
-                    w = mWeights[row, j].to(Float32)
-                    mWeights[row, j] = (w / wsum).to(mWeights.element_type)
+            for j in cutlass.range_constexpr(self.k):
+                w = rW[j]
+                if cutlass.const_expr(self.renormalize):
+                    w = w / wsum
+                mWeights[row, j] = w.to(mWeights.element_type)
 
 
 def topk_softmax(

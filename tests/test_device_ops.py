@@ -11,26 +11,30 @@ import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import cutlass  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from cutlass import cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
+import cutlass
+import pytest
+import torch
+from cutemk.ops import GemmTile, RmsNormTile, SiluMulTile
+from cutlass import cute
+from cutlass.cute.runtime import make_fake_compact_tensor
 
-from cutemk.device.harness import compile_tile, concrete_grid  # noqa: E402
-from cutemk.ops import GemmTile, RmsNormTile, SiluMulTile  # noqa: E402
-from cutemk.symbolic import sym  # noqa: E402
-from cutemk.tileop import TensorSpec  # noqa: E402
+from cutemk.device.harness import compile_tile, concrete_grid
+from cutemk.symbolic import sym
+from cutemk.tileop import TensorSpec
 
 HOPPER_SMEM_BYTES = 227 * 1024
 COMPILE_BUDGET_S = 20.0  # generous: the largest config here compiles in ~1 s on 2 CPU cores
 
-CUTE_DTYPE = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
+CUTE_DTYPE = {
+    torch.float32: cutlass.Float32,
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+}
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]
 # Relative Frobenius error vs the fp32 reference. fp32: SIMT FMA in fp32 (only the summation
 # order and the approximate exp/rsqrt differ); bf16: the output rounding alone is ~2^-9.
-REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 # Symbolic dims: one compiled kernel per op config serves every shape (layouts are dynamic).
 T, N, K, H = sym("T", 4096), sym("N", 4096), sym("K", 4096), sym("H", 8192)
@@ -40,8 +44,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def gemm_op(dtype, block_m, block_n, epilogue=None) -> GemmTile:
     rows_b = 2 * N if epilogue == "silu_mul" else N
-    return GemmTile(TensorSpec((T, K), dtype), TensorSpec((rows_b, K), dtype), block_m, block_n,
-                    epilogue)
+    return GemmTile(
+        TensorSpec((T, K), dtype), TensorSpec((rows_b, K), dtype), block_m, block_n, epilogue
+    )
 
 
 def silu_op(dtype, block_m, grouped=False) -> SiluMulTile:
@@ -97,8 +102,9 @@ def test_gemm_device_tile_compiles(dtype, epilogue, block):
     assert "bar.sync" in ptx  # the k-slices go through shared memory
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 @pytest.mark.parametrize("epilogue", [None, "silu_mul"], ids=["plain", "silu_mul"])
 def test_gemm_smem_fits_hopper_up_to_128x128(dtype, epilogue):
     op = gemm_op(dtype, 128, 128, epilogue)
@@ -171,6 +177,29 @@ def test_gemm_device_tile_matches_reference(dtype, epilogue, block):
             a = torch.randn(m, k, device="cuda").to(dtype)
             b = (torch.randn(nb * n, k, device="cuda") / k**0.5).to(dtype)
             run_and_check(op, env, {"a": a, "b": b}, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    "dtype,block,epilogue",
+    [
+        (torch.float16, (64, 64), "silu_mul"),
+        (torch.float32, (128, 128), "silu_mul"),  # 50 KB of shared memory: above the 48 KB default
+        (torch.bfloat16, (128, 128), "silu_mul"),
+        (torch.bfloat16, (128, 128), None),
+    ],
+    ids=["fp16-64x64-silu_mul", "fp32-128x128-silu_mul", "bf16-128x128-silu_mul", "bf16-128x128"],
+)
+def test_gemm_device_tile_large_tiles_and_fp16(dtype, block, epilogue):
+    torch.manual_seed(0)
+    op = gemm_op(dtype, *block, epilogue)
+    nb = 2 if epilogue == "silu_mul" else 1
+    for m, n, k in ((1, 130, 100), (200, 300, 257)):
+        env = {"T": m, "N": n, "K": k}
+        a = torch.randn(m, k, device="cuda").to(dtype)
+        b = (torch.randn(nb * n, k, device="cuda") / k**0.5).to(dtype)
+        run_and_check(op, env, {"a": a, "b": b}, dtype)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,9 @@ torch reference (GPU) in isolation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass
