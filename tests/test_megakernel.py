@@ -52,11 +52,11 @@ def test_interpreter_matches_direct_dag_evaluation():
 
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("watchdog", [False, True])
-def test_megakernel_compiles_for_sm90a(scheduler, watchdog):
+def test_megakernel_compiles_for_sm90a(scheduler, watchdog, tmp_path):
     g = ops.dag_graph([[], [0]], N, M)
     t0 = time.perf_counter()
     ptx = runtime.compile_offline(g, scheduler=scheduler, watchdog=watchdog, profile=watchdog,
-                                  options="--keep-ptx").__ptx__
+                                  options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
     assert time.perf_counter() - t0 < 60
     entries = re.findall(r"\.entry\s+(\w+)", ptx)
     assert len(entries) == 1 and "cutemk_megakernel" in entries[0]
