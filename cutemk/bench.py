@@ -15,6 +15,7 @@ bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -69,8 +70,9 @@ def environment() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - cutlass is a hard dependency
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    commit = os.environ.get("CUTEMK_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
