@@ -73,7 +73,7 @@ def main() -> None:
     for name, (deps, layers) in cases(sms, depth).items():
         n = len(deps)
         inputs = ops.dag_inputs(deps, 0, device="cuda")
-        g = ops.dag_graph(deps, N, M, name=name)
+        g = ops.dag_graph(deps, N, M, name=name, empty=True)
         for sched in ("static", "dynamic"):
             c = g.compile("cute", scheduler=sched)
             c(*inputs)

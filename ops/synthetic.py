@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
+import cutlass
 import torch
 from cutlass import Int32, Int64, cute
 
@@ -29,6 +30,7 @@ class SyntheticDagTile(TileOp):
     deps_ptr: TensorSpec  # (n + 1,) int32
     deps_idx: TensorSpec  # (m,) int32
     work: TensorSpec  # (n,) int32, nanoseconds of spinning per task
+    empty: bool = False  # no body at all: measures pure scheduling overhead (out is not written)
 
     name: ClassVar[str] = "synthetic_dag"
     inputs: ClassVar[tuple[str, ...]] = ("deps_ptr", "deps_idx", "work")
@@ -56,6 +58,8 @@ class SyntheticDagTile(TileOp):
         return 0.3
 
     def reference(self, coord, env, t):
+        if self.empty:
+            return
         i = coord[0]
         lo, hi = int(t["deps_ptr"][i]), int(t["deps_ptr"][i + 1])
         acc = i * SEED_MUL + SEED_ADD + int(t["out"][t["deps_idx"][lo:hi].long()].long().sum())
@@ -68,24 +72,26 @@ class SyntheticDagTile(TileOp):
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         mPtr, mIdx, mWork, mOut = tensors[0], tensors[1], tensors[2], tensors[3]
-        if tidx == 0:
-            acc = coord0 * SEED_MUL + SEED_ADD
-            for j in range(mPtr[coord0], mPtr[coord0 + 1]):
-                acc = acc + mOut[mIdx[j]]
-            spin = Int64(mWork[coord0])
-            if spin > 0:
-                t0 = cute.arch.globaltimer()
-                while cute.arch.globaltimer() - t0 < spin:
-                    pass
-            mOut[coord0] = acc
+        if cutlass.const_expr(not self.empty):
+            if tidx == 0:
+                acc = coord0 * SEED_MUL + SEED_ADD
+                for j in range(mPtr[coord0], mPtr[coord0 + 1]):
+                    acc = acc + mOut[mIdx[j]]
+                spin = Int64(mWork[coord0])
+                if spin > 0:
+                    t0 = cute.arch.globaltimer()
+                    while cute.arch.globaltimer() - t0 < spin:
+                        pass
+                mOut[coord0] = acc
 
 
-def synthetic_dag(deps_ptr: TensorSpec, deps_idx: TensorSpec, work: TensorSpec
-                  ) -> SyntheticDagTile:
-    return SyntheticDagTile(deps_ptr, deps_idx, work)
+def synthetic_dag(deps_ptr: TensorSpec, deps_idx: TensorSpec, work: TensorSpec, *,
+                  empty: bool = False) -> SyntheticDagTile:
+    return SyntheticDagTile(deps_ptr, deps_idx, work, empty)
 
 
-def dag_graph(deps: Sequence[Sequence[int]], n: Sym, m: Sym, name: str = "dag") -> Graph:
+def dag_graph(deps: Sequence[Sequence[int]], n: Sym, m: Sym, name: str = "dag",
+              empty: bool = False) -> Graph:
     """A graph running one synthetic task per vertex of ``deps`` (vertex -> its dependencies).
 
     Leaves: deps_ptr (n+1,), deps_idx (m,), work (n,); see :func:`dag_inputs`.
@@ -94,7 +100,7 @@ def dag_graph(deps: Sequence[Sequence[int]], n: Sym, m: Sym, name: str = "dag") 
     ptr = g.input("deps_ptr", (n + 1,), torch.int32)
     idx = g.input("deps_idx", (m,), torch.int32)
     work = g.input("work", (n,), torch.int32)
-    out = g.call(synthetic_dag, ptr, idx, work)
+    out = g.call(synthetic_dag, ptr, idx, work, empty=empty)
     deps = [tuple(int(d) for d in ds) for ds in deps]
     g.event((n,), name="vertex", notify=[(out, lambda t: (t,))],
             wait=[(out, lambda t: [(d,) for d in deps[t]])])

@@ -2,8 +2,11 @@
 
 The megakernel is compiled once per graph structure; everything that depends on the bound dims
 (task list, events, queues) lives in these arrays, built on the host per token count and cached.
-Fixed-width task record: ``task_rec[t] = (node, coord0, coord1, 0)``. Wait/notify lists and the
-dynamic scheduler's consumer lists are CSR arrays. Every array has at least one element (an
+Fixed-width task record (``REC_WIDTH`` int32): ``(task, node, coord0, coord1, wait_lo, wait_hi,
+notify_lo, notify_hi)``, the last four indexing the CSR lists ``wait_ev``/``wait_target`` and
+``notify_ev``. ``task_rec`` is indexed by task id (dynamic mode); ``queue_rec`` holds the same
+records in queue order (static mode), so a CTA streams its queue with coalesced loads. Notifies of
+events nobody waits on are dropped here: they could release nobody. Every array has at least one element (an
 empty array cannot be handed to the kernel as a tensor).
 
 Counters use epoch counting: in launch number ``epoch`` (1, 2, ...) of a plan an event is
@@ -20,7 +23,8 @@ from ..errors import GraphError
 from ..plan import Plan
 from ..scheduling import StaticSchedule
 
-REC_WIDTH = 4
+REC_WIDTH = 8
+R_TASK, R_NODE, R_C0, R_C1, R_WLO, R_WHI, R_NLO, R_NHI = range(REC_WIDTH)
 STATE_SIZE = 8
 # state[] slots (int32), shared by host and device
 EPOCH, HEAD, TAIL, DONE, EXITED, ABORT = range(6)
@@ -37,14 +41,13 @@ class LoweredPlan:
 
     num_tasks: int
     num_events: int
-    task_rec: np.ndarray  # (N * REC_WIDTH,)
-    wait_ptr: np.ndarray  # (N + 1,)
+    task_rec: np.ndarray  # (N * REC_WIDTH,) by task id
     wait_ev: np.ndarray  # (W,)
-    notify_ptr: np.ndarray  # (N + 1,)
+    wait_target: np.ndarray  # (W,) count of wait_ev[j] (per launch; times the epoch on device)
     notify_ev: np.ndarray  # (M,)
     ev_count: np.ndarray  # (E,)
-    queue_ptr: np.ndarray  # (G + 1,) static: SM g runs queue_tasks[queue_ptr[g]:queue_ptr[g+1]]
-    queue_tasks: np.ndarray  # (N,)
+    queue_ptr: np.ndarray  # (G + 1,) static: SM g runs queue positions queue_ptr[g]..[g+1]
+    queue_rec: np.ndarray  # (N * REC_WIDTH,) records in queue order
     cons_ptr: np.ndarray  # (E + 1,) dynamic: tasks waiting on each event
     cons_task: np.ndarray  # (C,)
     task_nwait: np.ndarray  # (N,) number of waits of each task
@@ -75,14 +78,20 @@ def _nonempty(a: np.ndarray) -> np.ndarray:
 def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan:
     """Arrays for ``plan``; ``schedule`` (static mode) must have at most ``grid`` queues."""
     n = plan.num_tasks
+    consumers = plan.consumers()
+    wait_ptr, wait_ev = _csr(plan.waits)
+    wait_target = _nonempty(np.asarray([plan.event_count[e] for w in plan.waits for e in w],
+                                       dtype=np.int32))
+    notify_ptr, notify_ev = _csr([[e for e in ns if consumers[e]] for ns in plan.notifies])
     rec = np.zeros((max(n, 1), REC_WIDTH), dtype=np.int32)
     for t in plan.tasks:
         if len(t.coord) > 2:
             raise GraphError(f"{t.node.name}: task grids of more than 2 dims are not lowered yet")
-        rec[t.tid, 0] = t.node.index
-        rec[t.tid, 1:1 + len(t.coord)] = t.coord
-    wait_ptr, wait_ev = _csr(plan.waits)
-    notify_ptr, notify_ev = _csr(plan.notifies)
+        rec[t.tid, R_TASK] = t.tid
+        rec[t.tid, R_NODE] = t.node.index
+        rec[t.tid, R_C0:R_C0 + len(t.coord)] = t.coord
+    rec[:n, R_WLO], rec[:n, R_WHI] = wait_ptr[:-1], wait_ptr[1:]
+    rec[:n, R_NLO], rec[:n, R_NHI] = notify_ptr[:-1], notify_ptr[1:]
     ev_count = _nonempty(np.asarray(plan.event_count, dtype=np.int32))
     if schedule is not None:
         if schedule.num_sms > grid:
@@ -91,14 +100,16 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     else:
         queues = [()] * grid
     queue_ptr, queue_tasks = _csr([list(q) for q in queues])
+    queue_rec = rec[queue_tasks] if n else rec
     cons_ptr, cons_task = _csr([c if plan.event_count[e] > 0 else []
-                                for e, c in enumerate(plan.consumers())])
+                                for e, c in enumerate(consumers)])
     # an explicit event of count 0 is complete from the start: it never readies a consumer
     live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
     init = [t for t in range(n) if not live_waits[t]]
     return LoweredPlan(
-        num_tasks=n, num_events=plan.num_events, task_rec=rec.reshape(-1), wait_ptr=wait_ptr,
-        wait_ev=wait_ev, notify_ptr=notify_ptr, notify_ev=notify_ev, ev_count=ev_count,
-        queue_ptr=queue_ptr, queue_tasks=queue_tasks, cons_ptr=cons_ptr, cons_task=cons_task,
+        num_tasks=n, num_events=plan.num_events, task_rec=rec.reshape(-1), wait_ev=wait_ev,
+        wait_target=wait_target, notify_ev=notify_ev, ev_count=ev_count, queue_ptr=queue_ptr,
+        queue_rec=np.ascontiguousarray(queue_rec).reshape(-1), cons_ptr=cons_ptr,
+        cons_task=cons_task,
         task_nwait=_nonempty(np.asarray([len(w) for w in live_waits], dtype=np.int32)),
         init_tasks=_nonempty(np.asarray(init, dtype=np.int32)), num_init=len(init))

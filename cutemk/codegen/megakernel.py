@@ -37,13 +37,17 @@ from ..device.config import NUM_THREADS
 from ..device.sync import notify_event, wait_event, wait_event_or_timeout
 from ..tileop import TileOp
 from .lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK, DONE,
-                    EPOCH, EXITED, HEAD, KIND_EVENT_WAIT, KIND_QUEUE_IDLE, REC_WIDTH, TAIL)
+                    EPOCH, EXITED, HEAD, KIND_EVENT_WAIT, KIND_QUEUE_IDLE, R_C0, R_C1, R_NHI,
+                    R_NLO, R_NODE, R_TASK, R_WHI, R_WLO, REC_WIDTH, TAIL)
 
 SMEM_ALIGN = 128
 WORK_CAP = 64  # skipped-task work list of the dynamic pusher; beyond it, tasks are pushed as is
-PROGRAM = ("task_rec", "wait_ptr", "wait_ev", "notify_ptr", "notify_ev", "ev_count", "queue_ptr",
-           "queue_tasks", "cons_ptr", "cons_task", "task_nwait", "init_tasks")
+CHUNK = NUM_THREADS // REC_WIDTH  # static queue records fetched per coalesced load
+PROGRAM = ("task_rec", "wait_ev", "wait_target", "notify_ev", "ev_count", "queue_ptr",
+           "queue_rec", "cons_ptr", "cons_task", "task_nwait", "init_tasks")
 DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring_task", "ring_epoch", "prof")
+P = {name: i for i, name in enumerate(PROGRAM)}
+D = {name: i for i, name in enumerate(DEVICE_STATE)}
 PROF_WIDTH = 4  # per task: SM, start ns, end ns, node (int64)
 
 
@@ -71,6 +75,10 @@ class Megakernel:
         self.has_exists = tuple(hasattr(op, "device_exists") for op in spec.ops)
 
     # -- device helpers (inlined) -------------------------------------------------------------
+    def _rec(self, sRec, k):
+        """The k-th record in shared memory, as a tuple of values."""
+        return tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
+
     def _node_args(self, tensors, k: int):
         return tuple(tensors[i] for i in self.spec.node_tensors[k])
 
@@ -103,19 +111,19 @@ class Megakernel:
             debug[DBG_KIND] = kind
 
     @cute.jit
-    def _wait_all(self, prog, dev, t: Int32, epoch: Int32, timeout_ns: Int64) -> Boolean:
+    def _wait_all(self, prog, dev, t: Int32, w_lo: Int32, w_hi: Int32, epoch: Int32,
+                  timeout_ns: Int64) -> Boolean:
         """One thread: wait for every event task t waits on. False if the watchdog fired."""
-        _, wait_ptr, wait_ev, _, _, ev_count = prog[0], prog[1], prog[2], prog[3], prog[4], prog[5]
-        state, debug, ev_counter = dev[0], dev[1], dev[2]
+        wait_ev, wait_target = prog[P["wait_ev"]], prog[P["wait_target"]]
+        state, debug, ev_counter = dev[D["state"]], dev[D["debug"]], dev[D["ev_counter"]]
         ok = Boolean(True)
         if cutlass.const_expr(self.spec.watchdog):
             ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
-        j = wait_ptr[t]
-        j_end = wait_ptr[t + 1]
-        going = ok and j < j_end
+        j = w_lo
+        going = ok and j < w_hi
         while going:
             e = wait_ev[j]
-            target = ev_count[e] * epoch
+            target = wait_target[j] * epoch
             if cutlass.const_expr(self.spec.watchdog):
                 timed_out, seen = wait_event_or_timeout(ev_counter.iterator + e, target, timeout_ns)
                 if timed_out:
@@ -124,12 +132,12 @@ class Megakernel:
             else:
                 wait_event(ev_counter.iterator + e, target)
             j = j + 1
-            going = ok and j < j_end
+            going = ok and j < w_hi
         return ok
 
     @cute.jit
     def _push(self, dev, t: Int32, epoch: Int32):
-        state, ring_task, ring_epoch = dev[0], dev[4], dev[5]
+        state, ring_task, ring_epoch = dev[D["state"]], dev[D["ring_task"]], dev[D["ring_epoch"]]
         slot = cute.arch.atomic_add(state.iterator + TAIL, Int32(1), sem="relaxed", scope="gpu")
         ring_task[slot] = t
         cute.arch.store(ring_epoch.iterator + slot, epoch, sem="release", scope="gpu")
@@ -137,15 +145,17 @@ class Megakernel:
     @cute.jit
     def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, sWork):
         """One thread: notify for task t, push consumers made ready, complete skipped ones."""
-        task_rec, notify_ptr, notify_ev, ev_count = prog[0], prog[3], prog[4], prog[5]
-        cons_ptr, cons_task, task_nwait = prog[8], prog[9], prog[10]
-        state, ev_counter, task_pending = dev[0], dev[2], dev[3]
+        task_rec, notify_ev, ev_count = prog[P["task_rec"]], prog[P["notify_ev"]], prog[P["ev_count"]]
+        cons_ptr, cons_task, task_nwait = (prog[P["cons_ptr"]], prog[P["cons_task"]],
+                                           prog[P["task_nwait"]])
+        state, ev_counter, task_pending = (dev[D["state"]], dev[D["ev_counter"]],
+                                           dev[D["task_pending"]])
         sWork[0] = t
         n = Int32(1)
         while n > 0:
             n = n - 1
             u = sWork[n]
-            for j in range(notify_ptr[u], notify_ptr[u + 1]):
+            for j in range(task_rec[u * REC_WIDTH + R_NLO], task_rec[u * REC_WIDTH + R_NHI]):
                 e = notify_ev[j]
                 old = cute.arch.atomic_add(ev_counter.iterator + e, Int32(1), sem="acq_rel",
                                            scope="gpu")
@@ -155,9 +165,9 @@ class Megakernel:
                         p = cute.arch.atomic_add(task_pending.iterator + c, Int32(1),
                                                  sem="acq_rel", scope="gpu")
                         if p + 1 == task_nwait[c] * epoch:
-                            node = task_rec[c * REC_WIDTH]
-                            c0 = task_rec[c * REC_WIDTH + 1]
-                            c1 = task_rec[c * REC_WIDTH + 2]
+                            node = task_rec[c * REC_WIDTH + R_NODE]
+                            c0 = task_rec[c * REC_WIDTH + R_C0]
+                            c1 = task_rec[c * REC_WIDTH + R_C1]
                             if self._exists(tensors, node, c0, c1) or n >= WORK_CAP:
                                 self._push(dev, c, epoch)
                             else:
@@ -166,22 +176,24 @@ class Megakernel:
             cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _run_task(self, tensors, prog, dev, t: Int32, epoch: Int32, tidx: Int32,
-                  timeout_ns: Int64, sCtl, sWork, scratch) -> Boolean:
-        """Run task t with the whole CTA; returns False when the watchdog stopped the launch."""
-        task_rec, notify_ptr, notify_ev = prog[0], prog[3], prog[4]
-        ev_counter, prof = dev[2], dev[6]
+    def _run_task(self, tensors, prog, dev, rec, epoch: Int32, tidx: Int32, timeout_ns: Int64,
+                  sCtl, sWork, scratch) -> Boolean:
+        """Run one task with the whole CTA; returns False when the watchdog stopped the launch.
+
+        ``rec`` is the task's record (``REC_WIDTH`` values); every thread reads it into registers
+        before the first barrier, so the caller may overwrite its storage after the task.
+        """
+        t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+        w_lo, w_hi, n_lo, n_hi = rec[R_WLO], rec[R_WHI], rec[R_NLO], rec[R_NHI]
+        notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], dev[D["prof"]]
         if tidx == 0:
             ok = Boolean(True)
             if cutlass.const_expr(not self.spec.dynamic):
-                ok = self._wait_all(prog, dev, t, epoch, timeout_ns)
+                ok = self._wait_all(prog, dev, t, w_lo, w_hi, epoch, timeout_ns)
             sCtl[0] = Int32(1) if ok else Int32(0)
         cute.arch.sync_threads()
         alive = sCtl[0] != 0
         if alive:
-            node = task_rec[t * REC_WIDTH]
-            c0 = task_rec[t * REC_WIDTH + 1]
-            c1 = task_rec[t * REC_WIDTH + 2]
             start = Int64(0)
             if cutlass.const_expr(self.spec.profile):
                 start = cute.arch.globaltimer()
@@ -198,14 +210,15 @@ class Megakernel:
                 if cutlass.const_expr(self.spec.dynamic):
                     self._complete_dynamic(tensors, prog, dev, t, epoch, sWork)
                 else:
-                    for j in range(notify_ptr[t], notify_ptr[t + 1]):
+                    for j in range(n_lo, n_hi):
                         notify_event(ev_counter.iterator + notify_ev[j], Int32(1))
         return alive
 
     @cute.jit
     def _pop(self, dev, num_tasks: Int32, epoch: Int32, timeout_ns: Int64) -> Int32:
         """One thread: the next ready task, or -1 once every task of the launch is done."""
-        state, debug, ring_task, ring_epoch = dev[0], dev[1], dev[4], dev[5]
+        state, debug = dev[D["state"]], dev[D["debug"]]
+        ring_task, ring_epoch = dev[D["ring_task"]], dev[D["ring_epoch"]]
         task = Int32(-1)
         ticket = cute.arch.atomic_add(state.iterator + HEAD, Int32(1), sem="relaxed", scope="gpu")
         if ticket < num_tasks:
@@ -249,10 +262,12 @@ class Megakernel:
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         sWork = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
+        sRec = smem.allocate_tensor(Int32, cute.make_layout(NUM_THREADS), byte_alignment=16)
         scratch = smem.allocate_array(cutlass.Uint8, self.spec.scratch_bytes,
                                       byte_alignment=SMEM_ALIGN)
-        queue_ptr, queue_tasks, init_tasks = prog[6], prog[7], prog[11]
-        state = dev[0]
+        task_rec, queue_ptr, queue_rec = prog[P["task_rec"]], prog[P["queue_ptr"]], prog[P["queue_rec"]]
+        init_tasks = prog[P["init_tasks"]]
+        state = dev[D["state"]]
         epoch = state[EPOCH] + 1
 
         if cutlass.const_expr(self.spec.dynamic):
@@ -267,16 +282,27 @@ class Megakernel:
                 t = sCtl[1]
                 alive = t >= 0
                 if alive:
-                    alive = self._run_task(tensors, prog, dev, t, epoch, tidx, timeout_ns, sCtl,
-                                           sWork, scratch)
+                    if tidx < REC_WIDTH:  # the popped task's record, one word a thread
+                        sRec[tidx] = task_rec[t * REC_WIDTH + tidx]
+                    cute.arch.sync_threads()
+                    alive = self._run_task(tensors, prog, dev, self._rec(sRec, 0), epoch, tidx,
+                                           timeout_ns, sCtl, sWork, scratch)
         else:
+            # stream this CTA's queue CHUNK records at a time: one coalesced word per thread
             i = queue_ptr[bidx]
             i_end = queue_ptr[bidx + 1]
             alive = i < i_end
             while alive:
-                ok = self._run_task(tensors, prog, dev, queue_tasks[i], epoch, tidx, timeout_ns,
-                                    sCtl, sWork, scratch)
-                i = i + 1
+                if i * REC_WIDTH + tidx < i_end * REC_WIDTH:
+                    sRec[tidx] = queue_rec[i * REC_WIDTH + tidx]
+                cute.arch.sync_threads()
+                n = cute.min(CHUNK, i_end - i)
+                ok = Boolean(True)
+                for k in range(n):
+                    if ok:
+                        ok = self._run_task(tensors, prog, dev, self._rec(sRec, k), epoch, tidx,
+                                            timeout_ns, sCtl, sWork, scratch)
+                i = i + CHUNK
                 alive = ok and i < i_end
 
         # last CTA out closes the launch: next epoch, queue counters back to zero
