@@ -19,7 +19,8 @@ import torch
 from .arch import target_arch
 from .binding import bind, env_key, poison_
 from .codegen.lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK,
-                            DEBUG_SIZE, EPOCH, KIND_EVENT_WAIT, STATE_SIZE, LoweredPlan, lower)
+                            DEBUG_SIZE, EPOCH, KIND_EVENT_WAIT, STATE_SIZE, LoweredPlan, lower,
+                            pack_int32)
 from .codegen.megakernel import DEVICE_STATE, PROF_WIDTH, PROGRAM, KernelSpec, Megakernel
 from .errors import DeadlockError, DeviceError, LayoutError
 from .graph import Graph
@@ -44,9 +45,8 @@ class _Buffers:
 
     plan: Plan
     lowered: LoweredPlan
-    prog: tuple  # cute tensors, PROGRAM order
-    dev: tuple  # cute tensors, DEVICE_STATE order
-    torch_dev: dict[str, torch.Tensor]
+    kernel_args: tuple  # cute tensors: packed program, packed device state, profile records
+    torch_dev: dict[str, torch.Tensor]  # the same buffers (and views of the state) for the host
     intermediates: dict[str, torch.Tensor]
     cute_intermediates: dict[str, Any]
     launches: int = 0
@@ -74,6 +74,7 @@ class CuteGraph:
         self.poison_outputs = poison_outputs
         self.spec = kernel_spec(graph, self.dynamic, watchdog, profile)
         self._buffers: dict[tuple, _Buffers] = {}
+        self._weight_cache: dict[tuple, Any] = {}
         self.last_env: dict[str, int] | None = None
 
     # -- plans and buffers ----------------------------------------------------------------------
@@ -98,25 +99,23 @@ class CuteGraph:
             sched = self.scheduler.build(plan, self.num_sms)
             check_static_schedule(plan, sched)
         low = lower(plan, sched, self.num_sms)
-        dev = "cuda"
-        prog_t = {k: torch.from_numpy(v).to(dev) for k, v in low.program_arrays().items()}
+        arrays = low.program_arrays()
+        prog_np, _ = pack_int32([arrays[k] for k in PROGRAM])
         n = max(plan.num_tasks, 1)
-        state = {
-            "state": torch.zeros(STATE_SIZE, dtype=torch.int32, device=dev),
-            "debug": torch.full((DEBUG_SIZE,), -1, dtype=torch.int32, device=dev),
-            "ev_counter": torch.zeros(max(plan.num_events, 1), dtype=torch.int32, device=dev),
-            "task_pending": torch.zeros(n, dtype=torch.int32, device=dev),
-            "ring_task": torch.zeros(n, dtype=torch.int32, device=dev),
-            "ring_epoch": torch.zeros(n, dtype=torch.int32, device=dev),
-            "prof": torch.zeros(n * PROF_WIDTH if self.spec.profile else 1, dtype=torch.int64,
-                                device=dev),
-        }
-        inter = {v.name: poison_(torch.empty(plan.shapes[v.name], dtype=v.dtype, device=dev))
+        sizes = {"state": STATE_SIZE, "debug": DEBUG_SIZE, "ev_counter": max(plan.num_events, 1),
+                 "task_pending": n, "ring": n}
+        dev_np, spans = pack_int32([np.zeros(sizes[k], dtype=np.int32) for k in DEVICE_STATE])
+        prog = torch.from_numpy(prog_np).cuda()
+        devbuf = torch.from_numpy(dev_np).cuda()
+        views = {k: devbuf[o:o + size] for k, (o, size) in zip(DEVICE_STATE, spans)}
+        views["debug"].fill_(-1)
+        prof = torch.zeros(n * PROF_WIDTH if self.spec.profile else 4, dtype=torch.int64,
+                           device="cuda")
+        inter = {v.name: poison_(torch.empty(plan.shapes[v.name], dtype=v.dtype, device="cuda"))
                  for v in self.graph.values
                  if v.kind == "intermediate" and v not in self.graph.outputs}
-        return _Buffers(plan, low, tuple(_cute_tensor(prog_t[k]) for k in PROGRAM),
-                        tuple(_cute_tensor(state[k]) for k in DEVICE_STATE),
-                        {**state, **{f"prog.{k}": v for k, v in prog_t.items()}}, inter,
+        return _Buffers(plan, low, (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof)),
+                        {**views, "prog": prog, "devbuf": devbuf, "prof": prof}, inter,
                         {k: _cute_tensor(v) for k, v in inter.items()})
 
     # -- launching --------------------------------------------------------------------------------
@@ -135,7 +134,9 @@ class CuteGraph:
             outs[v.name] = poison_(t) if self.poison_outputs else t
         tensors = []
         for v in self.graph.values:
-            if v.name in leaves:
+            if v.kind == "weight":
+                tensors.append(self._weight_tensor(leaves[v.name]))
+            elif v.name in leaves:
                 tensors.append(_cute_tensor(leaves[v.name]))
             elif v.name in outs:
                 tensors.append(_cute_tensor(outs[v.name]))
@@ -151,12 +152,24 @@ class CuteGraph:
         res = tuple(outs[v.name] for v in self.graph.outputs)
         return res[0] if len(res) == 1 else res
 
+    def _weight_tensor(self, t: torch.Tensor):
+        """The cute view of a weight, reused while the same memory comes back with the same
+        layout (weights are passed at every call; converting costs host time per launch). The
+        view keeps its weight alive, so the cache is small and holds weights only."""
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        ct = self._weight_cache.get(key)
+        if ct is None:
+            if len(self._weight_cache) >= 64:
+                self._weight_cache.clear()
+            ct = self._weight_cache[key] = _cute_tensor(t)
+        return ct
+
     def _launch(self, b: _Buffers, tensors: tuple) -> None:
         import cuda.bindings.driver as cuda
         from cutlass import Int32, Int64
 
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        args = (tensors, b.prog, b.dev, Int32(b.plan.num_tasks), Int32(b.lowered.num_init),
+        args = (tensors, *b.kernel_args, Int32(b.plan.num_tasks), Int32(b.lowered.num_init),
                 Int64(self.timeout_ns), Int32(self.num_sms), stream)
         fn = _COMPILED.get(self.spec)
         if fn is None:
@@ -164,8 +177,7 @@ class CuteGraph:
         fn(*args)
 
     def _reset(self, b: _Buffers) -> None:
-        for k in ("state", "ev_counter", "task_pending", "ring_epoch"):
-            b.torch_dev[k].zero_()
+        b.torch_dev["devbuf"][b.torch_dev["state"].storage_offset():].zero_()
         b.torch_dev["debug"].fill_(-1)
         b.launches = 0
 
@@ -237,10 +249,9 @@ def compile_offline(graph: Graph, scheduler: Any = "static", watchdog: bool = Fa
             range(ndim - 1, -1, -1)), assumed_align=16)
 
     tensors = tuple(fake(v.dtype, len(v.shape)) for v in graph.values)
-    prog = tuple(fake(torch.int32, 1) for _ in PROGRAM)
-    dev = tuple(fake(torch.int64 if k == "prof" else torch.int32, 1) for k in DEVICE_STATE)
-    return cute.compile(Megakernel(spec).launch, tensors, prog, dev, Int32(1), Int32(1),
-                        Int64(1), Int32(132), make_fake_stream(), options=options)
+    return cute.compile(Megakernel(spec).launch, tensors, fake(torch.int32, 1),
+                        fake(torch.int32, 1), fake(torch.int64, 1), Int32(1), Int32(1), Int64(1),
+                        Int32(132), make_fake_stream(), options=options)
 
 
 def _compile(spec: KernelSpec, args: tuple):

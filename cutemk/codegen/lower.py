@@ -60,8 +60,9 @@ class LoweredPlan:
 
     def max_launches(self) -> int:
         """Launches before a counter target (count * epoch) would overflow int32."""
-        worst = max(int(self.ev_count.max(initial=1)), int(self.task_nwait.max(initial=1)), 1)
-        return MAX_EPOCH_COUNT // worst
+        worst = max(int(self.ev_count.max(initial=1)), int(self.task_nwait.max(initial=1)),
+                    self.num_tasks + 1)  # ring slots hold epoch * num_tasks + task
+        return MAX_EPOCH_COUNT // worst - 1
 
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -113,3 +114,23 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         cons_task=cons_task,
         task_nwait=_nonempty(np.asarray([len(w) for w in live_waits], dtype=np.int32)),
         init_tasks=_nonempty(np.asarray(init, dtype=np.int32)), num_init=len(init))
+
+
+def pack_int32(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Concatenate int32 arrays behind a header of (offset, size) pairs, one pair per array.
+
+    The kernel takes one packed buffer instead of a dozen tensors (each kernel argument costs
+    host time at every launch) and rebuilds the views from the header once, at its start.
+    Offsets are multiples of 4 words, so every view stays 16-byte aligned.
+    """
+    head = 2 * len(arrays)
+    off = (head + 3) // 4 * 4
+    spans = []
+    for a in arrays:
+        spans.append((off, int(a.size)))
+        off += (int(a.size) + 3) // 4 * 4
+    buf = np.zeros(max(off, 4), dtype=np.int32)
+    for k, (a, (o, n)) in enumerate(zip(arrays, spans)):
+        buf[2 * k], buf[2 * k + 1] = o, n
+        buf[o:o + n] = a
+    return buf, spans

@@ -5,14 +5,18 @@ to that op's ``device_tile`` -> notify. The graph structure (which ops, which te
 is compile-time; the task list, events and queues of one token count are runtime int32 arrays
 (``cutemk.codegen.lower``), so one compiled kernel serves every token count.
 
+The program arrays arrive packed in one int32 buffer and the device state in another (one kernel
+argument each: arguments cost host time at every launch); views are rebuilt from their headers.
+
 Protocol (see ``cutemk.device.sync`` for the memory-ordering rules):
 
 - Static: CTA g runs ``queue_tasks[queue_ptr[g]:queue_ptr[g+1]]`` in order; before a task one
   thread acquires each event the task waits on (counter >= count * epoch), ``bar.sync``, the CTA
   runs the tile, ``bar.sync``, one thread release-adds 1 to each event the task notifies.
-- Dynamic: a ring of task ids (``ring_task``; ``ring_epoch[slot] == epoch`` marks a slot filled
-  in this launch). CTAs push the tasks that wait on nothing, then pop: take a ticket (atomic on
-  HEAD) and spin until that slot is filled, or until DONE says every task has finished. After a
+- Dynamic: a ring of task ids (slot value ``epoch * num_tasks + task``, so one acquire load says
+  both that the slot is filled in this launch and what it holds). CTAs push the tasks that wait
+  on nothing, then pop: take a ticket (atomic on HEAD; the next one is taken while the current
+  task runs) and spin until that slot is filled, or until DONE says every task has finished. After a
   task, one thread acq_rel-adds to each notified event; the thread that completes an event adds
   to each consumer's pending count, and the one that completes a consumer's last event pushes it.
   A consumer whose data says it does not exist is never pushed: the pusher completes its notifies
@@ -45,7 +49,7 @@ WORK_CAP = 64  # skipped-task work list of the dynamic pusher; beyond it, tasks 
 CHUNK = NUM_THREADS // REC_WIDTH  # static queue records fetched per coalesced load
 PROGRAM = ("task_rec", "wait_ev", "wait_target", "notify_ev", "ev_count", "queue_ptr",
            "queue_rec", "cons_ptr", "cons_task", "task_nwait", "init_tasks")
-DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring_task", "ring_epoch", "prof")
+DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")
 P = {name: i for i, name in enumerate(PROGRAM)}
 D = {name: i for i, name in enumerate(DEVICE_STATE)}
 PROF_WIDTH = 4  # per task: SM, start ns, end ns, node (int64)
@@ -78,6 +82,11 @@ class Megakernel:
     def _rec(self, sRec, k):
         """The k-th record in shared memory, as a tuple of values."""
         return tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
+
+    def _views(self, buf, n: int):
+        """Views of the arrays packed in ``buf`` behind its (offset, size) header."""
+        return tuple(cute.make_tensor(buf.iterator + buf[2 * k], cute.make_layout(buf[2 * k + 1]))
+                     for k in range(n))
 
     def _node_args(self, tensors, k: int):
         return tuple(tensors[i] for i in self.spec.node_tensors[k])
@@ -136,14 +145,16 @@ class Megakernel:
         return ok
 
     @cute.jit
-    def _push(self, dev, t: Int32, epoch: Int32):
-        state, ring_task, ring_epoch = dev[D["state"]], dev[D["ring_task"]], dev[D["ring_epoch"]]
+    def _push(self, dev, t: Int32, stamp: Int32):
+        """Publish task t: ring slots hold ``stamp + t`` with ``stamp = epoch * num_tasks``, so
+        one acquire load tells a popper both that the slot is filled in this launch and what
+        it holds (values of earlier launches are below the stamp)."""
+        state, ring = dev[D["state"]], dev[D["ring"]]
         slot = cute.arch.atomic_add(state.iterator + TAIL, Int32(1), sem="relaxed", scope="gpu")
-        ring_task[slot] = t
-        cute.arch.store(ring_epoch.iterator + slot, epoch, sem="release", scope="gpu")
+        cute.arch.store(ring.iterator + slot, stamp + t, sem="release", scope="gpu")
 
     @cute.jit
-    def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, sWork):
+    def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, stamp: Int32, sWork):
         """One thread: notify for task t, push consumers made ready, complete skipped ones."""
         task_rec, notify_ev, ev_count = prog[P["task_rec"]], prog[P["notify_ev"]], prog[P["ev_count"]]
         cons_ptr, cons_task, task_nwait = (prog[P["cons_ptr"]], prog[P["cons_task"]],
@@ -169,15 +180,15 @@ class Megakernel:
                             c0 = task_rec[c * REC_WIDTH + R_C0]
                             c1 = task_rec[c * REC_WIDTH + R_C1]
                             if self._exists(tensors, node, c0, c1) or n >= WORK_CAP:
-                                self._push(dev, c, epoch)
+                                self._push(dev, c, stamp)
                             else:
                                 sWork[n] = c
                                 n = n + 1
             cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _run_task(self, tensors, prog, dev, rec, epoch: Int32, tidx: Int32, timeout_ns: Int64,
-                  sCtl, sWork, scratch) -> Boolean:
+    def _run_task(self, tensors, prog, dev, mProf, rec, epoch: Int32, stamp: Int32, tidx: Int32,
+                  timeout_ns: Int64, sCtl, sWork, scratch) -> Boolean:
         """Run one task with the whole CTA; returns False when the watchdog stopped the launch.
 
         ``rec`` is the task's record (``REC_WIDTH`` values); every thread reads it into registers
@@ -185,7 +196,7 @@ class Megakernel:
         """
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         w_lo, w_hi, n_lo, n_hi = rec[R_WLO], rec[R_WHI], rec[R_NLO], rec[R_NHI]
-        notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], dev[D["prof"]]
+        notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], mProf
         if tidx == 0:
             ok = Boolean(True)
             if cutlass.const_expr(not self.spec.dynamic):
@@ -208,19 +219,23 @@ class Megakernel:
                     prof[base + 2] = cute.arch.globaltimer()
                     prof[base + 3] = Int64(node)
                 if cutlass.const_expr(self.spec.dynamic):
-                    self._complete_dynamic(tensors, prog, dev, t, epoch, sWork)
+                    self._complete_dynamic(tensors, prog, dev, t, epoch, stamp, sWork)
                 else:
                     for j in range(n_lo, n_hi):
                         notify_event(ev_counter.iterator + notify_ev[j], Int32(1))
         return alive
 
     @cute.jit
-    def _pop(self, dev, num_tasks: Int32, epoch: Int32, timeout_ns: Int64) -> Int32:
-        """One thread: the next ready task, or -1 once every task of the launch is done."""
-        state, debug = dev[D["state"]], dev[D["debug"]]
-        ring_task, ring_epoch = dev[D["ring_task"]], dev[D["ring_epoch"]]
+    def _take_ticket(self, dev) -> Int32:
+        return cute.arch.atomic_add(dev[D["state"]].iterator + HEAD, Int32(1), sem="relaxed",
+                                    scope="gpu")
+
+    @cute.jit
+    def _pop(self, dev, ticket: Int32, num_tasks: Int32, stamp: Int32, timeout_ns: Int64
+             ) -> Int32:
+        """One thread: the task in ring slot ``ticket``, or -1 once every task is done."""
+        state, debug, ring = dev[D["state"]], dev[D["debug"]], dev[D["ring"]]
         task = Int32(-1)
-        ticket = cute.arch.atomic_add(state.iterator + HEAD, Int32(1), sem="relaxed", scope="gpu")
         if ticket < num_tasks:
             spinning = Boolean(True)
             backoff = Int32(32)
@@ -228,10 +243,9 @@ class Megakernel:
             if cutlass.const_expr(self.spec.watchdog):
                 t0 = cute.arch.globaltimer()
             while spinning:
-                filled = cute.arch.load(ring_epoch.iterator + ticket, Int32, sem="acquire",
-                                        scope="gpu")
-                if filled == epoch:
-                    task = ring_task[ticket]
+                v = cute.arch.load(ring.iterator + ticket, Int32, sem="acquire", scope="gpu")
+                if v >= stamp:
+                    task = v - stamp
                     spinning = Boolean(False)
                 else:
                     done = cute.arch.load(state.iterator + DONE, Int32, sem="acquire",
@@ -254,8 +268,8 @@ class Megakernel:
 
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, tensors: tuple, prog: tuple, dev: tuple, num_tasks: Int32, num_init: Int32,
-               timeout_ns: Int64):
+    def kernel(self, tensors: tuple, mProg: cute.Tensor, mDev: cute.Tensor, mProf: cute.Tensor,
+               num_tasks: Int32, num_init: Int32, timeout_ns: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -265,19 +279,29 @@ class Megakernel:
         sRec = smem.allocate_tensor(Int32, cute.make_layout(NUM_THREADS), byte_alignment=16)
         scratch = smem.allocate_array(cutlass.Uint8, self.spec.scratch_bytes,
                                       byte_alignment=SMEM_ALIGN)
+        prog = self._views(mProg, len(PROGRAM))
+        dev = self._views(mDev, len(DEVICE_STATE))
         task_rec, queue_ptr, queue_rec = prog[P["task_rec"]], prog[P["queue_ptr"]], prog[P["queue_rec"]]
         init_tasks = prog[P["init_tasks"]]
         state = dev[D["state"]]
         epoch = state[EPOCH] + 1
+        stamp = epoch * num_tasks
 
         if cutlass.const_expr(self.spec.dynamic):
             if tidx == 0:
                 for j in range(bidx, num_init, gdim):
-                    self._push(dev, init_tasks[j], epoch)
+                    self._push(dev, init_tasks[j], stamp)
+            ticket = Int32(0)
+            if tidx == 0:
+                ticket = self._take_ticket(dev)
             alive = Boolean(True)
             while alive:
                 if tidx == 0:
-                    sCtl[1] = self._pop(dev, num_tasks, epoch, timeout_ns)
+                    t = self._pop(dev, ticket, num_tasks, stamp, timeout_ns)
+                    # take the next ticket now: its round trip overlaps this task
+                    if t >= 0:
+                        ticket = self._take_ticket(dev)
+                    sCtl[1] = t
                 cute.arch.sync_threads()
                 t = sCtl[1]
                 alive = t >= 0
@@ -285,8 +309,8 @@ class Megakernel:
                     if tidx < REC_WIDTH:  # the popped task's record, one word a thread
                         sRec[tidx] = task_rec[t * REC_WIDTH + tidx]
                     cute.arch.sync_threads()
-                    alive = self._run_task(tensors, prog, dev, self._rec(sRec, 0), epoch, tidx,
-                                           timeout_ns, sCtl, sWork, scratch)
+                    alive = self._run_task(tensors, prog, dev, mProf, self._rec(sRec, 0), epoch,
+                                           stamp, tidx, timeout_ns, sCtl, sWork, scratch)
         else:
             # stream this CTA's queue CHUNK records at a time: one coalesced word per thread
             i = queue_ptr[bidx]
@@ -300,8 +324,8 @@ class Megakernel:
                 ok = Boolean(True)
                 for k in range(n):
                     if ok:
-                        ok = self._run_task(tensors, prog, dev, self._rec(sRec, k), epoch, tidx,
-                                            timeout_ns, sCtl, sWork, scratch)
+                        ok = self._run_task(tensors, prog, dev, mProf, self._rec(sRec, k), epoch,
+                                            stamp, tidx, timeout_ns, sCtl, sWork, scratch)
                 i = i + CHUNK
                 alive = ok and i < i_end
 
@@ -318,11 +342,12 @@ class Megakernel:
                 state[EPOCH] = epoch
 
     @cute.jit
-    def launch(self, tensors: tuple, prog: tuple, dev: tuple, num_tasks: Int32, num_init: Int32,
-               timeout_ns: Int64, grid: Int32, stream: cuda.CUstream):
+    def launch(self, tensors: tuple, mProg: cute.Tensor, mDev: cute.Tensor, mProf: cute.Tensor,
+               num_tasks: Int32, num_init: Int32, timeout_ns: Int64, grid: Int32,
+               stream: cuda.CUstream):
         # shared memory is sized by the DSL from the kernel's SmemAllocator requests; cooperative
         # launch makes a grid that cannot be co-resident fail at launch instead of hanging
-        self.kernel(tensors, prog, dev, num_tasks, num_init, timeout_ns).launch(
+        self.kernel(tensors, mProg, mDev, mProf, num_tasks, num_init, timeout_ns).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True)
 
 
