@@ -80,6 +80,8 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     """Arrays for ``plan``; ``schedule`` (static mode) must have at most ``grid`` queues."""
     n = plan.num_tasks
     consumers = plan.consumers()
+    # an explicit event of count 0 is complete from the start: it never readies a consumer
+    live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
     wait_ptr, wait_ev = _csr(plan.waits)
     wait_target = _nonempty(np.asarray([plan.event_count[e] for w in plan.waits for e in w],
                                        dtype=np.int32))
@@ -102,10 +104,11 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         queues = [()] * grid
     queue_ptr, queue_tasks = _csr([list(q) for q in queues])
     queue_rec = rec[queue_tasks] if n else rec
-    cons_ptr, cons_task = _csr([c if plan.event_count[e] > 0 else []
-                                for e, c in enumerate(consumers)])
-    # an explicit event of count 0 is complete from the start: it never readies a consumer
-    live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
+    # a consumer that waits on one event only is stored as -(c + 1): completing that event
+    # readies it, with no pending-count atomic
+    cons_ptr, cons_task = _csr([[c if len(live_waits[c]) > 1 else -c - 1 for c in cs]
+                                if plan.event_count[e] > 0 else []
+                                for e, cs in enumerate(consumers)])
     init = [t for t in range(n) if not live_waits[t]]
     return LoweredPlan(
         num_tasks=n, num_events=plan.num_events, task_rec=rec.reshape(-1), wait_ev=wait_ev,

@@ -37,7 +37,7 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 from cutlass.experimental import primitives as prims
 
-from ..device.config import NUM_THREADS
+from ..device.config import NUM_THREADS, WARP_SIZE as WARP
 from ..device.sync import notify_event, wait_event, wait_event_or_timeout
 from ..tileop import TileOp
 from .lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK, DONE,
@@ -121,14 +121,15 @@ class Megakernel:
 
     @cute.jit
     def _wait_all(self, prog, dev, t: Int32, w_lo: Int32, w_hi: Int32, epoch: Int32,
-                  timeout_ns: Int64) -> Boolean:
-        """One thread: wait for every event task t waits on. False if the watchdog fired."""
+                  lane: Int32, timeout_ns: Int64) -> Boolean:
+        """Warp 0: lane l waits for events w_lo + l, w_lo + l + 32, ... of task t, so a task
+        with fan-in k pays one acquire round trip, not k. False if the watchdog fired."""
         wait_ev, wait_target = prog[P["wait_ev"]], prog[P["wait_target"]]
         state, debug, ev_counter = dev[D["state"]], dev[D["debug"]], dev[D["ev_counter"]]
         ok = Boolean(True)
         if cutlass.const_expr(self.spec.watchdog):
             ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
-        j = w_lo
+        j = w_lo + lane
         going = ok and j < w_hi
         while going:
             e = wait_ev[j]
@@ -140,21 +141,23 @@ class Megakernel:
                     ok = Boolean(False)
             else:
                 wait_event(ev_counter.iterator + e, target)
-            j = j + 1
+            j = j + WARP
             going = ok and j < w_hi
         return ok
 
     @cute.jit
-    def _push(self, dev, t: Int32, stamp: Int32):
+    def _push(self, dev, t: Int32, stamp: Int32, num_init: Int32):
         """Publish task t: ring slots hold ``stamp + t`` with ``stamp = epoch * num_tasks``, so
         one acquire load tells a popper both that the slot is filled in this launch and what
         it holds (values of earlier launches are below the stamp)."""
         state, ring = dev[D["state"]], dev[D["ring"]]
-        slot = cute.arch.atomic_add(state.iterator + TAIL, Int32(1), sem="relaxed", scope="gpu")
+        slot = num_init + cute.arch.atomic_add(state.iterator + TAIL, Int32(1), sem="relaxed",
+                                               scope="gpu")
         cute.arch.store(ring.iterator + slot, stamp + t, sem="release", scope="gpu")
 
     @cute.jit
-    def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, stamp: Int32, sWork):
+    def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, stamp: Int32,
+                          num_init: Int32, sWork):
         """One thread: notify for task t, push consumers made ready, complete skipped ones."""
         task_rec, notify_ev, ev_count = prog[P["task_rec"]], prog[P["notify_ev"]], prog[P["ev_count"]]
         cons_ptr, cons_task, task_nwait = (prog[P["cons_ptr"]], prog[P["cons_task"]],
@@ -173,22 +176,28 @@ class Megakernel:
                 if old + 1 == ev_count[e] * epoch:
                     for i in range(cons_ptr[e], cons_ptr[e + 1]):
                         c = cons_task[i]
-                        p = cute.arch.atomic_add(task_pending.iterator + c, Int32(1),
-                                                 sem="acq_rel", scope="gpu")
-                        if p + 1 == task_nwait[c] * epoch:
+                        ready = c < 0  # -(c+1): waits on this event alone, ready right now
+                        if ready:
+                            c = -c - 1
+                        else:
+                            p = cute.arch.atomic_add(task_pending.iterator + c, Int32(1),
+                                                     sem="acq_rel", scope="gpu")
+                            ready = p + 1 == task_nwait[c] * epoch
+                        if ready:
                             node = task_rec[c * REC_WIDTH + R_NODE]
                             c0 = task_rec[c * REC_WIDTH + R_C0]
                             c1 = task_rec[c * REC_WIDTH + R_C1]
                             if self._exists(tensors, node, c0, c1) or n >= WORK_CAP:
-                                self._push(dev, c, stamp)
+                                self._push(dev, c, stamp, num_init)
                             else:
                                 sWork[n] = c
                                 n = n + 1
             cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _run_task(self, tensors, prog, dev, mProf, rec, epoch: Int32, stamp: Int32, tidx: Int32,
-                  timeout_ns: Int64, sCtl, sWork, scratch) -> Boolean:
+    def _run_task(self, tensors, prog, dev, mProf, rec, epoch: Int32, stamp: Int32,
+                  num_init: Int32, tidx: Int32, timeout_ns: Int64, sCtl, sWork, scratch
+                  ) -> Boolean:
         """Run one task with the whole CTA; returns False when the watchdog stopped the launch.
 
         ``rec`` is the task's record (``REC_WIDTH`` values); every thread reads it into registers
@@ -197,11 +206,16 @@ class Megakernel:
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         w_lo, w_hi, n_lo, n_hi = rec[R_WLO], rec[R_WHI], rec[R_NLO], rec[R_NHI]
         notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], mProf
-        if tidx == 0:
-            ok = Boolean(True)
-            if cutlass.const_expr(not self.spec.dynamic):
-                ok = self._wait_all(prog, dev, t, w_lo, w_hi, epoch, timeout_ns)
-            sCtl[0] = Int32(1) if ok else Int32(0)
+        if cutlass.const_expr(self.spec.dynamic):
+            if tidx == 0:  # a popped task is ready by construction
+                sCtl[0] = Int32(1)
+        else:
+            if tidx < WARP:
+                if tidx == 0:
+                    sCtl[0] = Int32(1)
+                cute.arch.sync_warp()
+                if not self._wait_all(prog, dev, t, w_lo, w_hi, epoch, tidx, timeout_ns):
+                    sCtl[0] = Int32(0)  # only ever lowered: no lane order needed
         cute.arch.sync_threads()
         alive = sCtl[0] != 0
         if alive:
@@ -219,7 +233,7 @@ class Megakernel:
                     prof[base + 2] = cute.arch.globaltimer()
                     prof[base + 3] = Int64(node)
                 if cutlass.const_expr(self.spec.dynamic):
-                    self._complete_dynamic(tensors, prog, dev, t, epoch, stamp, sWork)
+                    self._complete_dynamic(tensors, prog, dev, t, epoch, stamp, num_init, sWork)
                 else:
                     for j in range(n_lo, n_hi):
                         notify_event(ev_counter.iterator + notify_ev[j], Int32(1))
@@ -254,7 +268,7 @@ class Megakernel:
                         spinning = Boolean(False)
                     else:
                         prims.nanosleep(backoff)
-                        if backoff < 1024:
+                        if backoff < 256:  # a ready queue is polled tighter than an event
                             backoff = backoff * 2
                         if cutlass.const_expr(self.spec.watchdog):
                             if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed",
@@ -288,9 +302,12 @@ class Megakernel:
         stamp = epoch * num_tasks
 
         if cutlass.const_expr(self.spec.dynamic):
-            if tidx == 0:
-                for j in range(bidx, num_init, gdim):
-                    self._push(dev, init_tasks[j], stamp)
+            # tasks that wait on nothing fill ring slots [0, num_init) directly: every thread of
+            # the grid stores a few, no atomics (later pushes go after them)
+            ring = dev[D["ring"]]
+            for j in range(bidx * NUM_THREADS + tidx, num_init, gdim * NUM_THREADS):
+                cute.arch.store(ring.iterator + j, stamp + init_tasks[j], sem="relaxed",
+                                scope="gpu")
             ticket = Int32(0)
             if tidx == 0:
                 ticket = self._take_ticket(dev)
@@ -310,7 +327,8 @@ class Megakernel:
                         sRec[tidx] = task_rec[t * REC_WIDTH + tidx]
                     cute.arch.sync_threads()
                     alive = self._run_task(tensors, prog, dev, mProf, self._rec(sRec, 0), epoch,
-                                           stamp, tidx, timeout_ns, sCtl, sWork, scratch)
+                                           stamp, num_init, tidx, timeout_ns, sCtl, sWork,
+                                           scratch)
         else:
             # stream this CTA's queue CHUNK records at a time: one coalesced word per thread
             i = queue_ptr[bidx]
@@ -325,7 +343,8 @@ class Megakernel:
                 for k in range(n):
                     if ok:
                         ok = self._run_task(tensors, prog, dev, mProf, self._rec(sRec, k), epoch,
-                                            stamp, tidx, timeout_ns, sCtl, sWork, scratch)
+                                            stamp, num_init, tidx, timeout_ns, sCtl, sWork,
+                                            scratch)
                 i = i + CHUNK
                 alive = ok and i < i_end
 
