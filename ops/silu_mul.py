@@ -89,6 +89,14 @@ class SiluMulTile(TileOp):
         return 0  # purely elementwise
 
     @cute.jit
+    def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> cutlass.Boolean:
+        """Grouped layout: row tile ``coord0`` exists iff ``tile_info[coord0, 0] >= 0``."""
+        ok = cutlass.Boolean(True)
+        if cutlass.const_expr(self.tile_info is not None):
+            ok = tensors[1][coord0, 0] >= 0
+        return ok
+
+    @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """Rows ``[coord0 * block_m, +block_m)`` of out; ``tensors`` = (mH, [mTileInfo,] mOut).
 

@@ -150,3 +150,19 @@ def test_missing_notify_is_reported_within_seconds(scheduler):
     # the buffers were reset: the repaired plan runs again in the same process
     c.load_plan(instantiate(g, {"N": 5, "M": int(args[1].numel())}))
     assert torch.equal(c(*args).cpu(), dag_expected(deps))
+
+
+@pytest.mark.parametrize("layer,scheduler", [("mlp", "static"), ("moe", "dynamic")])
+def test_layer_megakernels_compile_for_sm90a(layer, scheduler, tmp_path):
+    from cutemk.layers import MoeConfig, mlp_graph, moe_graph
+
+    T = mk.sym("T", max=4096)
+    if layer == "mlp":
+        g = mlp_graph(T, 2048, 6144, torch.bfloat16, block_m=64, block_n=64)
+    else:
+        g = moe_graph(T, MoeConfig(2048, 768, 128, 8, block_m=64, block_n=64), torch.bfloat16)
+    ptx = runtime.compile_offline(g, scheduler=scheduler, watchdog=True,
+                                  options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    assert len(re.findall(r"\.entry\s+\w*cutemk_megakernel", ptx)) == 1
+    assert not re.search(r"ld\.global\.nc", ptx)  # data written in the launch is never read
+    # through the non-coherent path

@@ -192,7 +192,10 @@ class Megakernel:
                             else:
                                 sWork[n] = c
                                 n = n + 1
-            cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="release", scope="gpu")
+            # relaxed: DONE guards no data (it only tells idle CTAs to stop polling; a task is
+            # counted after it was popped, so DONE == num_tasks implies every pushed slot was
+            # taken), and a release here would stall the thread on every task
+            cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
 
     @cute.jit
     def _run_task(self, tensors, prog, dev, mProf, rec, epoch: Int32, stamp: Int32,
@@ -206,18 +209,16 @@ class Megakernel:
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         w_lo, w_hi, n_lo, n_hi = rec[R_WLO], rec[R_WHI], rec[R_NLO], rec[R_NHI]
         notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], mProf
-        if cutlass.const_expr(self.spec.dynamic):
-            if tidx == 0:  # a popped task is ready by construction
-                sCtl[0] = Int32(1)
-        else:
+        alive = Boolean(True)  # a popped (dynamic) task is ready by construction
+        if cutlass.const_expr(not self.spec.dynamic):
             if tidx < WARP:
                 if tidx == 0:
                     sCtl[0] = Int32(1)
                 cute.arch.sync_warp()
                 if not self._wait_all(prog, dev, t, w_lo, w_hi, epoch, tidx, timeout_ns):
                     sCtl[0] = Int32(0)  # only ever lowered: no lane order needed
-        cute.arch.sync_threads()
-        alive = sCtl[0] != 0
+            cute.arch.sync_threads()
+            alive = sCtl[0] != 0
         if alive:
             start = Int64(0)
             if cutlass.const_expr(self.spec.profile):
