@@ -31,9 +31,15 @@ def _detect() -> str:
 
 
 def pin_arch() -> str:
-    """Set ``CUTE_DSL_ARCH`` unless the user did; returns the arch in effect."""
+    """Set ``CUTE_DSL_ARCH`` unless the user did; returns the arch in effect.
+
+    Also points CuTe DSL's on-disk compile cache at a per-user directory that survives reboots
+    (its default lives under /tmp), unless ``CUTE_DSL_CACHE_DIR`` is set.
+    """
     if "CUTE_DSL_ARCH" not in os.environ:
         os.environ["CUTE_DSL_ARCH"] = _detect()
+    os.environ.setdefault("CUTE_DSL_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "cutemk", "cute_dsl"))
     return os.environ["CUTE_DSL_ARCH"]
 
 
