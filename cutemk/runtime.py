@@ -18,7 +18,7 @@ import torch
 
 from .arch import target_arch
 from .binding import bind, env_key, poison_
-from .codegen.lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK,
+from .codegen.lower import (ABORT, DBG_EVENT, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK,
                             DEBUG_SIZE, EPOCH, KIND_EVENT_WAIT, STATE_SIZE, LoweredPlan, lower,
                             pack_int32)
 from .codegen.megakernel import DEVICE_STATE, PROF_WIDTH, PROGRAM, KernelSpec, Megakernel
