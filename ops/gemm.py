@@ -229,7 +229,7 @@ class GemmTile(TileOp):
                     cute.autovec_copy(tCsBu[None, None, kb], tCrBu)
                     cute.gemm(tiled_mma, acc_up, tCrA, tCrBu, acc_up)
 
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             r, c = tCcC[i]
             if r < self.block_m and c < self.block_n and row0 + r < m and col0 + c < n:
                 v = acc[i]
