@@ -30,7 +30,7 @@ from .plan import Plan, instantiate
 from .costmodel import H200
 from .scheduling import (SchedulingMode, StaticSchedule, check_static_schedule, critical_path,
                          resolve_scheduler)
-from .tileop import box_is_empty, box_slices
+from .tileop import as_boxes, box_is_empty, box_slices
 
 
 @dataclass
@@ -207,7 +207,7 @@ class _Simulation:
         task = self.plan.tasks[t]
         node = task.node
         reads = node.op.reads(task.coord, self.plan.env, self.views[node.index])
-        for arg, box in reads.items():
+        for arg, box in ((a, b) for a, r in reads.items() for b in as_boxes(r)):
             v = node.args[arg]
             if v.kind != "intermediate" or box_is_empty(box):
                 continue
@@ -226,7 +226,8 @@ class _Simulation:
     def _record_writes(self, t: int) -> None:
         task = self.plan.tasks[t]
         node = task.node
-        for out, box in node.op.writes(task.coord, self.plan.env, self.views[node.index]).items():
+        writes = node.op.writes(task.coord, self.plan.env, self.views[node.index])
+        for out, box in ((o, b) for o, r in writes.items() for b in as_boxes(r)):
             v = node.results.get(out)
             if v is not None and not box_is_empty(box):
                 self.writer[v.name][box_slices(box)] = t

@@ -24,7 +24,7 @@ from .errors import GraphError
 from .events import apply_map
 from .graph import Graph, Node
 from .symbolic import Bindings
-from .tileop import Box, Coord, box_is_empty
+from .tileop import Box, Coord, as_boxes, box_is_empty
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> N
             for t in plan.node_tasks[node.index]:
                 w = node.op.writes(plan.tasks[t].coord, env).get(oname)
                 if w is not None:
-                    boxes.append((t, w))
+                    boxes += [(t, b) for b in as_boxes(w)]
             index[v.name] = _WriteIndex(v.name, boxes)
     for cons in graph.nodes:
         by_producer: dict[int, list[str]] = {}
@@ -195,9 +195,10 @@ def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> N
                 reads = cons.op.reads(plan.tasks[t].coord, env)
                 sources: frozenset[int] = frozenset()
                 for a in args:
-                    box = reads.get(a)
-                    if box is not None:
-                        sources |= index[cons.args[a].name].query(box)
+                    region = reads.get(a)
+                    if region is not None:
+                        for box in as_boxes(region):
+                            sources |= index[cons.args[a].name].query(box)
                 if not sources:
                     continue
                 eid = groups.get(sources)

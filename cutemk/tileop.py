@@ -3,8 +3,8 @@
 A tile op is a frozen dataclass (its config plus the specs of its inputs) that *declares*:
 
 - its task grid, in symbolic dims (:meth:`TileOp.grid`);
-- for one tile, the boxes of each tensor argument it reads and writes (:meth:`reads`,
-  :meth:`writes`). With ``data=None`` the boxes must be a sound superset valid for any data
+- for one tile, the box (or list of boxes) of each tensor argument it reads and writes
+  (:meth:`reads`, :meth:`writes`). With ``data=None`` the boxes must be a sound superset valid for any data
   (used to derive events when the graph is instantiated); with ``data`` (the live tensors) an
   op whose regions depend on values computed earlier in the same launch returns the exact boxes
   (used by the interpreter's race checker);
@@ -19,7 +19,7 @@ modules never import a concrete op; ops register themselves with :func:`register
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence, Union
 
 import torch
 
@@ -28,6 +28,9 @@ from .symbolic import Bindings, IntLike, evaluate, shape_str
 
 Box = tuple[tuple[int, int], ...]
 """Half-open interval per tensor dim: ((lo0, hi0), (lo1, hi1), ...)."""
+
+Region = Union[Box, list]
+"""What a tile touches of one tensor: a box, or a list of boxes."""
 
 Coord = tuple[int, ...]
 
@@ -64,6 +67,10 @@ def block(index: int, size: int, extent: int) -> tuple[int, int]:
 
 def box_is_empty(box: Box) -> bool:
     return any(hi <= lo for lo, hi in box)
+
+
+def as_boxes(region: Region) -> list[Box]:
+    return region if isinstance(region, list) else [region]
 
 
 def box_slices(box: Box) -> tuple[slice, ...]:

@@ -27,7 +27,7 @@ def test_gemm_to_silu_gets_one_event_per_row_block():
     # both down tiles of row block 2 share the one event silu[2] notifies
     d = [t for t in down if plan.tasks[t].coord[0] == 2]
     assert plan.waits[d[0]] == plan.waits[d[1]]
-    assert _labels(plan, preds[d[0]]) == ["silu_mul0[2]"]
+    assert _labels(plan, preds[d[0]]) == ["silu_mul0[2, 0]"]
     assert plan.notifies[silu[2]] == plan.waits[d[0]]
 
 
@@ -94,3 +94,17 @@ def test_explicit_derived_count_and_env_map():
             wait=[(y, lambda m, n: [(0,)])])
     plan = instantiate(g, {"T": 9})
     assert plan.event_count == [3 * 2]
+
+
+def test_two_box_reads_wait_only_for_gate_and_up_columns():
+    T = mk.sym("T", max=64)
+    g = mk.Graph()
+    x = g.input("x", (T, 16))
+    h = g.call(ops.gemm, x, g.weight("w", (64, 16)), block_m=8, block_n=8)  # [gate | up], 32 each
+    g.output(g.call(ops.silu_mul, h, block_m=8, block_n=8))
+    plan = instantiate(g, {"T": 8})
+    silu = plan.node_tasks[1]
+    assert len(silu) == 4  # one row block x four column blocks
+    preds = plan.preds()
+    # column block 1 of the output needs gate columns [8, 16) and up columns [40, 48)
+    assert _labels(plan, preds[silu[1]]) == ["gemm0[0, 1]", "gemm0[0, 5]"]

@@ -94,7 +94,7 @@ def test_deleted_wait_is_caught_as_race(scheduler):
     c, plan, args = _mlp_compiled(scheduler)
     silu1 = plan.node_tasks[1][1]
     plan.waits[silu1].clear()  # silu_mul0[1] no longer waits for the gate_up tiles of row 1
-    with pytest.raises(mk.RaceError, match=r"task silu_mul0\[1\] reads gemm0.c"):
+    with pytest.raises(mk.RaceError, match=r"task silu_mul0\[1, 0\] reads gemm0.c"):
         c(*args)
 
 
@@ -104,7 +104,7 @@ def test_deleted_notify_is_caught_as_deadlock(scheduler):
     producer = plan.node_tasks[0][4]  # gemm0[1, 1]
     e = plan.notifies[producer].pop()
     with pytest.raises(mk.DeadlockError,
-                       match=r"task silu_mul0\[1\].* waits on event gemm0->silu_mul0#1: "
+                       match=r"task silu_mul0\[1, 0\].* waits on event gemm0->silu_mul0#1: "
                              r"expected count 3, seen 2"):
         c(*args)
     assert plan.event_label[e] == "gemm0->silu_mul0#1"
