@@ -22,10 +22,11 @@ from .codegen.lower import (ABORT, DBG_EVENT, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TA
                             DEBUG_SIZE, EPOCH, KIND_EVENT_WAIT, STATE_SIZE, LoweredPlan, lower,
                             pack_int32)
 from .codegen.megakernel import DEVICE_STATE, PROF_WIDTH, PROGRAM, KernelSpec, Megakernel
-from .errors import DeadlockError, DeviceError, LayoutError
+from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
 from .plan import Plan, instantiate
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
+from .symbolic import upper
 
 _COMPILED: dict[KernelSpec, Any] = {}
 _LOCK = threading.Lock()
@@ -49,7 +50,7 @@ class _Buffers:
     torch_dev: dict[str, torch.Tensor]  # the same buffers (and views of the state) for the host
     intermediates: dict[str, torch.Tensor]
     cute_intermediates: dict[str, Any]
-    launches: int = 0
+    max_epoch: int  # the kernel wraps its counters to epoch 0 after this many launches
 
 
 class CuteGraph:
@@ -75,6 +76,8 @@ class CuteGraph:
         self.spec = kernel_spec(graph, self.dynamic, watchdog, profile)
         self._buffers: dict[tuple, _Buffers] = {}
         self._weight_cache: dict[tuple, Any] = {}
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
+        self._fn = None
         self.last_env: dict[str, int] | None = None
 
     # -- plans and buffers ----------------------------------------------------------------------
@@ -111,15 +114,32 @@ class CuteGraph:
         views["debug"].fill_(-1)
         prof = torch.zeros(n * PROF_WIDTH if self.spec.profile else 4, dtype=torch.int64,
                            device="cuda")
-        inter = {v.name: poison_(torch.empty(plan.shapes[v.name], dtype=v.dtype, device="cuda"))
-                 for v in self.graph.values
-                 if v.kind == "intermediate" and v not in self.graph.outputs}
+        inter = {}
+        for v in self.graph.values:
+            if v.kind == "intermediate" and v not in self.graph.outputs:
+                shape = plan.shapes[v.name]
+                numel = int(np.prod(shape))
+                inter[v.name] = self._scratch(v)[:numel].view(shape)
         return _Buffers(plan, low, (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof)),
                         {**views, "prog": prog, "devbuf": devbuf, "prof": prof}, inter,
-                        {k: _cute_tensor(v) for k, v in inter.items()})
+                        {k: _cute_tensor(v) for k, v in inter.items()}, low.max_launches())
+
+    def _scratch(self, v) -> torch.Tensor:
+        """One buffer per intermediate, sized for the dims' maxima and shared by every token
+        count (a launch at a new count takes a view): memory stays flat however many counts
+        are served. Launches are stream-ordered, so one graph serves one stream at a time."""
+        buf = self._scratch_bufs.get(v.name)
+        if buf is None:
+            numel = int(np.prod([upper(d) for d in v.shape]))
+            buf = poison_(torch.empty(max(numel, 1), dtype=v.dtype, device="cuda"))
+            self._scratch_bufs[v.name] = buf
+        return buf
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):
+        if self.spec.watchdog and torch.cuda.is_current_stream_capturing():
+            raise CuteMKError("watchdog=True reads the kernel's state back after every launch, "
+                              "so it cannot be captured in a CUDA graph; compile without it")
         env, leaves = bind(self.graph, args, kwargs, device_type="cuda")
         for name, t in leaves.items():
             if t.data_ptr() % 16:
@@ -143,10 +163,9 @@ class CuteGraph:
             else:
                 tensors.append(b.cute_intermediates[v.name])
         if b.plan.num_tasks:
-            if b.launches >= b.lowered.max_launches():
-                self._reset(b)  # counter targets (count * epoch) would overflow int32
+            if self.spec.profile:
+                b.torch_dev["prof"].zero_()  # skipped tasks keep no earlier launch's times
             self._launch(b, tuple(tensors))
-            b.launches += 1
             if self.spec.watchdog:
                 self._check(b)
         res = tuple(outs[v.name] for v in self.graph.outputs)
@@ -170,16 +189,14 @@ class CuteGraph:
 
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         args = (tensors, *b.kernel_args, Int32(b.plan.num_tasks), Int32(b.lowered.num_init),
-                Int64(self.timeout_ns), Int32(self.num_sms), stream)
-        fn = _COMPILED.get(self.spec)
-        if fn is None:
-            fn = _compile(self.spec, args)
-        fn(*args)
+                Int32(b.max_epoch), Int64(self.timeout_ns), Int32(self.num_sms), stream)
+        if self._fn is None:
+            self._fn = _COMPILED.get(self.spec) or _compile(self.spec, args)
+        self._fn(*args)
 
     def _reset(self, b: _Buffers) -> None:
         b.torch_dev["devbuf"][b.torch_dev["state"].storage_offset():].zero_()
         b.torch_dev["debug"].fill_(-1)
-        b.launches = 0
 
     def _check(self, b: _Buffers) -> None:
         state = b.torch_dev["state"].cpu()
@@ -221,7 +238,8 @@ def kernel_spec(graph: Graph, dynamic: bool, watchdog: bool = False, profile: bo
     for n in graph.nodes:
         if not hasattr(n.op, "device_tile"):
             raise NotImplementedError(f"op {n.op.name} has no device function yet")
-    return KernelSpec(tuple(n.op for n in graph.nodes), node_tensors, bool(dynamic),
+    values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
+    return KernelSpec(tuple(n.op for n in graph.nodes), node_tensors, values, bool(dynamic),
                       bool(watchdog), bool(profile), target_arch())
 
 
@@ -250,8 +268,8 @@ def compile_offline(graph: Graph, scheduler: Any = "static", watchdog: bool = Fa
 
     tensors = tuple(fake(v.dtype, len(v.shape)) for v in graph.values)
     return cute.compile(Megakernel(spec).launch, tensors, fake(torch.int32, 1),
-                        fake(torch.int32, 1), fake(torch.int64, 1), Int32(1), Int32(1), Int64(1),
-                        Int32(132), make_fake_stream(), options=options)
+                        fake(torch.int32, 1), fake(torch.int64, 1), Int32(1), Int32(1), Int32(1),
+                        Int64(1), Int32(132), make_fake_stream(), options=options)
 
 
 def _compile(spec: KernelSpec, args: tuple):

@@ -166,3 +166,43 @@ def test_layer_megakernels_compile_for_sm90a(layer, scheduler, tmp_path):
     assert len(re.findall(r"\.entry\s+\w*cutemk_megakernel", ptx)) == 1
     assert not re.search(r"ld\.global\.nc", ptx)  # data written in the launch is never read
     # through the non-coherent path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_counters_wrap_on_the_device(scheduler):
+    """Once count * epoch would pass int32 the last CTA zeroes the counters and restarts at
+    epoch 0; here the limit is forced to 3 launches, also under CUDA-graph replay."""
+    rng = random.Random(5)
+    deps = random_dag(rng, 150, window=20)
+    g = ops.dag_graph(deps, N, M)
+    c = g.compile("cute", scheduler=scheduler)
+    inputs = ops.dag_inputs(deps, device="cuda")
+    expected = dag_expected(deps).cuda()
+    b = c._bufs({"N": 150, "M": int(inputs[1].numel())})
+    b.max_epoch = 3
+    for _ in range(10):
+        assert torch.equal(c(*inputs), expected)
+    assert int(b.torch_dev["state"][0]) == 10 % 3
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = c(*inputs)
+    for _ in range(20):
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_watchdog_refuses_graph_capture():
+    deps = [[], [0]]
+    c = ops.dag_graph(deps, N, M).compile("cute", watchdog=True)
+    inputs = ops.dag_inputs(deps, device="cuda")
+    c(*inputs)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(mk.CuteMKError, match="cannot be captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            c(*inputs)

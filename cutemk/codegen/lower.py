@@ -59,7 +59,8 @@ class LoweredPlan:
                 if isinstance(getattr(self, f.name), np.ndarray)}
 
     def max_launches(self) -> int:
-        """Launches before a counter target (count * epoch) would overflow int32."""
+        """Launches before a counter target (count * epoch) would overflow int32; the kernel
+        zeroes its counters and restarts at epoch 0 when it gets there."""
         worst = max(int(self.ev_count.max(initial=1)), int(self.task_nwait.max(initial=1)),
                     self.num_tasks + 1)  # ring slots hold epoch * num_tasks + task
         return MAX_EPOCH_COUNT // worst - 1

@@ -38,7 +38,7 @@ from cutlass import Boolean, Int32, Int64, cute
 from cutlass.experimental import primitives as prims
 
 from ..device.config import NUM_THREADS, WARP_SIZE as WARP
-from ..device.sync import notify_event, wait_event, wait_event_or_timeout
+from ..device.sync import notify_event, wait_event, wait_event_or_abort
 from ..tileop import TileOp
 from .lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK, DONE,
                     EPOCH, EXITED, HEAD, KIND_EVENT_WAIT, KIND_QUEUE_IDLE, R_C0, R_C1, R_NHI,
@@ -61,6 +61,7 @@ class KernelSpec:
 
     ops: tuple[TileOp, ...]  # per graph node
     node_tensors: tuple[tuple[int, ...], ...]  # per node: indices into the graph tensor tuple
+    values: tuple[tuple[str, int], ...]  # (dtype, rank) of every graph tensor, in tuple order
     dynamic: bool
     watchdog: bool
     profile: bool
@@ -135,7 +136,8 @@ class Megakernel:
             e = wait_ev[j]
             target = wait_target[j] * epoch
             if cutlass.const_expr(self.spec.watchdog):
-                timed_out, seen = wait_event_or_timeout(ev_counter.iterator + e, target, timeout_ns)
+                timed_out, seen = wait_event_or_abort(ev_counter.iterator + e, target, timeout_ns,
+                                                      state.iterator + ABORT)
                 if timed_out:
                     self._abort(state, debug, t, e, target, seen, Int32(KIND_EVENT_WAIT))
                     ok = Boolean(False)
@@ -284,7 +286,7 @@ class Megakernel:
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tensors: tuple, mProg: cute.Tensor, mDev: cute.Tensor, mProf: cute.Tensor,
-               num_tasks: Int32, num_init: Int32, timeout_ns: Int64):
+               num_tasks: Int32, num_init: Int32, max_epoch: Int32, timeout_ns: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -349,25 +351,38 @@ class Megakernel:
                 i = i + CHUNK
                 alive = ok and i < i_end
 
-        # last CTA out closes the launch: next epoch, queue counters back to zero
+        # last CTA out closes the launch: next epoch, queue counters back to zero; once the
+        # counter targets (count * epoch, epoch * num_tasks) would pass int32, it zeroes every
+        # counter and restarts at epoch 0 (on the device: CUDA-graph replays never see the host)
         cute.arch.sync_threads()
         if tidx == 0:
             old = cute.arch.atomic_add(state.iterator + EXITED, Int32(1), sem="acq_rel",
                                        scope="gpu")
-            if old == gdim - 1:
+            sCtl[2] = Int32(1) if old == gdim - 1 else Int32(0)
+        cute.arch.sync_threads()
+        if sCtl[2] != 0:
+            wrap = epoch >= max_epoch
+            if wrap:
+                for k in cutlass.range_constexpr(2, len(DEVICE_STATE)):  # past state, debug
+                    arr = dev[k]
+                    for j in range(tidx, cute.size(arr), NUM_THREADS):
+                        arr[j] = Int32(0)
+            cute.arch.sync_threads()
+            if tidx == 0:
                 state[HEAD] = 0
                 state[TAIL] = 0
                 state[DONE] = 0
                 state[EXITED] = 0
-                state[EPOCH] = epoch
+                state[EPOCH] = Int32(0) if wrap else epoch
 
     @cute.jit
     def launch(self, tensors: tuple, mProg: cute.Tensor, mDev: cute.Tensor, mProf: cute.Tensor,
-               num_tasks: Int32, num_init: Int32, timeout_ns: Int64, grid: Int32,
-               stream: cuda.CUstream):
+               num_tasks: Int32, num_init: Int32, max_epoch: Int32, timeout_ns: Int64,
+               grid: Int32, stream: cuda.CUstream):
         # shared memory is sized by the DSL from the kernel's SmemAllocator requests; cooperative
         # launch makes a grid that cannot be co-resident fail at launch instead of hanging
-        self.kernel(tensors, mProg, mDev, mProf, num_tasks, num_init, timeout_ns).launch(
+        self.kernel(tensors, mProg, mDev, mProf, num_tasks, num_init, max_epoch,
+                    timeout_ns).launch(
             grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True)
 
 

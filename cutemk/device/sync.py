@@ -68,11 +68,15 @@ def _poll_until(
     event_ptr: cute.Pointer,
     target: Int32,
     timeout_ns: Int64,
+    abort_ptr: cute.Pointer,
     bounded: cutlass.Constexpr[bool],
+    abortable: cutlass.Constexpr[bool],
 ) -> tuple[Boolean, Int32]:
     """Spin (acquire loads, exponential nanosleep back-off) until ``*event_ptr >= target``.
 
-    With ``bounded`` the spin also stops once ``timeout_ns`` of ``%globaltimer`` have passed.
+    With ``bounded`` the spin also stops once ``timeout_ns`` of ``%globaltimer`` have passed;
+    with ``abortable`` also as soon as the int32 at ``abort_ptr`` is non-zero (another CTA's
+    watchdog fired: the awaited event may never come). Both report ``timed_out``.
     Returns ``(timed_out, last_seen)``. CuTe DSL has no ``break``/``return`` inside a dynamic
     loop, so the exit condition is carried as ``spinning`` and every carried value is created
     with its final type before the loop.
@@ -98,6 +102,10 @@ def _poll_until(
             if spinning and cute.arch.globaltimer() - start > timeout_ns:
                 timed_out = Boolean(True)
                 spinning = Boolean(False)
+        if cutlass.const_expr(abortable):  # noqa: SIM102
+            if spinning and cute.arch.load(abort_ptr, Int32, sem="relaxed", scope="gpu") != 0:
+                timed_out = Boolean(True)
+                spinning = Boolean(False)
     return timed_out, seen
 
 
@@ -109,7 +117,7 @@ def wait_event(event_ptr: cute.Pointer, target: Int32) -> None:
     the acquire (see the module docstring). Spins forever if the producer never arrives: use
     ``wait_event_or_timeout`` where a hang must be diagnosable.
     """
-    _poll_until(event_ptr, target, Int64(0), False)
+    _poll_until(event_ptr, target, Int64(0), event_ptr, False, False)
 
 
 @cute.jit
@@ -123,7 +131,16 @@ def wait_event_or_timeout(
     When ``timed_out`` is false, ``seen >= target`` and the acquire has happened. The bound is in
     wall time, not polls, because the back-off makes the poll count a poor measure of time.
     """
-    return _poll_until(event_ptr, target, timeout_ns, True)
+    return _poll_until(event_ptr, target, timeout_ns, event_ptr, True, False)
+
+
+@cute.jit
+def wait_event_or_abort(
+    event_ptr: cute.Pointer, target: Int32, timeout_ns: Int64, abort_ptr: cute.Pointer
+) -> tuple[Boolean, Int32]:
+    """``wait_event_or_timeout`` that also gives up once ``*abort_ptr != 0``, so one CTA's
+    watchdog stops every other CTA's wait at once instead of after its own timeout."""
+    return _poll_until(event_ptr, target, timeout_ns, abort_ptr, True, True)
 
 
 @cute.jit
