@@ -159,45 +159,78 @@ class Megakernel:
 
     @cute.jit
     def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, stamp: Int32,
-                          num_init: Int32, sWork):
-        """One thread: notify for task t, push consumers made ready, complete skipped ones."""
+                          num_init: Int32, lane: Int32, sWork):
+        """Warp 0: notify for task t, push the consumers made ready, complete skipped ones.
+
+        Lane 0 adds to each notified event; when it completes the event, the 32 lanes take its
+        consumers 32 at a time (pending-count atomics, existence checks and pushes in parallel:
+        a fan-out of k costs k/32 round trips, not k). ``bar.warp.sync`` orders lane 0's
+        acquire before the other lanes' reads and release stores. Ready consumers whose data
+        says they do not exist go on a work list (lane 0 appends, in lane order) and are
+        completed the same way, never queued.
+        """
         task_rec, notify_ev, ev_count = prog[P["task_rec"]], prog[P["notify_ev"]], prog[P["ev_count"]]
         cons_ptr, cons_task, task_nwait = (prog[P["cons_ptr"]], prog[P["cons_task"]],
                                            prog[P["task_nwait"]])
         state, ev_counter, task_pending = (dev[D["state"]], dev[D["ev_counter"]],
                                            dev[D["task_pending"]])
-        sWork[0] = t
-        n = Int32(1)
+        if lane == 0:
+            sWork[0] = t
+        n = Int32(1)  # work-list length, the same in every lane
         while n > 0:
+            cute.arch.sync_warp()
+            u = sWork[n - 1]
             n = n - 1
-            u = sWork[n]
             for j in range(task_rec[u * REC_WIDTH + R_NLO], task_rec[u * REC_WIDTH + R_NHI]):
                 e = notify_ev[j]
-                old = cute.arch.atomic_add(ev_counter.iterator + e, Int32(1), sem="acq_rel",
-                                           scope="gpu")
-                if old + 1 == ev_count[e] * epoch:
-                    for i in range(cons_ptr[e], cons_ptr[e + 1]):
-                        c = cons_task[i]
-                        ready = c < 0  # -(c+1): waits on this event alone, ready right now
-                        if ready:
-                            c = -c - 1
-                        else:
-                            p = cute.arch.atomic_add(task_pending.iterator + c, Int32(1),
-                                                     sem="acq_rel", scope="gpu")
-                            ready = p + 1 == task_nwait[c] * epoch
-                        if ready:
-                            node = task_rec[c * REC_WIDTH + R_NODE]
-                            c0 = task_rec[c * REC_WIDTH + R_C0]
-                            c1 = task_rec[c * REC_WIDTH + R_C1]
-                            if self._exists(tensors, node, c0, c1) or n >= WORK_CAP:
-                                self._push(dev, c, stamp, num_init)
+                done = Int32(0)
+                if lane == 0:
+                    old = cute.arch.atomic_add(ev_counter.iterator + e, Int32(1), sem="acq_rel",
+                                               scope="gpu")
+                    if old + 1 == ev_count[e] * epoch:
+                        done = Int32(1)
+                done = cute.arch.shuffle_sync(done, 0)
+                cute.arch.sync_warp()
+                if done != 0:
+                    lo = cons_ptr[e]
+                    hi = cons_ptr[e + 1]
+                    for base in range(lo, hi, WARP):
+                        i = base + lane
+                        skip = Int32(-1)
+                        if i < hi:
+                            c = cons_task[i]
+                            ready = c < 0  # -(c+1): waits on this event alone, ready now
+                            if ready:
+                                c = -c - 1
                             else:
-                                sWork[n] = c
-                                n = n + 1
-            # relaxed: DONE guards no data (it only tells idle CTAs to stop polling; a task is
-            # counted after it was popped, so DONE == num_tasks implies every pushed slot was
-            # taken), and a release here would stall the thread on every task
-            cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
+                                p = cute.arch.atomic_add(task_pending.iterator + c, Int32(1),
+                                                         sem="acq_rel", scope="gpu")
+                                ready = p + 1 == task_nwait[c] * epoch
+                            if ready:
+                                node = task_rec[c * REC_WIDTH + R_NODE]
+                                c0 = task_rec[c * REC_WIDTH + R_C0]
+                                c1 = task_rec[c * REC_WIDTH + R_C1]
+                                if self._exists(tensors, node, c0, c1):
+                                    self._push(dev, c, stamp, num_init)
+                                else:
+                                    skip = c
+                        # rare: gather the skipped consumers into the work list, in lane order
+                        if cute.arch.vote_any_sync(skip >= 0):
+                            for src in cutlass.range_constexpr(WARP):
+                                v = cute.arch.shuffle_sync(skip, src)
+                                if v >= 0:
+                                    if n < WORK_CAP:
+                                        if lane == 0:
+                                            sWork[n] = v
+                                        n = n + 1
+                                    elif lane == 0:  # list full: queue it, the popper skips it
+                                        self._push(dev, v, stamp, num_init)
+                            cute.arch.sync_warp()
+            if lane == 0:
+                # relaxed: DONE guards no data (it only tells idle CTAs to stop polling; a task
+                # is counted after it was popped, so DONE == num_tasks implies every pushed slot
+                # was taken), and a release here would stall the lane on every task
+                cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
 
     @cute.jit
     def _run_task(self, tensors, prog, dev, mProf, rec, epoch: Int32, stamp: Int32,
@@ -235,11 +268,13 @@ class Megakernel:
                     prof[base + 1] = start
                     prof[base + 2] = cute.arch.globaltimer()
                     prof[base + 3] = Int64(node)
-                if cutlass.const_expr(self.spec.dynamic):
-                    self._complete_dynamic(tensors, prog, dev, t, epoch, stamp, num_init, sWork)
-                else:
+                if cutlass.const_expr(not self.spec.dynamic):
                     for j in range(n_lo, n_hi):
                         notify_event(ev_counter.iterator + notify_ev[j], Int32(1))
+            if cutlass.const_expr(self.spec.dynamic):
+                if tidx < WARP:
+                    self._complete_dynamic(tensors, prog, dev, t, epoch, stamp, num_init, tidx,
+                                           sWork)
         return alive
 
     @cute.jit
