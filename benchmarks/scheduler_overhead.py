@@ -46,7 +46,9 @@ def cases(sms: int, depth: int) -> dict[str, tuple[list[list[int]], list[int]]]:
     deps = []
     for layer in range(depth):
         for _ in range(sms):
-            deps.append(sorted(rng.sample(range((layer - 1) * sms, layer * sms), 8)) if layer else [])
+            deps.append(
+                sorted(rng.sample(range((layer - 1) * sms, layer * sms), 8)) if layer else []
+            )
     out["fanin8"] = (deps, [sms] * depth)
     return out
 
@@ -77,10 +79,18 @@ def main() -> None:
         for sched in ("static", "dynamic"):
             c = g.compile("cute", scheduler=sched)
             c(*inputs)
-            for impl, t in ((f"mk_{sched}", time_us(lambda: c(*inputs), rep=50)),
-                            (f"mk_{sched}_graph", graph_time(lambda: c(*inputs)))):
-                res.add(name, impl, t, tasks=n, tasks_per_us=round(n / t, 2),
-                        per_task_overhead_us=round(t * sms / n, 3))
+            for impl, t in (
+                (f"mk_{sched}", time_us(lambda: c(*inputs), rep=50)),
+                (f"mk_{sched}_graph", graph_time(lambda: c(*inputs))),
+            ):
+                res.add(
+                    name,
+                    impl,
+                    t,
+                    tasks=n,
+                    tasks_per_us=round(n / t, 2),
+                    per_task_overhead_us=round(t * sms / n, 3),
+                )
         # kernel boundaries: one launch per layer, each CTA one empty task
         layer_inputs = [ops.dag_inputs([[] for _ in range(w)], 0, device="cuda") for w in layers]
         layer_outs = [torch.empty(w, dtype=torch.int32, device="cuda") for w in layers]
@@ -91,10 +101,19 @@ def main() -> None:
             for li, lo, w in zip(layer_inputs, layer_outs, layers):
                 layer_kernel((*li, lo), (w,))
 
-        for impl, t in (("launches", time_us(launches, rep=20)),
-                        ("launches_graph", graph_time(launches))):
-            res.add(name, impl, t, tasks=n, tasks_per_us=round(n / t, 2),
-                    per_task_overhead_us=round(t * sms / n, 3), kernels=len(layers))
+        for impl, t in (
+            ("launches", time_us(launches, rep=20)),
+            ("launches_graph", graph_time(launches)),
+        ):
+            res.add(
+                name,
+                impl,
+                t,
+                tasks=n,
+                tasks_per_us=round(n / t, 2),
+                per_task_overhead_us=round(t * sms / n, 3),
+                kernels=len(layers),
+            )
     res.add_ratios("launches_graph")
     res.finish()
 

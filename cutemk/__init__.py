@@ -9,22 +9,62 @@ from .arch import pin_arch as _pin_arch
 
 _pin_arch()  # before anything imports cutlass (it reads the target arch once, at import)
 
-from .errors import (CuteMKError, DeadlockError, DeviceError, DTypeError, GraphError,
-                     LayoutError, RaceError, ScheduleError, ShapeError, UnsupportedArchError)
+from .errors import (
+    CuteMKError,
+    DeadlockError,
+    DeviceError,
+    DTypeError,
+    GraphError,
+    LayoutError,
+    RaceError,
+    ScheduleError,
+    ShapeError,
+    UnsupportedArchError,
+)
 from .events import EventTensor
 from .graph import Graph, Node, Value
 from .plan import Plan, instantiate
-from .scheduling import (SchedulingMode, StaticSchedule, check_static_schedule, critical_path,
-                         resolve_scheduler)
+from .scheduling import (
+    SchedulingMode,
+    StaticSchedule,
+    check_static_schedule,
+    critical_path,
+    resolve_scheduler,
+)
 from .symbolic import Expr, Sym, cdiv, smax, smin, sym
 from .tileop import TensorSpec, TileOp, register_op
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CuteMKError", "DeadlockError", "DeviceError", "DTypeError", "GraphError", "LayoutError",
-    "RaceError", "ScheduleError", "ShapeError", "UnsupportedArchError", "EventTensor", "Graph",
-    "Node", "Value", "Plan", "instantiate", "SchedulingMode", "StaticSchedule",
-    "check_static_schedule", "critical_path", "resolve_scheduler", "Expr", "Sym", "cdiv",
-    "smax", "smin", "sym", "TensorSpec", "TileOp", "register_op",
+    "CuteMKError",
+    "DeadlockError",
+    "DeviceError",
+    "DTypeError",
+    "GraphError",
+    "LayoutError",
+    "RaceError",
+    "ScheduleError",
+    "ShapeError",
+    "UnsupportedArchError",
+    "EventTensor",
+    "Graph",
+    "Node",
+    "Value",
+    "Plan",
+    "instantiate",
+    "SchedulingMode",
+    "StaticSchedule",
+    "check_static_schedule",
+    "critical_path",
+    "resolve_scheduler",
+    "Expr",
+    "Sym",
+    "cdiv",
+    "smax",
+    "smin",
+    "sym",
+    "TensorSpec",
+    "TileOp",
+    "register_op",
 ]

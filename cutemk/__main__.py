@@ -13,24 +13,36 @@ from cutemk.layers import MoeConfig, moe_graph, moe_reference
 
 
 def demo(args: argparse.Namespace) -> int:
-    cfg = MoeConfig(hidden=args.hidden, intermediate=args.intermediate,
-                    num_experts=args.experts, top_k=args.top_k, block_m=16, block_n=32)
+    cfg = MoeConfig(
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        block_m=16,
+        block_n=32,
+    )
     T = mk.sym("T", max=args.max_tokens)
     g = moe_graph(T, cfg)
     print(g)
     gen = torch.Generator().manual_seed(args.seed)
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
-    weights = dict(w_router=torch.randn(e, h, generator=gen),
-                   w_gate_up=torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5,
-                   w_down=torch.randn(e, h, i, generator=gen) / i ** 0.5)
+    weights = dict(
+        w_router=torch.randn(e, h, generator=gen),
+        w_gate_up=torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+        w_down=torch.randn(e, h, i, generator=gen) / i**0.5,
+    )
     gpu = torch.cuda.is_available() and not args.cpu
     if gpu:
         weights = {k: v.cuda() for k, v in weights.items()}
-        print(f"\nbackend: cute megakernel on {torch.cuda.get_device_name(0)}; one compiled "
-              "kernel, every token count")
+        print(
+            f"\nbackend: cute megakernel on {torch.cuda.get_device_name(0)}; one compiled "
+            "kernel, every token count"
+        )
     else:
-        print(f"\nbackend: interpret (CPU reference, {args.sms} simulated SMs); "
-              "one graph, every token count")
+        print(
+            f"\nbackend: interpret (CPU reference, {args.sms} simulated SMs); "
+            "one graph, every token count"
+        )
     ok = True
     for sched in ("static", "dynamic"):
         if gpu:
@@ -51,8 +63,9 @@ def demo(args: argparse.Namespace) -> int:
                 from .bench import time_us
 
                 mk_us = time_us(lambda: compiled(x, **weights), warmup=3, rep=20)
-                eager_us = time_us(lambda: moe_reference(x, **weights, top_k=cfg.top_k),
-                                   warmup=3, rep=20)
+                eager_us = time_us(
+                    lambda: moe_reference(x, **weights, top_k=cfg.top_k), warmup=3, rep=20
+                )
                 line += f"  megakernel {mk_us:8.1f} us | eager torch {eager_us:8.1f} us"
             else:
                 line += f"  ({ms:.0f} ms interpreted)"
@@ -71,8 +84,14 @@ def trace(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("trace needs a CUDA GPU", file=sys.stderr)
         return 2
-    g = mlp_graph(mk.sym("T", max=4096), args.hidden, args.intermediate, torch.bfloat16,
-                  block_m=64, block_n=64)
+    g = mlp_graph(
+        mk.sym("T", max=4096),
+        args.hidden,
+        args.intermediate,
+        torch.bfloat16,
+        block_m=64,
+        block_n=64,
+    )
     c = g.compile("cute", scheduler=args.scheduler, profile=True)
     dev = "cuda"
     x = torch.randn(args.tokens, args.hidden, device=dev).bfloat16()

@@ -38,8 +38,9 @@ def pin_arch() -> str:
     """
     if "CUTE_DSL_ARCH" not in os.environ:
         os.environ["CUTE_DSL_ARCH"] = _detect()
-    os.environ.setdefault("CUTE_DSL_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "cutemk", "cute_dsl"))
+    os.environ.setdefault(
+        "CUTE_DSL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cutemk", "cute_dsl")
+    )
     return os.environ["CUTE_DSL_ARCH"]
 
 
@@ -47,6 +48,8 @@ def target_arch() -> str:
     """The arch kernels are built for; raises UnsupportedArchError if cutemk has no path."""
     arch = pin_arch()
     if arch not in SUPPORTED:
-        raise UnsupportedArchError(f"cutemk has device code for {SUPPORTED}, not {arch} "
-                                   "(set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200)")
+        raise UnsupportedArchError(
+            f"cutemk has device code for {SUPPORTED}, not {arch} "
+            "(set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200)"
+        )
     return arch

@@ -61,8 +61,11 @@ def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100) -> float:
 
 def environment() -> dict[str, Any]:
     """GPU name and library versions for the results header."""
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "cuda": torch.version.cuda}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     try:
         import cutlass
 
@@ -72,8 +75,16 @@ def environment() -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     commit = os.environ.get("CUTEMK_COMMIT", "")
     try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return {"gpu": gpu, "versions": versions, "commit": commit}

@@ -15,8 +15,9 @@ from .graph import Graph
 from .symbolic import Sym, evaluate, shape_str
 
 
-def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any],
-         device_type: str | None = None) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+def bind(
+    graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any], device_type: str | None = None
+) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     """Match positional/keyword tensors to the graph's inputs and weights (declaration order).
 
     Returns ``(env, tensors)``: the value of every sym, and tensors by leaf name.
@@ -24,8 +25,9 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any],
     leaves = graph.leaves
     names = [v.name for v in leaves]
     if len(args) > len(leaves):
-        raise TypeError(f"{graph.name} takes {len(leaves)} tensors {names}, got {len(args)} "
-                        "positional")
+        raise TypeError(
+            f"{graph.name} takes {len(leaves)} tensors {names}, got {len(args)} positional"
+        )
     given: dict[str, Any] = dict(zip(names, args))
     for k, v in kwargs.items():
         if k not in names:
@@ -47,8 +49,10 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any],
         if t.dtype != leaf.dtype:
             raise DTypeError(f"{leaf.name} must have dtype {leaf.dtype}, got {t.dtype}")
         if t.dim() != len(leaf.shape):
-            raise ShapeError(f"{leaf.name} must be {len(leaf.shape)}-D with shape "
-                             f"{shape_str(leaf.shape)}, got shape {tuple(t.shape)}")
+            raise ShapeError(
+                f"{leaf.name} must be {len(leaf.shape)}-D with shape "
+                f"{shape_str(leaf.shape)}, got shape {tuple(t.shape)}"
+            )
         if device_type is not None and t.device.type != device_type:
             raise DeviceError(f"{leaf.name} must be on a {device_type} device, got {t.device}")
         if device is None:
@@ -56,22 +60,28 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any],
         elif t.device != device:
             raise DeviceError(f"{leaf.name} is on {t.device} but earlier tensors are on {device}")
         if not t.is_contiguous():
-            raise LayoutError(f"{leaf.name} must be contiguous (got strides {t.stride()} for "
-                              f"shape {tuple(t.shape)})")
+            raise LayoutError(
+                f"{leaf.name} must be contiguous (got strides {t.stride()} for "
+                f"shape {tuple(t.shape)})"
+            )
         for d, dim in enumerate(leaf.shape):
             if isinstance(dim, Sym):
                 n = int(t.shape[d])
                 if dim.name in env and env[dim.name] != n:
-                    raise ShapeError(f"{leaf.name}.shape[{d}] is {dim.name}={n} but "
-                                     f"{source[dim.name]} gave {dim.name}={env[dim.name]}")
+                    raise ShapeError(
+                        f"{leaf.name}.shape[{d}] is {dim.name}={n} but "
+                        f"{source[dim.name]} gave {dim.name}={env[dim.name]}"
+                    )
                 env[dim.name] = dim.check(n, f"{leaf.name}.shape[{d}]")
                 source[dim.name] = f"{leaf.name}.shape[{d}]"
     for leaf in leaves:
         t = given[leaf.name]
         want = tuple(evaluate(d, env) for d in leaf.shape)
         if tuple(t.shape) != want:
-            raise ShapeError(f"{leaf.name} must have shape {shape_str(leaf.shape)} = {want}, "
-                             f"got {tuple(t.shape)}")
+            raise ShapeError(
+                f"{leaf.name} must have shape {shape_str(leaf.shape)} = {want}, "
+                f"got {tuple(t.shape)}"
+            )
     return env, {leaf.name: given[leaf.name] for leaf in leaves}
 
 

@@ -22,12 +22,20 @@ class Hardware:
     task_overhead_us: float  # fetch + dispatch of one task
 
 
-H200 = Hardware("H200", num_sms=132, tensor_flops=790e12, simt_flops=60e12, mem_bw=4.3e12,
-                hop_us=0.55, task_overhead_us=0.25)
+H200 = Hardware(
+    "H200",
+    num_sms=132,
+    tensor_flops=790e12,
+    simt_flops=60e12,
+    mem_bw=4.3e12,
+    hop_us=0.55,
+    task_overhead_us=0.25,
+)
 
 
-def tile_time_us(flops: float, nbytes: float, dtype: torch.dtype = torch.bfloat16,
-                 hw: Hardware = H200) -> float:
+def tile_time_us(
+    flops: float, nbytes: float, dtype: torch.dtype = torch.bfloat16, hw: Hardware = H200
+) -> float:
     """Roofline time of one tile on one SM while every SM is busy (its 1/num_sms share)."""
     rate = hw.tensor_flops if dtype in (torch.bfloat16, torch.float16) else hw.simt_flops
     per_sm_flops = rate / hw.num_sms

@@ -71,37 +71,44 @@ class Graph:
         self._names: set[str] = set()
 
     # -- building ---------------------------------------------------------------------------
-    def input(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype = torch.float32
-              ) -> Value:
+    def input(
+        self, name: str, shape: Sequence[IntLike], dtype: torch.dtype = torch.float32
+    ) -> Value:
         """A per-launch input (activations). Its symbolic dims are bound from its shape."""
         return self._leaf(name, shape, dtype, "input")
 
-    def weight(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype = torch.float32
-               ) -> Value:
+    def weight(
+        self, name: str, shape: Sequence[IntLike], dtype: torch.dtype = torch.float32
+    ) -> Value:
         """A parameter tensor, passed at every call like an input."""
         return self._leaf(name, shape, dtype, "weight")
 
-    def call(self, op: Union[OpBuilder, TileOp], *args: Value, name: str | None = None,
-             **config: Any) -> Union[Value, tuple[Value, ...]]:
+    def call(
+        self, op: Union[OpBuilder, TileOp], *args: Value, name: str | None = None, **config: Any
+    ) -> Union[Value, tuple[Value, ...]]:
         """Call a tile op on graph values. ``op`` is an op builder (e.g. ``ops.gemm``) taking
         the input specs positionally and config by keyword, or an already-built op instance.
         Returns the op's output value(s) in its declared output order."""
         for i, a in enumerate(args):
             if not isinstance(a, Value) or a.graph is not self:
-                raise GraphError(f"argument {i} of {getattr(op, '__name__', op)} is not a value "
-                                 f"of graph {self.name!r}")
+                raise GraphError(
+                    f"argument {i} of {getattr(op, '__name__', op)} is not a value "
+                    f"of graph {self.name!r}"
+                )
         if isinstance(op, TileOp):
             if config:
-                raise GraphError("config keywords are given to the op builder, not with an op "
-                                 "instance")
+                raise GraphError(
+                    "config keywords are given to the op builder, not with an op instance"
+                )
             inst = op
         else:
             inst = op(*[a.spec for a in args], **config)
         if not isinstance(inst, TileOp):
             raise GraphError(f"{op} did not build a TileOp")
         if len(args) != len(inst.inputs):
-            raise GraphError(f"{inst.name} takes {len(inst.inputs)} inputs {inst.inputs}, "
-                             f"got {len(args)}")
+            raise GraphError(
+                f"{inst.name} takes {len(inst.inputs)} inputs {inst.inputs}, got {len(args)}"
+            )
         node_name = name or f"{inst.name}{sum(n.op.name == inst.name for n in self.nodes)}"
         self._claim(node_name)
         node = Node(len(self.nodes), node_name, inst, dict(zip(inst.inputs, args)))
@@ -125,9 +132,15 @@ class Graph:
         self.outputs.append(value)
         return value
 
-    def event(self, shape: Sequence[IntLike], count: Any = None, *, name: str = "event",
-              notify: Sequence[tuple[Value, IndexMap]] = (),
-              wait: Sequence[tuple[Value, IndexMap]] = ()) -> EventTensor:
+    def event(
+        self,
+        shape: Sequence[IntLike],
+        count: Any = None,
+        *,
+        name: str = "event",
+        notify: Sequence[tuple[Value, IndexMap]] = (),
+        wait: Sequence[tuple[Value, IndexMap]] = (),
+    ) -> EventTensor:
         """Declare an explicit event tensor (Event Tensor paper, Fig. 3).
 
         ``notify``/``wait`` pair a value *produced by* the node that notifies / waits with an
@@ -135,8 +148,9 @@ class Graph:
         pair wired explicitly gets no automatic events: the explicit wiring is trusted for
         ordering, and its counts are checked when the graph is instantiated.
         """
-        ev = EventTensor(tuple(const(d) if not isinstance(d, int) else d for d in shape),
-                         count, name)
+        ev = EventTensor(
+            tuple(const(d) if not isinstance(d, int) else d for d in shape), count, name
+        )
         em = EventMap(ev)
         for v, fn in notify:
             em.notify.append((self._node_of(v, "notify"), fn))
@@ -167,8 +181,10 @@ class Graph:
         bound = {s for v in self.leaves for s in v.shape if isinstance(s, Sym)}
         for name, s in self.syms().items():
             if s not in bound:
-                raise GraphError(f"sym {name} appears in the graph but is not a plain dim of any "
-                                 "input or weight, so no launch can bind it")
+                raise GraphError(
+                    f"sym {name} appears in the graph but is not a plain dim of any "
+                    "input or weight, so no launch can bind it"
+                )
         for node in self.nodes:
             for a, v in node.args.items():
                 if v.producer is not None and v.producer.index >= node.index:
@@ -200,8 +216,12 @@ class Graph:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
         self._claim(name)
-        v = Value(self, name, TensorSpec(tuple(const(d) if not isinstance(d, int) else d
-                                               for d in shape), dtype), kind)
+        v = Value(
+            self,
+            name,
+            TensorSpec(tuple(const(d) if not isinstance(d, int) else d for d in shape), dtype),
+            kind,
+        )
         self.values.append(v)
         return v
 

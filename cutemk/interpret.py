@@ -28,8 +28,13 @@ from .errors import DeadlockError, RaceError
 from .graph import Graph
 from .plan import Plan, instantiate
 from .costmodel import H200
-from .scheduling import (SchedulingMode, StaticSchedule, check_static_schedule, critical_path,
-                         resolve_scheduler)
+from .scheduling import (
+    SchedulingMode,
+    StaticSchedule,
+    check_static_schedule,
+    critical_path,
+    resolve_scheduler,
+)
 from .tileop import as_boxes, box_is_empty, box_slices
 
 
@@ -63,7 +68,9 @@ class ScheduleReport:
             f"SM busy {100 * self.busy_fraction:.0f}%",
         ]
         for sm, q in enumerate(self.per_sm[:max_sms]):
-            names = " ".join(n for n, _, _ in q[:max_tasks]) + (" ..." if len(q) > max_tasks else "")
+            names = " ".join(n for n, _, _ in q[:max_tasks]) + (
+                " ..." if len(q) > max_tasks else ""
+            )
             lines.append(f"  SM{sm:<3} {len(q):4d} tasks: {names}")
         if len(self.per_sm) > max_sms:
             lines.append(f"  ... {len(self.per_sm) - max_sms} more SMs")
@@ -73,8 +80,14 @@ class ScheduleReport:
 class InterpretedGraph:
     """A graph compiled for the CPU interpreter. Call it like a function of the graph leaves."""
 
-    def __init__(self, graph: Graph, num_sms: int = 8, scheduler: Any = "static", seed: int = 0,
-                 check_races: bool = True) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        num_sms: int = 8,
+        scheduler: Any = "static",
+        seed: int = 0,
+        check_races: bool = True,
+    ) -> None:
         if not isinstance(num_sms, int) or num_sms < 1:
             raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
         self.graph = graph
@@ -109,11 +122,13 @@ class InterpretedGraph:
         tensors: dict[str, torch.Tensor] = dict(leaves)
         for v in self.graph.values:
             if v.kind == "intermediate":
-                tensors[v.name] = poison_(torch.empty(plan.shapes[v.name], dtype=v.dtype,
-                                                      device=device))
+                tensors[v.name] = poison_(
+                    torch.empty(plan.shapes[v.name], dtype=v.dtype, device=device)
+                )
         sched = self.schedule(env) if self.scheduler.mode is SchedulingMode.STATIC else None
-        sim = _Simulation(plan, tensors, self.num_sms, random.Random(self.seed + self.launches),
-                          self.check_races)
+        sim = _Simulation(
+            plan, tensors, self.num_sms, random.Random(self.seed + self.launches), self.check_races
+        )
         self.launches += 1
         if sched is not None:
             sim.run_static(sched)
@@ -125,8 +140,14 @@ class InterpretedGraph:
 
 
 class _Simulation:
-    def __init__(self, plan: Plan, tensors: dict[str, torch.Tensor], num_sms: int,
-                 rng: random.Random, check_races: bool) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        tensors: dict[str, torch.Tensor],
+        num_sms: int,
+        rng: random.Random,
+        check_races: bool,
+    ) -> None:
         self.plan, self.tensors, self.num_sms, self.rng = plan, tensors, num_sms, rng
         self.check_races = check_races
         self.counter = [0] * plan.num_events
@@ -136,9 +157,15 @@ class _Simulation:
         # happens-before: bitset of tasks ordered before each task / each event's completion
         self.anc = [0] * plan.num_tasks
         self.ev_anc = [0] * plan.num_events
-        self.writer = {n: np.full(plan.shapes[n], -1, dtype=np.int32)
-                       for n, v in ((v.name, v) for v in plan.graph.values)
-                       if v.kind == "intermediate"} if check_races else {}
+        self.writer = (
+            {
+                n: np.full(plan.shapes[n], -1, dtype=np.int32)
+                for n, v in ((v.name, v) for v in plan.graph.values)
+                if v.kind == "intermediate"
+            }
+            if check_races
+            else {}
+        )
         self.views = []
         for node in plan.graph.nodes:
             view = {a: tensors[v.name] for a, v in node.args.items()}
@@ -214,14 +241,17 @@ class _Simulation:
             w = self.writer[v.name][box_slices(box)]
             if (w < 0).any():
                 idx = tuple(int(i) for i in np.argwhere(w < 0)[0] + [lo for lo, _ in box])
-                raise RaceError(f"task {task.label} reads {v.name}{list(idx)} (box {list(box)}) "
-                                "which no task has written: a dependency is missing")
+                raise RaceError(
+                    f"task {task.label} reads {v.name}{list(idx)} (box {list(box)}) "
+                    "which no task has written: a dependency is missing"
+                )
             for wt in np.unique(w).tolist():
                 if not (self.anc[t] >> wt) & 1:
                     raise RaceError(
                         f"task {task.label} reads {v.name} (box {list(box)}) written by task "
                         f"{self.plan.tasks[wt].label}, which no event it waits on orders before "
-                        "it: a dependency is missing")
+                        "it: a dependency is missing"
+                    )
 
     def _record_writes(self, t: int) -> None:
         task = self.plan.tasks[t]
@@ -260,8 +290,9 @@ class _Simulation:
     def run_dynamic(self, initial: list[int]) -> None:
         plan = self.plan
         consumers = plan.consumers()
-        remaining = [sum(1 for e in plan.waits[t] if plan.event_count[e] > 0)
-                     for t in range(plan.num_tasks)]
+        remaining = [
+            sum(1 for e in plan.waits[t] if plan.event_count[e] > 0) for t in range(plan.num_tasks)
+        ]
         ready: deque[int] = deque()
 
         def push(ts: list[int]) -> None:
@@ -281,8 +312,11 @@ class _Simulation:
 
         push([t for t in initial if remaining[t] == 0])
         while True:
-            actions = [(sm, self.inflight[sm] is not None) for sm in range(self.num_sms)
-                       if self.inflight[sm] is not None or ready]
+            actions = [
+                (sm, self.inflight[sm] is not None)
+                for sm in range(self.num_sms)
+                if self.inflight[sm] is not None or ready
+            ]
             if not actions:
                 break
             sm, busy = self.rng.choice(actions)
@@ -317,21 +351,30 @@ class _Simulation:
             for e in plan.waits[t]:
                 if not self._complete(e):
                     where = f" on SM {sm_of[t]}" if t in sm_of else ""
-                    lines.append(f"task {plan.tasks[t].label}{where} waits on event "
-                                 f"{plan.event_label[e]}: expected count {plan.event_count[e]}, "
-                                 f"seen {self.counter[e]}")
+                    lines.append(
+                        f"task {plan.tasks[t].label}{where} waits on event "
+                        f"{plan.event_label[e]}: expected count {plan.event_count[e]}, "
+                        f"seen {self.counter[e]}"
+                    )
                     break
         n_left = sum(1 for d in self.done if not d)
         head = lines[0] if lines else f"tasks {[plan.tasks[t].label for t in stuck[:4]]}"
         more = f" ({len(lines) - 1} more stuck tasks)" if len(lines) > 1 else ""
-        raise DeadlockError(f"deadlock with {n_left} tasks unfinished: {head}{more}\n  "
-                            + "\n  ".join(lines[:8]))
+        raise DeadlockError(
+            f"deadlock with {n_left} tasks unfinished: {head}{more}\n  " + "\n  ".join(lines[:8])
+        )
 
     def report(self, name: str) -> ScheduleReport:
         cp_us, cp = critical_path(self.plan)
         return ScheduleReport(
-            scheduler=name, num_sms=self.num_sms, num_tasks=self.plan.num_tasks,
-            num_events=self.plan.num_events, num_edges=self.plan.num_edges(),
-            skipped=self.skipped, per_sm=self.per_sm,
-            makespan_us=max(self.sm_clock, default=0.0), critical_path_us=cp_us,
-            critical_path=[self.plan.tasks[t].label for t in cp])
+            scheduler=name,
+            num_sms=self.num_sms,
+            num_tasks=self.plan.num_tasks,
+            num_events=self.plan.num_events,
+            num_edges=self.plan.num_edges(),
+            skipped=self.skipped,
+            per_sm=self.per_sm,
+            makespan_us=max(self.sm_clock, default=0.0),
+            critical_path_us=cp_us,
+            critical_path=[self.plan.tasks[t].label for t in cp],
+        )

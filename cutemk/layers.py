@@ -31,8 +31,15 @@ class MoeConfig:
     block_n: int = 32
 
 
-def mlp_graph(tokens: Sym, hidden: int, intermediate: int, dtype: torch.dtype = torch.float32,
-              block_m: int = 16, block_n: int = 32, fuse_silu: bool = False) -> Graph:
+def mlp_graph(
+    tokens: Sym,
+    hidden: int,
+    intermediate: int,
+    dtype: torch.dtype = torch.float32,
+    block_m: int = 16,
+    block_n: int = 32,
+    fuse_silu: bool = False,
+) -> Graph:
     """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down."""
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
@@ -57,17 +64,39 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
     w_router = g.weight("w_router", (e, h), dtype)
     w_gu = g.weight("w_gate_up", (e, 2 * i, h), dtype)
     w_down = g.weight("w_down", (e, h, i), dtype)
-    logits = g.call(ops.gemm, x, w_router, block_m=cfg.block_m, block_n=e,
-                    out_dtype=torch.float32, name="router")
-    weights, ids = g.call(ops.topk_softmax, logits, k=cfg.top_k,
-                          renormalize=cfg.norm_topk_prob)
-    tile_info, row_token, slot_row, _ = g.call(ops.moe_route, ids, num_experts=e,
-                                               block_m=cfg.block_m)
-    hgu = g.call(ops.moe_grouped_gemm, x, w_gu, tile_info, row_token, block_m=cfg.block_m,
-                 block_n=cfg.block_n, name="experts_gate_up")
+    logits = g.call(
+        ops.gemm,
+        x,
+        w_router,
+        block_m=cfg.block_m,
+        block_n=e,
+        out_dtype=torch.float32,
+        name="router",
+    )
+    weights, ids = g.call(ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob)
+    tile_info, row_token, slot_row, _ = g.call(
+        ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
+    )
+    hgu = g.call(
+        ops.moe_grouped_gemm,
+        x,
+        w_gu,
+        tile_info,
+        row_token,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        name="experts_gate_up",
+    )
     act = g.call(ops.silu_mul, hgu, tile_info, block_m=cfg.block_m)
-    down = g.call(ops.moe_grouped_gemm, act, w_down, tile_info, block_m=cfg.block_m,
-                  block_n=cfg.block_n, name="experts_down")
+    down = g.call(
+        ops.moe_grouped_gemm,
+        act,
+        w_down,
+        tile_info,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        name="experts_down",
+    )
     y = g.call(ops.moe_combine, down, weights, slot_row)
     g.output(y, "y")
     return g
@@ -80,8 +109,14 @@ def mlp_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return (F.silu(gate) * up) @ w_down.T
 
 
-def moe_reference(x: torch.Tensor, w_router: torch.Tensor, w_gate_up: torch.Tensor,
-                  w_down: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> torch.Tensor:
+def moe_reference(
+    x: torch.Tensor,
+    w_router: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool = True,
+) -> torch.Tensor:
     """Token-by-expert loop as in HF Qwen3MoeSparseMoeBlock, in fp32."""
     x, w_router, w_gate_up, w_down = (t.float() for t in (x, w_router, w_gate_up, w_down))
     probs = torch.softmax(x @ w_router.T, dim=-1)

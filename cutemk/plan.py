@@ -83,8 +83,10 @@ class Plan:
     def preds(self) -> list[set[int]]:
         """Task -> tasks it depends on (through any event)."""
         prod = self.producers()
-        return [set(itertools.chain.from_iterable(prod[e] for e in self.waits[t]))
-                for t in range(self.num_tasks)]
+        return [
+            set(itertools.chain.from_iterable(prod[e] for e in self.waits[t]))
+            for t in range(self.num_tasks)
+        ]
 
     def num_edges(self) -> int:
         return sum(len(p) for p in self.preds())
@@ -94,11 +96,20 @@ class Plan:
         return {
             "graph": self.graph.name,
             "env": self.env,
-            "tasks": [{"tid": t.tid, "label": t.label, "waits": self.waits[t.tid],
-                       "notifies": self.notifies[t.tid], "cost_us": self.cost[t.tid]}
-                      for t in self.tasks],
-            "events": [{"eid": e, "label": self.event_label[e], "count": self.event_count[e]}
-                       for e in range(self.num_events)],
+            "tasks": [
+                {
+                    "tid": t.tid,
+                    "label": t.label,
+                    "waits": self.waits[t.tid],
+                    "notifies": self.notifies[t.tid],
+                    "cost_us": self.cost[t.tid],
+                }
+                for t in self.tasks
+            ],
+            "events": [
+                {"eid": e, "label": self.event_label[e], "count": self.event_count[e]}
+                for e in range(self.num_events)
+            ],
         }
 
 
@@ -116,13 +127,16 @@ class _WriteIndex:
         self.bps = [sorted({x for _, b in boxes for x in b[d]}) for d in range(ndim)]
         self.cells: dict[tuple[int, ...], int] = {}
         for t, b in boxes:
-            ranges = [range(bisect_left(bp, lo), bisect_left(bp, hi))
-                      for bp, (lo, hi) in zip(self.bps, b)]
+            ranges = [
+                range(bisect_left(bp, lo), bisect_left(bp, hi)) for bp, (lo, hi) in zip(self.bps, b)
+            ]
             for cell in itertools.product(*ranges):
                 prev = self.cells.setdefault(cell, t)
                 if prev != t:
-                    raise GraphError(f"tasks {prev} and {t} both write the same part of "
-                                     f"{value_name}: tiles of one op must write disjoint boxes")
+                    raise GraphError(
+                        f"tasks {prev} and {t} both write the same part of "
+                        f"{value_name}: tiles of one op must write disjoint boxes"
+                    )
         self._memo: dict[Box, frozenset[int]] = {}
 
     def query(self, box: Box) -> frozenset[int]:
@@ -243,8 +257,10 @@ def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
             want = have if want is None else want
             if idx in waited and want != have:
                 verdict = "would deadlock" if want > have else "would release its waiters early"
-                raise GraphError(f"{ev.name}{list(idx)} waits for count {want} but {have} tasks "
-                                 f"notify it: {verdict}")
+                raise GraphError(
+                    f"{ev.name}{list(idx)} waits for count {want} but {have} tasks "
+                    f"notify it: {verdict}"
+                )
             plan.event_count[eid] = want
         for pn, _ in em.notify:
             for wn, _ in em.wait:

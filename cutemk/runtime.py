@@ -18,9 +18,21 @@ import torch
 
 from .arch import target_arch
 from .binding import bind, env_key, poison_
-from .codegen.lower import (ABORT, DBG_EVENT, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK,
-                            DEBUG_SIZE, EPOCH, KIND_EVENT_WAIT, STATE_SIZE, LoweredPlan, lower,
-                            pack_int32)
+from .codegen.lower import (
+    ABORT,
+    DBG_EVENT,
+    DBG_KIND,
+    DBG_SEEN,
+    DBG_SM,
+    DBG_TASK,
+    DEBUG_SIZE,
+    EPOCH,
+    KIND_EVENT_WAIT,
+    STATE_SIZE,
+    LoweredPlan,
+    lower,
+    pack_int32,
+)
 from .codegen.megakernel import DEVICE_STATE, PROF_WIDTH, PROGRAM, KernelSpec, Megakernel
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
@@ -57,9 +69,16 @@ class CuteGraph:
     """A graph compiled to one persistent CuTe DSL kernel. Call it like a function of the graph
     leaves (CUDA tensors); returns the graph outputs."""
 
-    def __init__(self, graph: Graph, num_sms: int | None = None, scheduler: Any = "static",
-                 watchdog: bool = False, timeout_s: float = 1.0, profile: bool = False,
-                 poison_outputs: bool = False) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        num_sms: int | None = None,
+        scheduler: Any = "static",
+        watchdog: bool = False,
+        timeout_s: float = 1.0,
+        profile: bool = False,
+        poison_outputs: bool = False,
+    ) -> None:
         if not torch.cuda.is_available():
             raise DeviceError("the cute backend needs a CUDA GPU; use backend='interpret'")
         self.graph = graph
@@ -67,8 +86,9 @@ class CuteGraph:
         dev_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.num_sms = dev_sms if num_sms is None else int(num_sms)
         if not 1 <= self.num_sms <= dev_sms:
-            raise ValueError(f"num_sms must be in [1, {dev_sms}] (one persistent CTA per SM), "
-                             f"got {num_sms}")
+            raise ValueError(
+                f"num_sms must be in [1, {dev_sms}] (one persistent CTA per SM), got {num_sms}"
+            )
         self.scheduler = resolve_scheduler(scheduler)
         self.dynamic = self.scheduler.mode is SchedulingMode.DYNAMIC
         self.timeout_ns = int(timeout_s * 1e9)
@@ -105,24 +125,36 @@ class CuteGraph:
         arrays = low.program_arrays()
         prog_np, _ = pack_int32([arrays[k] for k in PROGRAM])
         n = max(plan.num_tasks, 1)
-        sizes = {"state": STATE_SIZE, "debug": DEBUG_SIZE, "ev_counter": max(plan.num_events, 1),
-                 "task_pending": n, "ring": n}
+        sizes = {
+            "state": STATE_SIZE,
+            "debug": DEBUG_SIZE,
+            "ev_counter": max(plan.num_events, 1),
+            "task_pending": n,
+            "ring": n,
+        }
         dev_np, spans = pack_int32([np.zeros(sizes[k], dtype=np.int32) for k in DEVICE_STATE])
         prog = torch.from_numpy(prog_np).cuda()
         devbuf = torch.from_numpy(dev_np).cuda()
-        views = {k: devbuf[o:o + size] for k, (o, size) in zip(DEVICE_STATE, spans)}
+        views = {k: devbuf[o : o + size] for k, (o, size) in zip(DEVICE_STATE, spans)}
         views["debug"].fill_(-1)
-        prof = torch.zeros(n * PROF_WIDTH if self.spec.profile else 4, dtype=torch.int64,
-                           device="cuda")
+        prof = torch.zeros(
+            n * PROF_WIDTH if self.spec.profile else 4, dtype=torch.int64, device="cuda"
+        )
         inter = {}
         for v in self.graph.values:
             if v.kind == "intermediate" and v not in self.graph.outputs:
                 shape = plan.shapes[v.name]
                 numel = int(np.prod(shape))
                 inter[v.name] = self._scratch(v)[:numel].view(shape)
-        return _Buffers(plan, low, (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof)),
-                        {**views, "prog": prog, "devbuf": devbuf, "prof": prof}, inter,
-                        {k: _cute_tensor(v) for k, v in inter.items()}, low.max_launches())
+        return _Buffers(
+            plan,
+            low,
+            (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof)),
+            {**views, "prog": prog, "devbuf": devbuf, "prof": prof},
+            inter,
+            {k: _cute_tensor(v) for k, v in inter.items()},
+            low.max_launches(),
+        )
 
     def _scratch(self, v) -> torch.Tensor:
         """One buffer per intermediate, sized for the dims' maxima and shared by every token
@@ -138,13 +170,17 @@ class CuteGraph:
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):
         if self.spec.watchdog and torch.cuda.is_current_stream_capturing():
-            raise CuteMKError("watchdog=True reads the kernel's state back after every launch, "
-                              "so it cannot be captured in a CUDA graph; compile without it")
+            raise CuteMKError(
+                "watchdog=True reads the kernel's state back after every launch, "
+                "so it cannot be captured in a CUDA graph; compile without it"
+            )
         env, leaves = bind(self.graph, args, kwargs, device_type="cuda")
         for name, t in leaves.items():
             if t.data_ptr() % 16:
-                raise LayoutError(f"{name} must be 16-byte aligned (data_ptr % 16 = "
-                                  f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor")
+                raise LayoutError(
+                    f"{name} must be 16-byte aligned (data_ptr % 16 = "
+                    f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor"
+                )
         b = self._bufs(env)
         self.last_env = env
         device = next(iter(leaves.values())).device
@@ -188,14 +224,22 @@ class CuteGraph:
         from cutlass import Int32, Int64
 
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        args = (tensors, *b.kernel_args, Int32(b.plan.num_tasks), Int32(b.lowered.num_init),
-                Int32(b.max_epoch), Int64(self.timeout_ns), Int32(self.num_sms), stream)
+        args = (
+            tensors,
+            *b.kernel_args,
+            Int32(b.plan.num_tasks),
+            Int32(b.lowered.num_init),
+            Int32(b.max_epoch),
+            Int64(self.timeout_ns),
+            Int32(self.num_sms),
+            stream,
+        )
         if self._fn is None:
             self._fn = _COMPILED.get(self.spec) or _compile(self.spec, args)
         self._fn(*args)
 
     def _reset(self, b: _Buffers) -> None:
-        b.torch_dev["devbuf"][b.torch_dev["state"].storage_offset():].zero_()
+        b.torch_dev["devbuf"][b.torch_dev["state"].storage_offset() :].zero_()
         b.torch_dev["debug"].fill_(-1)
 
     def _check(self, b: _Buffers) -> None:
@@ -214,10 +258,18 @@ class CuteGraph:
         if not self.spec.profile or self.last_env is None:
             raise ValueError("compile with profile=True and run once before reading a profile")
         b = self._bufs(self.last_env)
-        raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[:b.plan.num_tasks]
-        return [{"sm": int(r[0]), "start_ns": int(r[1]), "end_ns": int(r[2]),
-                 "label": b.plan.tasks[t].label, "node": b.plan.tasks[t].node.name}
-                for t, r in enumerate(raw) if r[2] > 0]
+        raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[: b.plan.num_tasks]
+        return [
+            {
+                "sm": int(r[0]),
+                "start_ns": int(r[1]),
+                "end_ns": int(r[2]),
+                "label": b.plan.tasks[t].label,
+                "node": b.plan.tasks[t].node.name,
+            }
+            for t, r in enumerate(raw)
+            if r[2] > 0
+        ]
 
     def export_trace(self, path: str | Path) -> Path:
         """Chrome-trace JSON of the last launch (one track per SM); opens in Perfetto."""
@@ -228,23 +280,38 @@ class CuteGraph:
         return path
 
 
-def kernel_spec(graph: Graph, dynamic: bool, watchdog: bool = False, profile: bool = False
-                ) -> KernelSpec:
+def kernel_spec(
+    graph: Graph, dynamic: bool, watchdog: bool = False, profile: bool = False
+) -> KernelSpec:
     """The compile-cache key of ``graph``'s megakernel."""
     index = {id(v): i for i, v in enumerate(graph.values)}
     node_tensors = tuple(
         tuple(index[id(n.args[a])] for a in n.op.inputs)
-        + tuple(index[id(n.results[o])] for o in n.op.outputs) for n in graph.nodes)
+        + tuple(index[id(n.results[o])] for o in n.op.outputs)
+        for n in graph.nodes
+    )
     for n in graph.nodes:
         if not hasattr(n.op, "device_tile"):
             raise NotImplementedError(f"op {n.op.name} has no device function yet")
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
-    return KernelSpec(tuple(n.op for n in graph.nodes), node_tensors, values, bool(dynamic),
-                      bool(watchdog), bool(profile), target_arch())
+    return KernelSpec(
+        tuple(n.op for n in graph.nodes),
+        node_tensors,
+        values,
+        bool(dynamic),
+        bool(watchdog),
+        bool(profile),
+        target_arch(),
+    )
 
 
-def compile_offline(graph: Graph, scheduler: Any = "static", watchdog: bool = False,
-                    profile: bool = False, options: str = ""):
+def compile_offline(
+    graph: Graph,
+    scheduler: Any = "static",
+    watchdog: bool = False,
+    profile: bool = False,
+    options: str = "",
+):
     """Compile ``graph``'s megakernel with fake tensors, no GPU needed (CI compile checks).
 
     ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``).
@@ -257,19 +324,35 @@ def compile_offline(graph: Graph, scheduler: Any = "static", watchdog: bool = Fa
     graph.validate()
     dynamic = resolve_scheduler(scheduler).mode is SchedulingMode.DYNAMIC
     spec = kernel_spec(graph, dynamic, watchdog, profile)
-    dtypes = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,
-              torch.float16: cutlass.Float16, torch.int32: cutlass.Int32,
-              torch.int64: cutlass.Int64}
+    dtypes = {
+        torch.float32: cutlass.Float32,
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
+    }
 
     def fake(dtype, ndim):
         shape = tuple(cute.sym_int() for _ in range(ndim))
-        return make_fake_compact_tensor(dtypes[dtype], shape, stride_order=tuple(
-            range(ndim - 1, -1, -1)), assumed_align=16)
+        return make_fake_compact_tensor(
+            dtypes[dtype], shape, stride_order=tuple(range(ndim - 1, -1, -1)), assumed_align=16
+        )
 
     tensors = tuple(fake(v.dtype, len(v.shape)) for v in graph.values)
-    return cute.compile(Megakernel(spec).launch, tensors, fake(torch.int32, 1),
-                        fake(torch.int32, 1), fake(torch.int64, 1), Int32(1), Int32(1), Int32(1),
-                        Int64(1), Int32(132), make_fake_stream(), options=options)
+    return cute.compile(
+        Megakernel(spec).launch,
+        tensors,
+        fake(torch.int32, 1),
+        fake(torch.int32, 1),
+        fake(torch.int64, 1),
+        Int32(1),
+        Int32(1),
+        Int32(1),
+        Int64(1),
+        Int32(132),
+        make_fake_stream(),
+        options=options,
+    )
 
 
 def _compile(spec: KernelSpec, args: tuple):
@@ -291,20 +374,26 @@ def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int) -> s
     if dbg[DBG_KIND] == KIND_EVENT_WAIT and 0 <= dbg[DBG_TASK] < plan.num_tasks:
         e = dbg[DBG_EVENT]
         count = plan.event_count[e]
-        lines.append(f"task {plan.tasks[dbg[DBG_TASK]].label} on SM {dbg[DBG_SM]} waits on event "
-                     f"{plan.event_label[e]}: expected count {count}, seen "
-                     f"{dbg[DBG_SEEN] - (epoch - 1) * count} (timed out in launch {epoch})")
+        lines.append(
+            f"task {plan.tasks[dbg[DBG_TASK]].label} on SM {dbg[DBG_SM]} waits on event "
+            f"{plan.event_label[e]}: expected count {count}, seen "
+            f"{dbg[DBG_SEEN] - (epoch - 1) * count} (timed out in launch {epoch})"
+        )
     else:
-        lines.append(f"the ready queue stayed empty on SM {dbg[DBG_SM]} with "
-                     f"{dbg[DBG_SEEN]} of {plan.num_tasks} tasks done (launch {epoch})")
+        lines.append(
+            f"the ready queue stayed empty on SM {dbg[DBG_SM]} with "
+            f"{dbg[DBG_SEEN]} of {plan.num_tasks} tasks done (launch {epoch})"
+        )
     base = (epoch - 1) * np.asarray(plan.event_count, dtype=np.int64)
-    seen = counters[:plan.num_events].astype(np.int64) - base
+    seen = counters[: plan.num_events].astype(np.int64) - base
     for t in range(plan.num_tasks):
         for e in plan.waits[t]:
             if seen[e] < plan.event_count[e]:
-                lines.append(f"first stuck task {plan.tasks[t].label} waits on event "
-                             f"{plan.event_label[e]}: expected count {plan.event_count[e]}, "
-                             f"seen {int(seen[e])}")
+                lines.append(
+                    f"first stuck task {plan.tasks[t].label} waits on event "
+                    f"{plan.event_label[e]}: expected count {plan.event_count[e]}, "
+                    f"seen {int(seen[e])}"
+                )
                 break
         if len(lines) > 1:
             break

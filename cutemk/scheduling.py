@@ -59,8 +59,9 @@ def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
     try:
         return mod.BY_NAME[spec]()
     except KeyError:
-        raise ValueError(f"scheduler must be one of {sorted(mod.BY_NAME)} or a Scheduler "
-                         f"instance, got {spec!r}") from None
+        raise ValueError(
+            f"scheduler must be one of {sorted(mod.BY_NAME)} or a Scheduler instance, got {spec!r}"
+        ) from None
 
 
 def topological_order(plan: Plan) -> list[int]:
@@ -93,8 +94,9 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule) -> None:
             if not 0 <= t < plan.num_tasks:
                 raise ScheduleError(f"SM {sm} queues task id {t}, outside 0..{plan.num_tasks - 1}")
             if t in seen:
-                raise ScheduleError(f"task {plan.tasks[t].label} is queued twice "
-                                    f"(SM {seen[t]} and SM {sm})")
+                raise ScheduleError(
+                    f"task {plan.tasks[t].label} is queued twice (SM {seen[t]} and SM {sm})"
+                )
             seen[t] = sm
     if len(seen) != plan.num_tasks:
         missing = [plan.tasks[t].label for t in range(plan.num_tasks) if t not in seen][:8]
@@ -121,8 +123,9 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule) -> None:
                 ready.append(s)
     if done == plan.num_tasks:
         return
-    raise ScheduleError("static schedule would deadlock on the GPU: "
-                        + _describe_cycle(plan, seen, edges_in, indeg))
+    raise ScheduleError(
+        "static schedule would deadlock on the GPU: " + _describe_cycle(plan, seen, edges_in, indeg)
+    )
 
 
 def _describe_cycle(plan: Plan, sm_of: dict[int, int], edges_in, indeg) -> str:
@@ -135,13 +138,15 @@ def _describe_cycle(plan: Plan, sm_of: dict[int, int], edges_in, indeg) -> str:
         p, kind = next((p, k) for p, k in edges_in[t] if indeg[p] > 0)
         path.append((t, kind))
         t = p
-    cycle = path[pos[t]:]
+    cycle = path[pos[t] :]
     parts = []
     for i, (task, kind) in enumerate(cycle):
         pred = cycle[(i + 1) % len(cycle)][0]
         how = "waits on" if kind == "dep" else "is queued behind"
-        parts.append(f"{plan.tasks[task].label}@SM{sm_of[task]} {how} "
-                     f"{plan.tasks[pred].label}@SM{sm_of[pred]}")
+        parts.append(
+            f"{plan.tasks[task].label}@SM{sm_of[task]} {how} "
+            f"{plan.tasks[pred].label}@SM{sm_of[pred]}"
+        )
     return "; ".join(parts) + " (cycle)"
 
 

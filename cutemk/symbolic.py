@@ -92,7 +92,9 @@ class Sym(Expr):
         if not self.name.isidentifier():
             raise ValueError(f"sym name must be an identifier, got {self.name!r}")
         if not (0 <= self.min <= self.max):
-            raise ValueError(f"sym {self.name}: need 0 <= min <= max, got min={self.min} max={self.max}")
+            raise ValueError(
+                f"sym {self.name}: need 0 <= min <= max, got min={self.min} max={self.max}"
+            )
 
     def eval(self, env: Bindings) -> int:
         try:

@@ -94,12 +94,14 @@ class TileOp:
     def grid(self) -> tuple[IntLike, ...]:
         raise NotImplementedError
 
-    def reads(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
-              ) -> dict[str, Box]:
+    def reads(
+        self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, Box]:
         raise NotImplementedError
 
-    def writes(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
-               ) -> dict[str, Box]:
+    def writes(
+        self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, Box]:
         raise NotImplementedError
 
     def exists(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor]) -> bool:

@@ -14,8 +14,23 @@ from .synthetic import SyntheticDagTile, dag_graph, dag_inputs, synthetic_dag
 from .topk import TopkSoftmaxTile, topk_softmax
 
 __all__ = [
-    "GemmTile", "gemm", "MoeCombineTile", "moe_combine", "MoeGroupedGemmTile",
-    "moe_grouped_gemm", "MoeRouteTile", "max_tiles", "moe_route", "RmsNormTile", "rmsnorm",
-    "SiluMulTile", "silu_mul", "SyntheticDagTile", "synthetic_dag", "dag_graph", "dag_inputs",
-    "TopkSoftmaxTile", "topk_softmax",
+    "GemmTile",
+    "gemm",
+    "MoeCombineTile",
+    "moe_combine",
+    "MoeGroupedGemmTile",
+    "moe_grouped_gemm",
+    "MoeRouteTile",
+    "max_tiles",
+    "moe_route",
+    "RmsNormTile",
+    "rmsnorm",
+    "SiluMulTile",
+    "silu_mul",
+    "SyntheticDagTile",
+    "synthetic_dag",
+    "dag_graph",
+    "dag_inputs",
+    "TopkSoftmaxTile",
+    "topk_softmax",
 ]

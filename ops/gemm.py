@@ -18,8 +18,16 @@ from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.errors import DTypeError, ShapeError
 from cutemk.symbolic import IntLike, cdiv
-from cutemk.tileop import (FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim,
-                           expect_same_dim, register_op)
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    expect_same_dim,
+    register_op,
+)
 
 EPILOGUES = (None, "silu_mul")
 
@@ -80,7 +88,9 @@ class GemmTile(TileOp):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"gemm {f} must be a positive int, got {getattr(self, f)!r}")
         if self.epilogue == "silu_mul" and isinstance(self.b.shape[0], int) and self.b.shape[0] % 2:
-            raise ShapeError(f"gemm silu_mul epilogue needs an even b.shape[0], got {self.b.shape[0]}")
+            raise ShapeError(
+                f"gemm silu_mul epilogue needs an even b.shape[0], got {self.b.shape[0]}"
+            )
 
     @property
     def m(self) -> IntLike:
@@ -122,8 +132,9 @@ class GemmTile(TileOp):
         bm, bn = self.block_m, self.block_n
         nb = 2 if self.epilogue == "silu_mul" else 1
         es = self.a.dtype.itemsize
-        return tile_time_us(2.0 * bm * bn * k * nb, (bm + nb * bn) * k * es + bm * bn * es,
-                            self.a.dtype)
+        return tile_time_us(
+            2.0 * bm * bn * k * nb, (bm + nb * bn) * k * es + bm * bn * es, self.a.dtype
+        )
 
     def reference(self, coord, env, t):
         m, n, _ = self._dims(env)
@@ -131,7 +142,7 @@ class GemmTile(TileOp):
         a = t["a"][r0:r1].float()
         if self.epilogue == "silu_mul":
             gate = a @ t["b"][c0:c1].float().T
-            up = a @ t["b"][n + c0:n + c1].float().T
+            up = a @ t["b"][n + c0 : n + c1].float().T
             out = F.silu(gate) * up
         else:
             out = a @ t["b"][c0:c1].float().T
@@ -282,7 +293,14 @@ def _stage_rows(
         sX[r, c] = v
 
 
-def gemm(a: TensorSpec, b: TensorSpec, *, block_m: int = 64, block_n: int = 64,
-         epilogue: Optional[str] = None, out_dtype: Optional[torch.dtype] = None) -> GemmTile:
+def gemm(
+    a: TensorSpec,
+    b: TensorSpec,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    epilogue: Optional[str] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> GemmTile:
     """C = A @ B^T with an optional fused epilogue (see module doc)."""
     return GemmTile(a, b, block_m, block_n, epilogue, out_dtype)

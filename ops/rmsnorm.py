@@ -12,7 +12,15 @@ from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_WARPS, WARP_SIZE
 from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
-from cutemk.tileop import FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim, register_op
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    register_op,
+)
 
 
 @register_op
@@ -32,8 +40,10 @@ class RmsNormTile(TileOp):
         expect_ndim(self.weight, 1, "rmsnorm weight")
         expect_dtype(self.x, FLOAT_DTYPES, "rmsnorm x")
         if self.weight.shape[0] != self.x.shape[1]:
-            raise ShapeError(f"rmsnorm weight has {self.weight.shape[0]} elements, x has "
-                             f"{self.x.shape[1]} columns")
+            raise ShapeError(
+                f"rmsnorm weight has {self.weight.shape[0]} elements, x has "
+                f"{self.x.shape[1]} columns"
+            )
         if not isinstance(self.block_m, int) or self.block_m < 1:
             raise ValueError(f"rmsnorm block_m must be a positive int, got {self.block_m!r}")
         if not self.eps > 0:
@@ -101,6 +111,7 @@ class RmsNormTile(TileOp):
                     mY[row, c] = y.to(mY.element_type)
 
 
-def rmsnorm(x: TensorSpec, weight: TensorSpec, *, eps: float = 1e-6, block_m: int = 16
-            ) -> RmsNormTile:
+def rmsnorm(
+    x: TensorSpec, weight: TensorSpec, *, eps: float = 1e-6, block_m: int = 16
+) -> RmsNormTile:
     return RmsNormTile(x, weight, eps, block_m)

@@ -18,7 +18,15 @@ from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
-from cutemk.tileop import FLOAT_DTYPES, TensorSpec, TileOp, block, expect_dtype, expect_ndim, register_op
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    register_op,
+)
 
 
 @register_op
@@ -76,22 +84,24 @@ class SiluMulTile(TileOp):
 
     def writes(self, coord, env, data=None):
         rows, cols = self._dims(env)
-        return {"out": (block(coord[0], self.block_m, rows), block(coord[1], self.block_n,
-                                                                   cols // 2))}
+        return {
+            "out": (block(coord[0], self.block_m, rows), block(coord[1], self.block_n, cols // 2))
+        }
 
     def cost(self, coord, env):
         _, cols = self._dims(env)
         es = self.h.dtype.itemsize
         width = min(self.block_n, cols // 2)
-        return tile_time_us(8.0 * self.block_m * width, 3.0 * self.block_m * width * es,
-                            self.h.dtype)
+        return tile_time_us(
+            8.0 * self.block_m * width, 3.0 * self.block_m * width * es, self.h.dtype
+        )
 
     def reference(self, coord, env, t):
         _, cols = self._dims(env)
         (r0, r1), (c0, c1) = self.writes(coord, env)["out"]
         n = cols // 2
         g = t["h"][r0:r1, c0:c1].float()
-        u = t["h"][r0:r1, n + c0:n + c1].float()
+        u = t["h"][r0:r1, n + c0 : n + c1].float()
         t["out"][r0:r1, c0:c1] = (F.silu(g) * u).to(t["out"].dtype)
 
     # -- device -----------------------------------------------------------------------------
@@ -133,7 +143,8 @@ class SiluMulTile(TileOp):
                 mOut[row, c] = (g / (Float32(1.0) + cute.math.exp(-g)) * u).to(mOut.element_type)
 
 
-def silu_mul(h: TensorSpec, tile_info: Optional[TensorSpec] = None, *, block_m: int = 64,
-             block_n: int = 1024) -> SiluMulTile:
+def silu_mul(
+    h: TensorSpec, tile_info: Optional[TensorSpec] = None, *, block_m: int = 64, block_n: int = 1024
+) -> SiluMulTile:
     """silu(gate) * up of a [gate | up] tensor; grouped layout when ``tile_info`` is given."""
     return SiluMulTile(h, tile_info, block_m, block_n)

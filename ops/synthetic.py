@@ -85,13 +85,15 @@ class SyntheticDagTile(TileOp):
                 mOut[coord0] = acc
 
 
-def synthetic_dag(deps_ptr: TensorSpec, deps_idx: TensorSpec, work: TensorSpec, *,
-                  empty: bool = False) -> SyntheticDagTile:
+def synthetic_dag(
+    deps_ptr: TensorSpec, deps_idx: TensorSpec, work: TensorSpec, *, empty: bool = False
+) -> SyntheticDagTile:
     return SyntheticDagTile(deps_ptr, deps_idx, work, empty)
 
 
-def dag_graph(deps: Sequence[Sequence[int]], n: Sym, m: Sym, name: str = "dag",
-              empty: bool = False) -> Graph:
+def dag_graph(
+    deps: Sequence[Sequence[int]], n: Sym, m: Sym, name: str = "dag", empty: bool = False
+) -> Graph:
     """A graph running one synthetic task per vertex of ``deps`` (vertex -> its dependencies).
 
     Leaves: deps_ptr (n+1,), deps_idx (m,), work (n,); see :func:`dag_inputs`.
@@ -102,19 +104,26 @@ def dag_graph(deps: Sequence[Sequence[int]], n: Sym, m: Sym, name: str = "dag",
     work = g.input("work", (n,), torch.int32)
     out = g.call(synthetic_dag, ptr, idx, work, empty=empty)
     deps = [tuple(int(d) for d in ds) for ds in deps]
-    g.event((n,), name="vertex", notify=[(out, lambda t: (t,))],
-            wait=[(out, lambda t: [(d,) for d in deps[t]])])
+    g.event(
+        (n,),
+        name="vertex",
+        notify=[(out, lambda t: (t,))],
+        wait=[(out, lambda t: [(d,) for d in deps[t]])],
+    )
     g.output(out, "out")
     return g
 
 
-def dag_inputs(deps: Sequence[Sequence[int]], work_ns: Sequence[int] | int = 0,
-               device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dag_inputs(
+    deps: Sequence[Sequence[int]], work_ns: Sequence[int] | int = 0, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = len(deps)
     ptr = torch.zeros(n + 1, dtype=torch.int32)
     ptr[1:] = torch.cumsum(torch.tensor([len(d) for d in deps]), 0)
     flat = [d for ds in deps for d in ds] or [0]  # m >= 1: a sym's minimum
-    work = torch.full((n,), work_ns, dtype=torch.int32) if isinstance(work_ns, int) else \
-        torch.tensor(list(work_ns), dtype=torch.int32)
+    work = (
+        torch.full((n,), work_ns, dtype=torch.int32)
+        if isinstance(work_ns, int)
+        else torch.tensor(list(work_ns), dtype=torch.int32)
+    )
     return ptr.to(device), torch.tensor(flat, dtype=torch.int32, device=device), work.to(device)
-

@@ -17,7 +17,12 @@ import numpy as np
 
 from cutemk.costmodel import H200, Hardware
 from cutemk.plan import Plan
-from cutemk.scheduling import SchedulingMode, StaticSchedule, check_static_schedule, topological_order
+from cutemk.scheduling import (
+    SchedulingMode,
+    StaticSchedule,
+    check_static_schedule,
+    topological_order,
+)
 
 
 @dataclass(frozen=True)

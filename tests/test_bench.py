@@ -11,8 +11,13 @@ def test_results_json_convention(tmp_path, capsys):
     path = r.finish(tmp_path)
     doc = json.loads(path.read_text())
     assert set(doc) >= {"gpu", "versions", "commit", "meta", "rows"}
-    assert doc["rows"][1] == {"case": "n=4", "impl": "cutemk", "median_us": 1.0, "tasks": 3,
-                              "speedup_vs_torch": 2.0}
+    assert doc["rows"][1] == {
+        "case": "n=4",
+        "impl": "cutemk",
+        "median_us": 1.0,
+        "tasks": 3,
+        "speedup_vs_torch": 2.0,
+    }
     assert "speedup_vs_torch" in capsys.readouterr().out
 
 

@@ -59,8 +59,13 @@ def _two_gemms():
 
 def test_explicit_event_replaces_automatic_wiring():
     g, T, h, y = _two_gemms()
-    ev = g.event((mk.cdiv(T, 4),), count=2, name="rows",
-                 notify=[(h, lambda m, n: (m,))], wait=[(y, lambda m, n: (m,))])
+    ev = g.event(
+        (mk.cdiv(T, 4),),
+        count=2,
+        name="rows",
+        notify=[(h, lambda m, n: (m,))],
+        wait=[(y, lambda m, n: (m,))],
+    )
     assert isinstance(ev, mk.EventTensor)
     plan = instantiate(g, {"T": 12})
     assert plan.num_events == 3
@@ -74,24 +79,34 @@ def test_explicit_event_replaces_automatic_wiring():
 
 def test_explicit_event_count_is_checked():
     g, T, h, y = _two_gemms()
-    g.event((mk.cdiv(T, 4),), count=3, name="rows",
-            notify=[(h, lambda m, n: (m,))], wait=[(y, lambda m, n: (m,))])
-    with pytest.raises(mk.GraphError, match="waits for count 3 but 2 tasks notify it: would deadlock"):
+    g.event(
+        (mk.cdiv(T, 4),),
+        count=3,
+        name="rows",
+        notify=[(h, lambda m, n: (m,))],
+        wait=[(y, lambda m, n: (m,))],
+    )
+    with pytest.raises(
+        mk.GraphError, match="waits for count 3 but 2 tasks notify it: would deadlock"
+    ):
         instantiate(g, {"T": 12})
 
 
 def test_explicit_event_out_of_range_index():
     g, T, h, y = _two_gemms()
-    g.event((mk.cdiv(T, 8),), name="rows",
-            notify=[(h, lambda m, n: (m,))], wait=[(y, lambda m, n: (m // 2,))])
+    g.event(
+        (mk.cdiv(T, 8),),
+        name="rows",
+        notify=[(h, lambda m, n: (m,))],
+        wait=[(y, lambda m, n: (m // 2,))],
+    )
     with pytest.raises(mk.GraphError, match="outside shape"):
         instantiate(g, {"T": 12})
 
 
 def test_explicit_derived_count_and_env_map():
     g, T, h, y = _two_gemms()
-    g.event((1,), name="all", notify=[(h, lambda m, n, env: (0,))],
-            wait=[(y, lambda m, n: [(0,)])])
+    g.event((1,), name="all", notify=[(h, lambda m, n, env: (0,))], wait=[(y, lambda m, n: [(0,)])])
     plan = instantiate(g, {"T": 9})
     assert plan.event_count == [3 * 2]
 

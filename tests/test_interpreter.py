@@ -16,9 +16,11 @@ def rel_err(out, ref):
 
 def moe_weights(cfg, gen):
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
-    return dict(w_router=torch.randn(e, h, generator=gen),
-                w_gate_up=torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5,
-                w_down=torch.randn(e, h, i, generator=gen) / i ** 0.5)
+    return dict(
+        w_router=torch.randn(e, h, generator=gen),
+        w_gate_up=torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+        w_down=torch.randn(e, h, i, generator=gen) / i**0.5,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,7 @@ def test_moe_built_once_runs_every_token_count(moe, scheduler):
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_all_tokens_to_one_expert_and_an_empty_expert(scheduler, top_k):
-    cfg = MoeConfig(hidden=64, intermediate=32, num_experts=8, top_k=top_k, block_m=16,
-                    block_n=32)
+    cfg = MoeConfig(hidden=64, intermediate=32, num_experts=8, top_k=top_k, block_m=16, block_n=32)
     g = moe_graph(mk.sym("T", max=512), cfg)
     gen = torch.Generator().manual_seed(2)
     w = moe_weights(cfg, gen)
@@ -72,8 +73,9 @@ def test_moe_all_tokens_to_one_expert_and_an_empty_expert(scheduler, top_k):
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("fuse", [False, True])
 def test_mlp_matches_torch(scheduler, fuse):
-    g = mlp_graph(mk.sym("T", max=256), hidden=64, intermediate=48, block_m=8, block_n=16,
-                  fuse_silu=fuse)
+    g = mlp_graph(
+        mk.sym("T", max=256), hidden=64, intermediate=48, block_m=8, block_n=16, fuse_silu=fuse
+    )
     c = g.compile("interpret", num_sms=4, scheduler=scheduler)
     gen = torch.Generator().manual_seed(4)
     wgu, wd = torch.randn(96, 64, generator=gen) / 8, torch.randn(64, 48, generator=gen) / 7
@@ -103,9 +105,11 @@ def test_deleted_notify_is_caught_as_deadlock(scheduler):
     c, plan, args = _mlp_compiled(scheduler)
     producer = plan.node_tasks[0][4]  # gemm0[1, 1]
     e = plan.notifies[producer].pop()
-    with pytest.raises(mk.DeadlockError,
-                       match=r"task silu_mul0\[1, 0\].* waits on event gemm0->silu_mul0#1: "
-                             r"expected count 3, seen 2"):
+    with pytest.raises(
+        mk.DeadlockError,
+        match=r"task silu_mul0\[1, 0\].* waits on event gemm0->silu_mul0#1: "
+        r"expected count 3, seen 2",
+    ):
         c(*args)
     assert plan.event_label[e] == "gemm0->silu_mul0#1"
 
@@ -126,7 +130,9 @@ def test_random_interleavings_agree():
     gen = torch.Generator().manual_seed(9)
     w = moe_weights(CFG, gen)
     x = torch.randn(50, CFG.hidden, generator=gen)
-    outs = [g.compile("interpret", num_sms=n, scheduler=s, seed=seed)(x, **w)
-            for n, s, seed in ((1, "static", 0), (7, "dynamic", 1), (13, "dynamic", 2))]
+    outs = [
+        g.compile("interpret", num_sms=n, scheduler=s, seed=seed)(x, **w)
+        for n, s, seed in ((1, "static", 0), (7, "dynamic", 1), (13, "dynamic", 2))
+    ]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=0, atol=0)

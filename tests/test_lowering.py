@@ -14,8 +14,18 @@ import torch
 
 import cutemk as mk
 from cutemk import ops
-from cutemk.codegen.lower import (R_C0, R_NHI, R_NLO, R_NODE, R_TASK, R_WHI, R_WLO, REC_WIDTH,
-                                  lower, pack_int32)
+from cutemk.codegen.lower import (
+    R_C0,
+    R_NHI,
+    R_NLO,
+    R_NODE,
+    R_TASK,
+    R_WHI,
+    R_WLO,
+    REC_WIDTH,
+    lower,
+    pack_int32,
+)
 from cutemk.plan import instantiate
 from cutemk.schedulers import StaticScheduler
 
@@ -62,8 +72,10 @@ class Emulator:
                 if pos[g] < qp[g + 1]:
                     r = qr[pos[g]]
                     waits = range(r[R_WLO], r[R_WHI])
-                    if all(self.ev[self.low.wait_ev[j]] >= self.low.wait_target[j] * epoch
-                           for j in waits):
+                    if all(
+                        self.ev[self.low.wait_ev[j]] >= self.low.wait_target[j] * epoch
+                        for j in waits
+                    ):
                         runnable.append(g)
             assert runnable, "static queues deadlocked"
             g = self.rng.choice(runnable)
@@ -158,13 +170,15 @@ def test_records_and_csr_are_consistent():
     consumers = plan.consumers()
     for t in range(plan.num_tasks):
         assert rec[t, R_TASK] == t and rec[t, R_NODE] == 0 and rec[t, R_C0] == t
-        waits = low.wait_ev[rec[t, R_WLO]:rec[t, R_WHI]].tolist()
+        waits = low.wait_ev[rec[t, R_WLO] : rec[t, R_WHI]].tolist()
         assert waits == plan.waits[t]
-        assert low.wait_target[rec[t, R_WLO]:rec[t, R_WHI]].tolist() == [
-            plan.event_count[e] for e in plan.waits[t]]
+        assert low.wait_target[rec[t, R_WLO] : rec[t, R_WHI]].tolist() == [
+            plan.event_count[e] for e in plan.waits[t]
+        ]
         # notifies of events nobody waits on are dropped
-        assert low.notify_ev[rec[t, R_NLO]:rec[t, R_NHI]].tolist() == [
-            e for e in plan.notifies[t] if consumers[e]]
+        assert low.notify_ev[rec[t, R_NLO] : rec[t, R_NHI]].tolist() == [
+            e for e in plan.notifies[t] if consumers[e]
+        ]
     qrec = low.queue_rec.reshape(-1, REC_WIDTH)
     order = [int(r[R_TASK]) for r in qrec]
     assert order == [t for q in sched.queues for t in q]
@@ -173,13 +187,16 @@ def test_records_and_csr_are_consistent():
 
 
 def test_pack_int32_header_and_alignment():
-    arrays = [np.arange(5, dtype=np.int32), np.zeros(0, dtype=np.int32),
-              np.full(3, 7, dtype=np.int32)]
+    arrays = [
+        np.arange(5, dtype=np.int32),
+        np.zeros(0, dtype=np.int32),
+        np.full(3, 7, dtype=np.int32),
+    ]
     buf, spans = pack_int32(arrays)
     for k, (a, (off, size)) in enumerate(zip(arrays, spans)):
         assert buf[2 * k] == off and buf[2 * k + 1] == size == a.size
         assert off % 4 == 0  # 16-byte aligned views
-        assert np.array_equal(buf[off:off + size], a)
+        assert np.array_equal(buf[off : off + size], a)
 
 
 def test_interpreter_and_emulator_agree_on_moe_skips():
@@ -191,6 +208,6 @@ def test_interpreter_and_emulator_agree_on_moe_skips():
     low = lower(plan, None, 4)
     live = [len(w) for w in plan.waits]
     for e, cs in enumerate(plan.consumers()):
-        got = low.cons_task[low.cons_ptr[e]:low.cons_ptr[e + 1]].tolist()
+        got = low.cons_task[low.cons_ptr[e] : low.cons_ptr[e + 1]].tolist()
         assert got == [c if live[c] > 1 else -c - 1 for c in cs]
-    assert torch.equal(torch.as_tensor(low.task_nwait[:plan.num_tasks]), torch.tensor(live))
+    assert torch.equal(torch.as_tensor(low.task_nwait[: plan.num_tasks]), torch.tensor(live))

@@ -37,7 +37,9 @@ def wrap32(v: int) -> int:
 def dag_expected(deps):
     out = []
     for t, ds in enumerate(deps):
-        out.append(wrap32(t * ops.synthetic.SEED_MUL + ops.synthetic.SEED_ADD + sum(out[d] for d in ds)))
+        out.append(
+            wrap32(t * ops.synthetic.SEED_MUL + ops.synthetic.SEED_ADD + sum(out[d] for d in ds))
+        )
     return torch.tensor(out, dtype=torch.int32)
 
 
@@ -46,7 +48,8 @@ def test_interpreter_matches_direct_dag_evaluation():
     for sched in ("static", "dynamic"):
         deps = random_dag(rng, 60)
         out = ops.dag_graph(deps, N, M).compile("interpret", num_sms=7, scheduler=sched)(
-            *ops.dag_inputs(deps))
+            *ops.dag_inputs(deps)
+        )
         assert torch.equal(out, dag_expected(deps))
 
 
@@ -55,8 +58,13 @@ def test_interpreter_matches_direct_dag_evaluation():
 def test_megakernel_compiles_for_sm90a(scheduler, watchdog, tmp_path):
     g = ops.dag_graph([[], [0]], N, M)
     t0 = time.perf_counter()
-    ptx = runtime.compile_offline(g, scheduler=scheduler, watchdog=watchdog, profile=watchdog,
-                                  options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    ptx = runtime.compile_offline(
+        g,
+        scheduler=scheduler,
+        watchdog=watchdog,
+        profile=watchdog,
+        options=f"--keep-ptx --dump-dir={tmp_path}",
+    ).__ptx__
     assert time.perf_counter() - t0 < 60
     entries = re.findall(r"\.entry\s+(\w+)", ptx)
     assert len(entries) == 1 and "cutemk_megakernel" in entries[0]
@@ -85,15 +93,22 @@ def test_random_dags_match_interpreter(scheduler):
     compiled = None
     for i in range(200):
         n = rng.choice([1, 2, 5, 17, 64, 132, 200, 300, 700])
-        deps = random_dag(rng, n, max_fan_in=rng.choice([1, 2, 8]),
-                          window=rng.choice([None, 4, 140]))
+        deps = random_dag(
+            rng, n, max_fan_in=rng.choice([1, 2, 8]), window=rng.choice([None, 4, 140])
+        )
         work = [rng.choice([0, 0, 200, 2000]) for _ in range(n)]
         g = ops.dag_graph(deps, N, M)
-        compiled = g.compile("cute", scheduler=scheduler, watchdog=True, timeout_s=2.0,
-                             num_sms=rng.choice([132, 132, 7, 1]))
+        compiled = g.compile(
+            "cute",
+            scheduler=scheduler,
+            watchdog=True,
+            timeout_s=2.0,
+            num_sms=rng.choice([132, 132, 7, 1]),
+        )
         out = _run_dag(compiled, deps, work)
         ref = g.compile("interpret", num_sms=8, scheduler=scheduler, check_races=False)(
-            *ops.dag_inputs(deps, work))
+            *ops.dag_inputs(deps, work)
+        )
         assert torch.equal(out.cpu(), ref), f"DAG {i} (n={n}) differs"
     # same symbolic op instances: one megakernel for all 200 DAGs of this scheduler
     assert runtime.compile_count - before <= 1
@@ -143,8 +158,11 @@ def test_missing_notify_is_reported_within_seconds(scheduler):
     plan.notifies[2].clear()  # vertex 2 never notifies: vertex 3 waits forever
     c.load_plan(plan)
     t0 = time.perf_counter()
-    with pytest.raises(mk.DeadlockError, match=r"synthetic_dag0\[3\] waits on event vertex\[2\]: "
-                                               r"expected count 1, seen 0"):
+    with pytest.raises(
+        mk.DeadlockError,
+        match=r"synthetic_dag0\[3\] waits on event vertex\[2\]: "
+        r"expected count 1, seen 0",
+    ):
         c(*args)
     assert time.perf_counter() - t0 < 10
     # the buffers were reset: the repaired plan runs again in the same process
@@ -161,8 +179,9 @@ def test_layer_megakernels_compile_for_sm90a(layer, scheduler, tmp_path):
         g = mlp_graph(T, 2048, 6144, torch.bfloat16, block_m=64, block_n=64)
     else:
         g = moe_graph(T, MoeConfig(2048, 768, 128, 8, block_m=64, block_n=64), torch.bfloat16)
-    ptx = runtime.compile_offline(g, scheduler=scheduler, watchdog=True,
-                                  options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    ptx = runtime.compile_offline(
+        g, scheduler=scheduler, watchdog=True, options=f"--keep-ptx --dump-dir={tmp_path}"
+    ).__ptx__
     assert len(re.findall(r"\.entry\s+\w*cutemk_megakernel", ptx)) == 1
     assert not re.search(r"ld\.global\.nc", ptx)  # data written in the launch is never read
     # through the non-coherent path

@@ -23,8 +23,15 @@ def rel_err(out, ref):
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("fuse", [False, True])
 def test_mlp(dtype, scheduler, fuse):
-    g = mlp_graph(mk.sym("T", max=512), hidden=256, intermediate=192, dtype=dtype, block_m=64,
-                  block_n=64, fuse_silu=fuse)
+    g = mlp_graph(
+        mk.sym("T", max=512),
+        hidden=256,
+        intermediate=192,
+        dtype=dtype,
+        block_m=64,
+        block_n=64,
+        fuse_silu=fuse,
+    )
     c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
     for t in (1, 7, 64, 300):
         x = torch.randn(t, 256, device="cuda").to(dtype)
@@ -34,8 +41,14 @@ def test_mlp(dtype, scheduler, fuse):
 
 
 def test_one_compile_for_every_token_count():
-    g = mlp_graph(mk.sym("T", max=128), hidden=128, intermediate=64, dtype=torch.bfloat16,
-                  block_m=32, block_n=64)
+    g = mlp_graph(
+        mk.sym("T", max=128),
+        hidden=128,
+        intermediate=64,
+        dtype=torch.bfloat16,
+        block_m=32,
+        block_n=64,
+    )
     c = g.compile("cute", scheduler="static")
     wgu = (torch.randn(128, 128, device="cuda") / 11).bfloat16()
     wd = (torch.randn(128, 64, device="cuda") / 8).bfloat16()
@@ -55,9 +68,11 @@ CFG = MoeConfig(hidden=128, intermediate=64, num_experts=8, top_k=2, block_m=16,
 
 def moe_weights(cfg, dtype):
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
-    return dict(w_router=torch.randn(e, h, device="cuda").to(dtype),
-                w_gate_up=(torch.randn(e, 2 * i, h, device="cuda") / h ** 0.5).to(dtype),
-                w_down=(torch.randn(e, h, i, device="cuda") / i ** 0.5).to(dtype))
+    return dict(
+        w_router=torch.randn(e, h, device="cuda").to(dtype),
+        w_gate_up=(torch.randn(e, 2 * i, h, device="cuda") / h**0.5).to(dtype),
+        w_down=(torch.randn(e, h, i, device="cuda") / i**0.5).to(dtype),
+    )
 
 
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
@@ -79,12 +94,21 @@ def test_moe_data_dependent(scheduler):
 
 
 def test_profile_trace(tmp_path):
-    g = mlp_graph(mk.sym("T", max=512), hidden=512, intermediate=384, dtype=torch.bfloat16,
-                  block_m=64, block_n=64)
+    g = mlp_graph(
+        mk.sym("T", max=512),
+        hidden=512,
+        intermediate=384,
+        dtype=torch.bfloat16,
+        block_m=64,
+        block_n=64,
+    )
     c = g.compile("cute", scheduler="dynamic", profile=True)
     x = torch.randn(256, 512, device="cuda").bfloat16()
-    c(x, torch.randn(768, 512, device="cuda").bfloat16(), torch.randn(512, 384, device="cuda")
-      .bfloat16())
+    c(
+        x,
+        torch.randn(768, 512, device="cuda").bfloat16(),
+        torch.randn(512, 384, device="cuda").bfloat16(),
+    )
     torch.cuda.synchronize()
     recs = c.profile_records()
     assert len(recs) == c.plan({"T": 256}).num_tasks

@@ -34,7 +34,9 @@ def test_cross_sm_cycle_is_rejected_when_built():
     # each SM's first task waits on work queued behind the other SM's first task.
     rest = [t for t in range(plan.num_tasks) if t not in (*g_row[0], *g_row[1], silu[0], silu[1])]
     bad = mk.StaticSchedule(((silu[0], *g_row[1], *rest), (silu[1], *g_row[0])))
-    with pytest.raises(mk.ScheduleError, match="would deadlock on the GPU.*silu_mul0\\[0, 0\\]@SM0"):
+    with pytest.raises(
+        mk.ScheduleError, match="would deadlock on the GPU.*silu_mul0\\[0, 0\\]@SM0"
+    ):
         mk.check_static_schedule(plan, bad)
 
     class Broken(StaticScheduler):

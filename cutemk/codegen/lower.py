@@ -55,14 +55,20 @@ class LoweredPlan:
     num_init: int
 
     def program_arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if isinstance(getattr(self, f.name), np.ndarray)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), np.ndarray)
+        }
 
     def max_launches(self) -> int:
         """Launches before a counter target (count * epoch) would overflow int32; the kernel
         zeroes its counters and restarts at epoch 0 when it gets there."""
-        worst = max(int(self.ev_count.max(initial=1)), int(self.task_nwait.max(initial=1)),
-                    self.num_tasks + 1)  # ring slots hold epoch * num_tasks + task
+        worst = max(
+            int(self.ev_count.max(initial=1)),
+            int(self.task_nwait.max(initial=1)),
+            self.num_tasks + 1,
+        )  # ring slots hold epoch * num_tasks + task
         return MAX_EPOCH_COUNT // worst - 1
 
 
@@ -84,8 +90,9 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     # an explicit event of count 0 is complete from the start: it never readies a consumer
     live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
     wait_ptr, wait_ev = _csr(plan.waits)
-    wait_target = _nonempty(np.asarray([plan.event_count[e] for w in plan.waits for e in w],
-                                       dtype=np.int32))
+    wait_target = _nonempty(
+        np.asarray([plan.event_count[e] for w in plan.waits for e in w], dtype=np.int32)
+    )
     notify_ptr, notify_ev = _csr([[e for e in ns if consumers[e]] for ns in plan.notifies])
     rec = np.zeros((max(n, 1), REC_WIDTH), dtype=np.int32)
     for t in plan.tasks:
@@ -93,7 +100,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
             raise GraphError(f"{t.node.name}: task grids of more than 2 dims are not lowered yet")
         rec[t.tid, R_TASK] = t.tid
         rec[t.tid, R_NODE] = t.node.index
-        rec[t.tid, R_C0:R_C0 + len(t.coord)] = t.coord
+        rec[t.tid, R_C0 : R_C0 + len(t.coord)] = t.coord
     rec[:n, R_WLO], rec[:n, R_WHI] = wait_ptr[:-1], wait_ptr[1:]
     rec[:n, R_NLO], rec[:n, R_NHI] = notify_ptr[:-1], notify_ptr[1:]
     ev_count = _nonempty(np.asarray(plan.event_count, dtype=np.int32))
@@ -107,17 +114,29 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     queue_rec = rec[queue_tasks] if n else rec
     # a consumer that waits on one event only is stored as -(c + 1): completing that event
     # readies it, with no pending-count atomic
-    cons_ptr, cons_task = _csr([[c if len(live_waits[c]) > 1 else -c - 1 for c in cs]
-                                if plan.event_count[e] > 0 else []
-                                for e, cs in enumerate(consumers)])
+    cons_ptr, cons_task = _csr(
+        [
+            [c if len(live_waits[c]) > 1 else -c - 1 for c in cs] if plan.event_count[e] > 0 else []
+            for e, cs in enumerate(consumers)
+        ]
+    )
     init = [t for t in range(n) if not live_waits[t]]
     return LoweredPlan(
-        num_tasks=n, num_events=plan.num_events, task_rec=rec.reshape(-1), wait_ev=wait_ev,
-        wait_target=wait_target, notify_ev=notify_ev, ev_count=ev_count, queue_ptr=queue_ptr,
-        queue_rec=np.ascontiguousarray(queue_rec).reshape(-1), cons_ptr=cons_ptr,
+        num_tasks=n,
+        num_events=plan.num_events,
+        task_rec=rec.reshape(-1),
+        wait_ev=wait_ev,
+        wait_target=wait_target,
+        notify_ev=notify_ev,
+        ev_count=ev_count,
+        queue_ptr=queue_ptr,
+        queue_rec=np.ascontiguousarray(queue_rec).reshape(-1),
+        cons_ptr=cons_ptr,
         cons_task=cons_task,
         task_nwait=_nonempty(np.asarray([len(w) for w in live_waits], dtype=np.int32)),
-        init_tasks=_nonempty(np.asarray(init, dtype=np.int32)), num_init=len(init))
+        init_tasks=_nonempty(np.asarray(init, dtype=np.int32)),
+        num_init=len(init),
+    )
 
 
 def pack_int32(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -136,5 +155,5 @@ def pack_int32(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, in
     buf = np.zeros(max(off, 4), dtype=np.int32)
     for k, (a, (o, n)) in enumerate(zip(arrays, spans)):
         buf[2 * k], buf[2 * k + 1] = o, n
-        buf[o:o + n] = a
+        buf[o : o + n] = a
     return buf, spans

@@ -40,15 +40,48 @@ from cutlass.experimental import primitives as prims
 from ..device.config import NUM_THREADS, WARP_SIZE as WARP
 from ..device.sync import notify_event, wait_event, wait_event_or_abort
 from ..tileop import TileOp
-from .lower import (ABORT, DBG_EVENT, DBG_EXPECTED, DBG_KIND, DBG_SEEN, DBG_SM, DBG_TASK, DONE,
-                    EPOCH, EXITED, HEAD, KIND_EVENT_WAIT, KIND_QUEUE_IDLE, R_C0, R_C1, R_NHI,
-                    R_NLO, R_NODE, R_TASK, R_WHI, R_WLO, REC_WIDTH, TAIL)
+from .lower import (
+    ABORT,
+    DBG_EVENT,
+    DBG_EXPECTED,
+    DBG_KIND,
+    DBG_SEEN,
+    DBG_SM,
+    DBG_TASK,
+    DONE,
+    EPOCH,
+    EXITED,
+    HEAD,
+    KIND_EVENT_WAIT,
+    KIND_QUEUE_IDLE,
+    R_C0,
+    R_C1,
+    R_NHI,
+    R_NLO,
+    R_NODE,
+    R_TASK,
+    R_WHI,
+    R_WLO,
+    REC_WIDTH,
+    TAIL,
+)
 
 SMEM_ALIGN = 128
 WORK_CAP = 64  # skipped-task work list of the dynamic pusher; beyond it, tasks are pushed as is
 CHUNK = NUM_THREADS // REC_WIDTH  # static queue records fetched per coalesced load
-PROGRAM = ("task_rec", "wait_ev", "wait_target", "notify_ev", "ev_count", "queue_ptr",
-           "queue_rec", "cons_ptr", "cons_task", "task_nwait", "init_tasks")
+PROGRAM = (
+    "task_rec",
+    "wait_ev",
+    "wait_target",
+    "notify_ev",
+    "ev_count",
+    "queue_ptr",
+    "queue_rec",
+    "cons_ptr",
+    "cons_task",
+    "task_nwait",
+    "init_tasks",
+)
 DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")
 P = {name: i for i, name in enumerate(PROGRAM)}
 D = {name: i for i, name in enumerate(DEVICE_STATE)}
@@ -86,8 +119,10 @@ class Megakernel:
 
     def _views(self, buf, n: int):
         """Views of the arrays packed in ``buf`` behind its (offset, size) header."""
-        return tuple(cute.make_tensor(buf.iterator + buf[2 * k], cute.make_layout(buf[2 * k + 1]))
-                     for k in range(n))
+        return tuple(
+            cute.make_tensor(buf.iterator + buf[2 * k], cute.make_layout(buf[2 * k + 1]))
+            for k in range(n)
+        )
 
     def _node_args(self, tensors, k: int):
         return tuple(tensors[i] for i in self.spec.node_tensors[k])
@@ -108,10 +143,12 @@ class Megakernel:
                 self.spec.ops[k].device_tile(self._node_args(tensors, k), c0, c1, tidx, scratch)
 
     @cute.jit
-    def _abort(self, state, debug, task: Int32, event: Int32, expected: Int32, seen: Int32,
-               kind: Int32):
-        old = cute.arch.atomic_cas(state.iterator + ABORT, cmp=Int32(0), val=Int32(1),
-                                   sem="acq_rel", scope="gpu")
+    def _abort(
+        self, state, debug, task: Int32, event: Int32, expected: Int32, seen: Int32, kind: Int32
+    ):
+        old = cute.arch.atomic_cas(
+            state.iterator + ABORT, cmp=Int32(0), val=Int32(1), sem="acq_rel", scope="gpu"
+        )
         if old == 0:
             debug[DBG_TASK] = task
             debug[DBG_EVENT] = event
@@ -121,8 +158,17 @@ class Megakernel:
             debug[DBG_KIND] = kind
 
     @cute.jit
-    def _wait_all(self, prog, dev, t: Int32, w_lo: Int32, w_hi: Int32, epoch: Int32,
-                  lane: Int32, timeout_ns: Int64) -> Boolean:
+    def _wait_all(
+        self,
+        prog,
+        dev,
+        t: Int32,
+        w_lo: Int32,
+        w_hi: Int32,
+        epoch: Int32,
+        lane: Int32,
+        timeout_ns: Int64,
+    ) -> Boolean:
         """Warp 0: lane l waits for events w_lo + l, w_lo + l + 32, ... of task t, so a task
         with fan-in k pays one acquire round trip, not k. False if the watchdog fired."""
         wait_ev, wait_target = prog[P["wait_ev"]], prog[P["wait_target"]]
@@ -136,8 +182,9 @@ class Megakernel:
             e = wait_ev[j]
             target = wait_target[j] * epoch
             if cutlass.const_expr(self.spec.watchdog):
-                timed_out, seen = wait_event_or_abort(ev_counter.iterator + e, target, timeout_ns,
-                                                      state.iterator + ABORT)
+                timed_out, seen = wait_event_or_abort(
+                    ev_counter.iterator + e, target, timeout_ns, state.iterator + ABORT
+                )
                 if timed_out:
                     self._abort(state, debug, t, e, target, seen, Int32(KIND_EVENT_WAIT))
                     ok = Boolean(False)
@@ -153,13 +200,24 @@ class Megakernel:
         one acquire load tells a popper both that the slot is filled in this launch and what
         it holds (values of earlier launches are below the stamp)."""
         state, ring = dev[D["state"]], dev[D["ring"]]
-        slot = num_init + cute.arch.atomic_add(state.iterator + TAIL, Int32(1), sem="relaxed",
-                                               scope="gpu")
+        slot = num_init + cute.arch.atomic_add(
+            state.iterator + TAIL, Int32(1), sem="relaxed", scope="gpu"
+        )
         cute.arch.store(ring.iterator + slot, stamp + t, sem="release", scope="gpu")
 
     @cute.jit
-    def _complete_dynamic(self, tensors, prog, dev, t: Int32, epoch: Int32, stamp: Int32,
-                          num_init: Int32, lane: Int32, sWork):
+    def _complete_dynamic(
+        self,
+        tensors,
+        prog,
+        dev,
+        t: Int32,
+        epoch: Int32,
+        stamp: Int32,
+        num_init: Int32,
+        lane: Int32,
+        sWork,
+    ):
         """Warp 0: notify for task t, push the consumers made ready, complete skipped ones.
 
         Lane 0 adds to each notified event; when it completes the event, the 32 lanes take its
@@ -169,11 +227,21 @@ class Megakernel:
         says they do not exist go on a work list (lane 0 appends, in lane order) and are
         completed the same way, never queued.
         """
-        task_rec, notify_ev, ev_count = prog[P["task_rec"]], prog[P["notify_ev"]], prog[P["ev_count"]]
-        cons_ptr, cons_task, task_nwait = (prog[P["cons_ptr"]], prog[P["cons_task"]],
-                                           prog[P["task_nwait"]])
-        state, ev_counter, task_pending = (dev[D["state"]], dev[D["ev_counter"]],
-                                           dev[D["task_pending"]])
+        task_rec, notify_ev, ev_count = (
+            prog[P["task_rec"]],
+            prog[P["notify_ev"]],
+            prog[P["ev_count"]],
+        )
+        cons_ptr, cons_task, task_nwait = (
+            prog[P["cons_ptr"]],
+            prog[P["cons_task"]],
+            prog[P["task_nwait"]],
+        )
+        state, ev_counter, task_pending = (
+            dev[D["state"]],
+            dev[D["ev_counter"]],
+            dev[D["task_pending"]],
+        )
         if lane == 0:
             sWork[0] = t
         n = Int32(1)  # work-list length, the same in every lane
@@ -185,8 +253,9 @@ class Megakernel:
                 e = notify_ev[j]
                 done = Int32(0)
                 if lane == 0:
-                    old = cute.arch.atomic_add(ev_counter.iterator + e, Int32(1), sem="acq_rel",
-                                               scope="gpu")
+                    old = cute.arch.atomic_add(
+                        ev_counter.iterator + e, Int32(1), sem="acq_rel", scope="gpu"
+                    )
                     if old + 1 == ev_count[e] * epoch:
                         done = Int32(1)
                 done = cute.arch.shuffle_sync(done, 0)
@@ -203,8 +272,9 @@ class Megakernel:
                             if ready:
                                 c = -c - 1
                             else:
-                                p = cute.arch.atomic_add(task_pending.iterator + c, Int32(1),
-                                                         sem="acq_rel", scope="gpu")
+                                p = cute.arch.atomic_add(
+                                    task_pending.iterator + c, Int32(1), sem="acq_rel", scope="gpu"
+                                )
                                 ready = p + 1 == task_nwait[c] * epoch
                             if ready:
                                 node = task_rec[c * REC_WIDTH + R_NODE]
@@ -233,9 +303,22 @@ class Megakernel:
                 cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
 
     @cute.jit
-    def _run_task(self, tensors, prog, dev, mProf, rec, epoch: Int32, stamp: Int32,
-                  num_init: Int32, tidx: Int32, timeout_ns: Int64, sCtl, sWork, scratch
-                  ) -> Boolean:
+    def _run_task(
+        self,
+        tensors,
+        prog,
+        dev,
+        mProf,
+        rec,
+        epoch: Int32,
+        stamp: Int32,
+        num_init: Int32,
+        tidx: Int32,
+        timeout_ns: Int64,
+        sCtl,
+        sWork,
+        scratch,
+    ) -> Boolean:
         """Run one task with the whole CTA; returns False when the watchdog stopped the launch.
 
         ``rec`` is the task's record (``REC_WIDTH`` values); every thread reads it into registers
@@ -273,18 +356,19 @@ class Megakernel:
                         notify_event(ev_counter.iterator + notify_ev[j], Int32(1))
             if cutlass.const_expr(self.spec.dynamic):
                 if tidx < WARP:
-                    self._complete_dynamic(tensors, prog, dev, t, epoch, stamp, num_init, tidx,
-                                           sWork)
+                    self._complete_dynamic(
+                        tensors, prog, dev, t, epoch, stamp, num_init, tidx, sWork
+                    )
         return alive
 
     @cute.jit
     def _take_ticket(self, dev) -> Int32:
-        return cute.arch.atomic_add(dev[D["state"]].iterator + HEAD, Int32(1), sem="relaxed",
-                                    scope="gpu")
+        return cute.arch.atomic_add(
+            dev[D["state"]].iterator + HEAD, Int32(1), sem="relaxed", scope="gpu"
+        )
 
     @cute.jit
-    def _pop(self, dev, ticket: Int32, num_tasks: Int32, stamp: Int32, timeout_ns: Int64
-             ) -> Int32:
+    def _pop(self, dev, ticket: Int32, num_tasks: Int32, stamp: Int32, timeout_ns: Int64) -> Int32:
         """One thread: the task in ring slot ``ticket``, or -1 once every task is done."""
         state, debug, ring = dev[D["state"]], dev[D["debug"]], dev[D["ring"]]
         task = Int32(-1)
@@ -300,8 +384,7 @@ class Megakernel:
                     task = v - stamp
                     spinning = Boolean(False)
                 else:
-                    done = cute.arch.load(state.iterator + DONE, Int32, sem="acquire",
-                                          scope="gpu")
+                    done = cute.arch.load(state.iterator + DONE, Int32, sem="acquire", scope="gpu")
                     if done >= num_tasks:
                         spinning = Boolean(False)
                     else:
@@ -309,19 +392,39 @@ class Megakernel:
                         if backoff < 256:  # a ready queue is polled tighter than an event
                             backoff = backoff * 2
                         if cutlass.const_expr(self.spec.watchdog):
-                            if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed",
-                                              scope="gpu") != 0:
+                            if (
+                                cute.arch.load(
+                                    state.iterator + ABORT, Int32, sem="relaxed", scope="gpu"
+                                )
+                                != 0
+                            ):
                                 spinning = Boolean(False)
                             elif cute.arch.globaltimer() - t0 > timeout_ns:
-                                self._abort(state, debug, Int32(-1), Int32(-1), num_tasks, done,
-                                            Int32(KIND_QUEUE_IDLE))
+                                self._abort(
+                                    state,
+                                    debug,
+                                    Int32(-1),
+                                    Int32(-1),
+                                    num_tasks,
+                                    done,
+                                    Int32(KIND_QUEUE_IDLE),
+                                )
                                 spinning = Boolean(False)
         return task
 
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, tensors: tuple, mProg: cute.Tensor, mDev: cute.Tensor, mProf: cute.Tensor,
-               num_tasks: Int32, num_init: Int32, max_epoch: Int32, timeout_ns: Int64):
+    def kernel(
+        self,
+        tensors: tuple,
+        mProg: cute.Tensor,
+        mDev: cute.Tensor,
+        mProf: cute.Tensor,
+        num_tasks: Int32,
+        num_init: Int32,
+        max_epoch: Int32,
+        timeout_ns: Int64,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -329,11 +432,16 @@ class Megakernel:
         sCtl = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         sWork = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
         sRec = smem.allocate_tensor(Int32, cute.make_layout(NUM_THREADS), byte_alignment=16)
-        scratch = smem.allocate_array(cutlass.Uint8, self.spec.scratch_bytes,
-                                      byte_alignment=SMEM_ALIGN)
+        scratch = smem.allocate_array(
+            cutlass.Uint8, self.spec.scratch_bytes, byte_alignment=SMEM_ALIGN
+        )
         prog = self._views(mProg, len(PROGRAM))
         dev = self._views(mDev, len(DEVICE_STATE))
-        task_rec, queue_ptr, queue_rec = prog[P["task_rec"]], prog[P["queue_ptr"]], prog[P["queue_rec"]]
+        task_rec, queue_ptr, queue_rec = (
+            prog[P["task_rec"]],
+            prog[P["queue_ptr"]],
+            prog[P["queue_rec"]],
+        )
         init_tasks = prog[P["init_tasks"]]
         state = dev[D["state"]]
         epoch = state[EPOCH] + 1
@@ -344,8 +452,9 @@ class Megakernel:
             # the grid stores a few, no atomics (later pushes go after them)
             ring = dev[D["ring"]]
             for j in range(bidx * NUM_THREADS + tidx, num_init, gdim * NUM_THREADS):
-                cute.arch.store(ring.iterator + j, stamp + init_tasks[j], sem="relaxed",
-                                scope="gpu")
+                cute.arch.store(
+                    ring.iterator + j, stamp + init_tasks[j], sem="relaxed", scope="gpu"
+                )
             ticket = Int32(0)
             if tidx == 0:
                 ticket = self._take_ticket(dev)
@@ -364,9 +473,21 @@ class Megakernel:
                     if tidx < REC_WIDTH:  # the popped task's record, one word a thread
                         sRec[tidx] = task_rec[t * REC_WIDTH + tidx]
                     cute.arch.sync_threads()
-                    alive = self._run_task(tensors, prog, dev, mProf, self._rec(sRec, 0), epoch,
-                                           stamp, num_init, tidx, timeout_ns, sCtl, sWork,
-                                           scratch)
+                    alive = self._run_task(
+                        tensors,
+                        prog,
+                        dev,
+                        mProf,
+                        self._rec(sRec, 0),
+                        epoch,
+                        stamp,
+                        num_init,
+                        tidx,
+                        timeout_ns,
+                        sCtl,
+                        sWork,
+                        scratch,
+                    )
         else:
             # stream this CTA's queue CHUNK records at a time: one coalesced word per thread
             i = queue_ptr[bidx]
@@ -380,9 +501,21 @@ class Megakernel:
                 ok = Boolean(True)
                 for k in range(n):
                     if ok:
-                        ok = self._run_task(tensors, prog, dev, mProf, self._rec(sRec, k), epoch,
-                                            stamp, num_init, tidx, timeout_ns, sCtl, sWork,
-                                            scratch)
+                        ok = self._run_task(
+                            tensors,
+                            prog,
+                            dev,
+                            mProf,
+                            self._rec(sRec, k),
+                            epoch,
+                            stamp,
+                            num_init,
+                            tidx,
+                            timeout_ns,
+                            sCtl,
+                            sWork,
+                            scratch,
+                        )
                 i = i + CHUNK
                 alive = ok and i < i_end
 
@@ -391,8 +524,9 @@ class Megakernel:
         # counter and restarts at epoch 0 (on the device: CUDA-graph replays never see the host)
         cute.arch.sync_threads()
         if tidx == 0:
-            old = cute.arch.atomic_add(state.iterator + EXITED, Int32(1), sem="acq_rel",
-                                       scope="gpu")
+            old = cute.arch.atomic_add(
+                state.iterator + EXITED, Int32(1), sem="acq_rel", scope="gpu"
+            )
             sCtl[2] = Int32(1) if old == gdim - 1 else Int32(0)
         cute.arch.sync_threads()
         if sCtl[2] != 0:
@@ -411,14 +545,24 @@ class Megakernel:
                 state[EPOCH] = Int32(0) if wrap else epoch
 
     @cute.jit
-    def launch(self, tensors: tuple, mProg: cute.Tensor, mDev: cute.Tensor, mProf: cute.Tensor,
-               num_tasks: Int32, num_init: Int32, max_epoch: Int32, timeout_ns: Int64,
-               grid: Int32, stream: cuda.CUstream):
+    def launch(
+        self,
+        tensors: tuple,
+        mProg: cute.Tensor,
+        mDev: cute.Tensor,
+        mProf: cute.Tensor,
+        num_tasks: Int32,
+        num_init: Int32,
+        max_epoch: Int32,
+        timeout_ns: Int64,
+        grid: Int32,
+        stream: cuda.CUstream,
+    ):
         # shared memory is sized by the DSL from the kernel's SmemAllocator requests; cooperative
         # launch makes a grid that cannot be co-resident fail at launch instead of hanging
-        self.kernel(tensors, mProg, mDev, mProf, num_tasks, num_init, max_epoch,
-                    timeout_ns).launch(
-            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True)
+        self.kernel(tensors, mProg, mDev, mProf, num_tasks, num_init, max_epoch, timeout_ns).launch(
+            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True
+        )
 
 
 # CuTe DSL prefixes generated symbols with "cutlass_"; name the kernel after cutemk instead.
