@@ -225,3 +225,11 @@ def test_watchdog_refuses_graph_capture():
     with torch.cuda.stream(stream), pytest.raises(mk.CuteMKError, match="cannot be captured"):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
             c(*inputs)
+
+
+@pytest.mark.gpu
+def test_grid_larger_than_the_gpu_is_refused():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    g = ops.dag_graph([[]], N, M)
+    with pytest.raises(ValueError, match=f"num_sms must be in \\[1, {sms}\\]"):
+        g.compile("cute", num_sms=sms + 1)
