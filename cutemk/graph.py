@@ -109,7 +109,11 @@ class Graph:
             raise GraphError(
                 f"{inst.name} takes {len(inst.inputs)} inputs {inst.inputs}, got {len(args)}"
             )
-        node_name = name or f"{inst.name}{sum(n.op.name == inst.name for n in self.nodes)}"
+        node_name = name or next(
+            f"{inst.name}{i}"
+            for i in range(len(self.nodes) + 1)
+            if f"{inst.name}{i}" not in self._names
+        )
         self._claim(node_name)
         node = Node(len(self.nodes), node_name, inst, dict(zip(inst.inputs, args)))
         for oname, spec in inst.output_specs().items():

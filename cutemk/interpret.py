@@ -26,7 +26,7 @@ import torch
 from .binding import bind, env_key, poison_
 from .errors import DeadlockError, RaceError
 from .graph import Graph
-from .plan import Plan, instantiate
+from .plan import Plan, instantiate, node_regions
 from .costmodel import H200
 from .scheduling import (
     SchedulingMode,
@@ -35,7 +35,7 @@ from .scheduling import (
     critical_path,
     resolve_scheduler,
 )
-from .tileop import as_boxes, box_is_empty, box_slices
+from .tileop import box_is_empty, box_slices
 
 
 @dataclass
@@ -111,7 +111,9 @@ class InterpretedGraph:
         key = env_key(env)
         if key not in self._schedules:
             sched = self.scheduler.build(self.plan(env), self.num_sms)
-            check_static_schedule(self.plan(env), sched)  # custom policies are checked too
+            check_static_schedule(
+                self.plan(env), sched, self.num_sms
+            )  # custom policies are checked too
             self._schedules[key] = sched
         return self._schedules[key]
 
@@ -233,8 +235,8 @@ class _Simulation:
     def _check_reads(self, t: int) -> None:
         task = self.plan.tasks[t]
         node = task.node
-        reads = node.op.reads(task.coord, self.plan.env, self.views[node.index])
-        for arg, box in ((a, b) for a, r in reads.items() for b in as_boxes(r)):
+        reads = node_regions(node, "reads", task.coord, self.plan.env, self.views[node.index])
+        for arg, box in ((a, b) for a, r in reads.items() for b in r):
             v = node.args[arg]
             if v.kind != "intermediate" or box_is_empty(box):
                 continue
@@ -256,8 +258,8 @@ class _Simulation:
     def _record_writes(self, t: int) -> None:
         task = self.plan.tasks[t]
         node = task.node
-        writes = node.op.writes(task.coord, self.plan.env, self.views[node.index])
-        for out, box in ((o, b) for o, r in writes.items() for b in as_boxes(r)):
+        writes = node_regions(node, "writes", task.coord, self.plan.env, self.views[node.index])
+        for out, box in ((o, b) for o, r in writes.items() for b in r):
             v = node.results.get(out)
             if v is not None and not box_is_empty(box):
                 self.writer[v.name][box_slices(box)] = t

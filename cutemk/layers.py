@@ -120,7 +120,9 @@ def moe_reference(
     """Token-by-expert loop as in HF Qwen3MoeSparseMoeBlock, in fp32."""
     x, w_router, w_gate_up, w_down = (t.float() for t in (x, w_router, w_gate_up, w_down))
     probs = torch.softmax(x @ w_router.T, dim=-1)
-    w, ids = torch.topk(probs, top_k, dim=-1)
+    # ties go to the lower expert id (a stable sort; torch.topk's CPU kernel does not promise it)
+    w, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    w, ids = w[:, :top_k], ids[:, :top_k]
     if norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)
     y = torch.zeros_like(x)

@@ -18,7 +18,7 @@ import os
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import GraphError
 from .events import apply_map
@@ -140,7 +140,7 @@ class _WriteIndex:
         self._memo: dict[Box, frozenset[int]] = {}
 
     def query(self, box: Box) -> frozenset[int]:
-        if box_is_empty(box) or not self.bps:
+        if box_is_empty(box) or not self.cells:
             return frozenset()
         hit = self._memo.get(box)
         if hit is None:
@@ -153,6 +153,44 @@ class _WriteIndex:
             hit = frozenset(t for t in found if t is not None)
             self._memo[box] = hit
         return hit
+
+
+def node_regions(
+    node: Node, which: str, coord: Coord, env: Bindings, data=None
+) -> dict[str, list[Box]]:
+    """An op's declared ``reads``/``writes`` for one tile, checked and normalised.
+
+    A region that names an unknown argument, has the wrong rank, or leaves out an input that
+    another node produces would silently drop a dependency, so each is a GraphError.
+    """
+    op = node.op
+    raw = op.reads(coord, env, data) if which == "reads" else op.writes(coord, env, data)
+    tensors = node.args if which == "reads" else node.results
+    out: dict[str, list[Box]] = {}
+    for name, region in raw.items():
+        if name not in tensors:
+            raise GraphError(
+                f"{op.name}.{which}() names {name!r}, which is not one of its "
+                f"{'inputs' if which == 'reads' else 'outputs'} {tuple(tensors)}"
+            )
+        ndim = tensors[name].spec.ndim
+        boxes = []
+        for box in as_boxes(region):
+            if len(box) != ndim or any(len(iv) != 2 for iv in box):
+                raise GraphError(
+                    f"{op.name}.{which}() gives {name} the box {box!r}; {name} is "
+                    f"{ndim}-D, so a box is {ndim} (lo, hi) pairs"
+                )
+            boxes.append(tuple((int(lo), int(hi)) for lo, hi in box))
+        out[name] = boxes
+    if which == "reads":
+        for name, v in node.args.items():
+            if v.producer is not None and name not in out:
+                raise GraphError(
+                    f"{op.name}.reads() declares nothing for {name!r}, which "
+                    f"{v.producer.name} produces: its dependency would be lost"
+                )
+    return out
 
 
 def instantiate(graph: Graph, env: Bindings) -> Plan:
@@ -193,9 +231,8 @@ def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> N
         for oname, v in node.results.items():
             boxes = []
             for t in plan.node_tasks[node.index]:
-                w = node.op.writes(plan.tasks[t].coord, env).get(oname)
-                if w is not None:
-                    boxes += [(t, b) for b in as_boxes(w)]
+                w = node_regions(node, "writes", plan.tasks[t].coord, env)
+                boxes += [(t, b) for b in w.get(oname, ())]
             index[v.name] = _WriteIndex(v.name, boxes)
     for cons in graph.nodes:
         by_producer: dict[int, list[str]] = {}
@@ -206,13 +243,11 @@ def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> N
             prod = graph.nodes[p_idx]
             groups: dict[frozenset[int], int] = {}
             for t in plan.node_tasks[cons.index]:
-                reads = cons.op.reads(plan.tasks[t].coord, env)
+                reads = node_regions(cons, "reads", plan.tasks[t].coord, env)
                 sources: frozenset[int] = frozenset()
                 for a in args:
-                    region = reads.get(a)
-                    if region is not None:
-                        for box in as_boxes(region):
-                            sources |= index[cons.args[a].name].query(box)
+                    for box in reads[a]:
+                        sources |= index[cons.args[a].name].query(box)
                 if not sources:
                     continue
                 eid = groups.get(sources)
@@ -266,7 +301,3 @@ def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
             for wn, _ in em.wait:
                 pairs.add((pn.index, wn.index))
     return pairs
-
-
-def iter_labels(plan: Plan, tids: Iterable[int]) -> str:
-    return ", ".join(plan.tasks[t].label for t in tids)

@@ -120,7 +120,7 @@ class CuteGraph:
         sched = None
         if not self.dynamic:
             sched = self.scheduler.build(plan, self.num_sms)
-            check_static_schedule(plan, sched)
+            check_static_schedule(plan, sched, self.num_sms)
         low = lower(plan, sched, self.num_sms)
         arrays = low.program_arrays()
         prog_np, _ = pack_int32([arrays[k] for k in PROGRAM])

@@ -86,8 +86,11 @@ def topological_order(plan: Plan) -> list[int]:
     return order
 
 
-def check_static_schedule(plan: Plan, sched: StaticSchedule) -> None:
-    """Raise ScheduleError unless every task is queued once and no cross-SM wait cycle exists."""
+def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None = None) -> None:
+    """Raise ScheduleError unless every task is queued once, there are at most ``num_sms``
+    queues (when given), and no cross-SM wait cycle exists."""
+    if num_sms is not None and sched.num_sms > num_sms:
+        raise ScheduleError(f"static schedule has {sched.num_sms} queues for {num_sms} SMs")
     seen: dict[int, int] = {}
     for sm, q in enumerate(sched.queues):
         for t in q:

@@ -136,7 +136,8 @@ _REGISTRY: dict[str, type[TileOp]] = {}
 
 
 def register_op(cls: type[TileOp]) -> type[TileOp]:
-    """Class decorator: make an op known by name (for dumps and codegen dispatch)."""
+    """Class decorator: make an op known by name (``registered_ops``), refusing two op classes
+    with the same name (the name labels tasks, events and dumps)."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"tile op name {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls

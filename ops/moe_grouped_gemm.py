@@ -67,6 +67,11 @@ class MoeGroupedGemmTile(TileOp):
         if self.row_token is not None:
             expect_ndim(self.row_token, 1, "moe_grouped_gemm row_token")
             expect_dtype(self.row_token, (torch.int32,), "moe_grouped_gemm row_token")
+            expect_same_dim(
+                self.row_token.shape[0],
+                self.tile_info.shape[0] * self.block_m,
+                "moe_grouped_gemm: row_token rows vs tiles*block_m (block_m must be moe_route's)",
+            )
         else:
             expect_same_dim(
                 self.x.shape[0],

@@ -39,6 +39,7 @@ class RmsNormTile(TileOp):
         expect_ndim(self.x, 2, "rmsnorm x")
         expect_ndim(self.weight, 1, "rmsnorm weight")
         expect_dtype(self.x, FLOAT_DTYPES, "rmsnorm x")
+        expect_dtype(self.weight, (self.x.dtype,), "rmsnorm weight")
         if self.weight.shape[0] != self.x.shape[1]:
             raise ShapeError(
                 f"rmsnorm weight has {self.weight.shape[0]} elements, x has "

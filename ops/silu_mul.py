@@ -25,6 +25,7 @@ from cutemk.tileop import (
     block,
     expect_dtype,
     expect_ndim,
+    expect_same_dim,
     register_op,
 )
 
@@ -52,6 +53,11 @@ class SiluMulTile(TileOp):
         if self.tile_info is not None:
             expect_ndim(self.tile_info, 2, "silu_mul tile_info")
             expect_dtype(self.tile_info, (torch.int32,), "silu_mul tile_info")
+            expect_same_dim(
+                self.h.shape[0],
+                self.tile_info.shape[0] * self.block_m,
+                "silu_mul: h rows vs tiles*block_m (block_m must be moe_route's)",
+            )
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -22,4 +22,7 @@ class DynamicScheduler:
     name: str = "dynamic"
 
     def initial_order(self, plan: Plan) -> list[int]:
-        return [t for t in range(plan.num_tasks) if not plan.waits[t]]
+        # an explicit event of count 0 is complete from the start: it holds nobody back
+        return [
+            t for t in range(plan.num_tasks) if all(plan.event_count[e] == 0 for e in plan.waits[t])
+        ]

@@ -78,7 +78,7 @@ def cutemk_chain_kernel(
                     notify_event(mEvents.iterator + task, Int32(1))
 
 
-# The DSL prefixes every generated symbol with "cutlass_"; drop it (see CUTEDSL_NOTES: that string
+# The DSL prefixes every generated symbol with "cutlass_"; drop it (that string
 # in a kernel name once triggered heavy ptxas spilling).
 cutemk_chain_kernel.set_name_prefix("", remove_cutlass_symbol=True)
 

@@ -7,6 +7,7 @@ dynamic shapes and inspect the PTX. GPU tests run it on ragged shapes against ea
 
 import os
 import re
+import tempfile
 import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -50,8 +51,14 @@ def gemm_op(dtype, block_m, block_n, epilogue=None) -> GemmTile:
 
 
 def silu_op(dtype, block_m, grouped=False) -> SiluMulTile:
-    info = TensorSpec((sym("TILES", 4096), 2), torch.int32) if grouped else None
-    return SiluMulTile(TensorSpec((T, 2 * N), dtype), info, block_m)
+    if grouped:  # the grouped layout: row tiles of block_m rows
+        tiles = sym("TILES", 4096)
+        return SiluMulTile(
+            TensorSpec((tiles * block_m, 2 * N), dtype),
+            TensorSpec((tiles, 2), torch.int32),
+            block_m,
+        )
+    return SiluMulTile(TensorSpec((T, 2 * N), dtype), None, block_m)
 
 
 def rms_op(dtype, block_m) -> RmsNormTile:
@@ -72,7 +79,8 @@ def fake_tensors(op):
 
 def compile_ptx(op) -> tuple[str, float]:
     t0 = time.perf_counter()
-    compiled = compile_tile(op, fake_tensors(op), options="--keep-ptx")
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = compile_tile(op, fake_tensors(op), options=f"--keep-ptx --dump-dir={dump}")
     elapsed = time.perf_counter() - t0
     assert compiled.ptx, "no PTX although --keep-ptx was given"
     return compiled.ptx, elapsed
@@ -213,10 +221,12 @@ def test_silu_mul_device_tile_matches_reference(dtype, grouped, block_m):
     for rows in (1, 7, 100):
         for n in (1, 200, 513):
             env = {"T": rows, "N": n}
-            inputs = {"h": torch.randn(rows, 2 * n, device="cuda").to(dtype)}
             if grouped:  # every row block exists (existence is the caller's check)
                 tiles = -(-rows // block_m)
                 env["TILES"] = tiles
+                rows = tiles * block_m
+            inputs = {"h": torch.randn(rows, 2 * n, device="cuda").to(dtype)}
+            if grouped:
                 inputs["tile_info"] = torch.zeros(tiles, 2, dtype=torch.int32, device="cuda")
             run_and_check(op, env, inputs, dtype)
 

@@ -123,3 +123,30 @@ def test_two_box_reads_wait_only_for_gate_and_up_columns():
     preds = plan.preds()
     # column block 1 of the output needs gate columns [8, 16) and up columns [40, 48)
     assert _labels(plan, preds[silu[1]]) == ["gemm0[0, 1]", "gemm0[0, 5]"]
+
+
+def test_count_zero_event_holds_nobody_back():
+    """An element nobody notifies has a derived count of 0: complete from the start, so its
+    waiter runs at once under both schedulers (and is an initial task of the dynamic queue)."""
+    from cutemk.schedulers import DynamicScheduler
+
+    N, M = mk.sym("N", max=64), mk.sym("M", max=64)
+    g = mk.Graph("zero")
+    ptr = g.input("deps_ptr", (N + 1,), torch.int32)
+    idx = g.input("deps_idx", (M,), torch.int32)
+    work = g.input("work", (N,), torch.int32)
+    out = g.call(ops.synthetic_dag, ptr, idx, work)
+    g.event(
+        (N,),
+        name="v",
+        notify=[(out, lambda t: (t,) if t else None)],
+        wait=[(out, lambda t: [(0,)] if t == 1 else [])],
+    )
+    g.output(out)
+    deps = [[], [], []]
+    plan = instantiate(g, {"N": 3, "M": 1})
+    assert plan.event_count[plan.waits[1][0]] == 0
+    assert DynamicScheduler().initial_order(plan) == [0, 1, 2]
+    for sched in ("static", "dynamic"):
+        res = g.compile("interpret", num_sms=2, scheduler=sched)(*ops.dag_inputs(deps))
+        assert res.tolist() == [t * 7919 + 13 for t in range(3)]

@@ -87,3 +87,56 @@ def test_bad_inputs_raise_clear_errors(scheduler):
         c(x.numpy(), wgu, wd)
     with pytest.raises(ValueError, match="scheduler must be one of"):
         _mlp().compile("interpret", scheduler="random")
+
+
+def test_auto_names_skip_taken_ones():
+    T = mk.sym("T", max=8)
+    g = mk.Graph()
+    x = g.input("x", (T, 4))
+    w = g.weight("w", (4, 4))
+    a = g.call(ops.gemm, x, w, name="gemm1")
+    b = g.call(ops.gemm, a, w)
+    assert [n.name for n in g.nodes] == ["gemm1", "gemm0"] and b.producer.name == "gemm0"
+
+
+def test_grouped_ops_need_the_routes_block_m():
+    from cutemk.layers import MoeConfig
+
+    cfg = MoeConfig(16, 8, 4, 2, block_m=16)
+    T = mk.sym("T", max=64)
+    g = mk.Graph()
+    x = g.input("x", (T, 16))
+    logits = g.call(ops.gemm, x, g.weight("wr", (4, 16)))
+    _, ids = g.call(ops.topk_softmax, logits, k=2)
+    tile_info, row_token, _, _ = g.call(ops.moe_route, ids, num_experts=4, block_m=cfg.block_m)
+    wgu = g.weight("wgu", (4, 16, 16))
+    with pytest.raises(mk.ShapeError, match="block_m must be moe_route's"):
+        g.call(ops.moe_grouped_gemm, x, wgu, tile_info, row_token, block_m=8)
+    h = g.call(ops.moe_grouped_gemm, x, wgu, tile_info, row_token, block_m=16)
+    with pytest.raises(mk.ShapeError, match="block_m must be moe_route's"):
+        g.call(ops.silu_mul, h, tile_info, block_m=8)
+
+
+def test_region_declarations_are_checked():
+    from dataclasses import dataclass
+
+    from cutemk.plan import instantiate
+
+    @dataclass(frozen=True)
+    class Forgetful(ops.SiluMulTile):  # forgets to declare what it reads
+        def reads(self, coord, env, data=None):
+            return {}
+
+    @dataclass(frozen=True)
+    class WrongRank(ops.SiluMulTile):
+        def reads(self, coord, env, data=None):
+            return {"h": ((0, 1),)}
+
+    T = mk.sym("T", max=8)
+    for bad, msg in ((Forgetful, "declares nothing for 'h'"), (WrongRank, "h is 2-D")):
+        g = mk.Graph()
+        x = g.input("x", (T, 4))
+        h = g.call(ops.gemm, x, g.weight("w", (8, 4)))
+        g.output(g.call(bad(h.spec), h))
+        with pytest.raises(mk.GraphError, match=msg):
+            instantiate(g, {"T": 3})

@@ -10,7 +10,7 @@ argument each: arguments cost host time at every launch); views are rebuilt from
 
 Protocol (see ``cutemk.device.sync`` for the memory-ordering rules):
 
-- Static: CTA g runs ``queue_tasks[queue_ptr[g]:queue_ptr[g+1]]`` in order; before a task one
+- Static: CTA g runs the records ``queue_rec[queue_ptr[g]:queue_ptr[g+1]]`` in order; before a task one
   thread acquires each event the task waits on (counter >= count * epoch), ``bar.sync``, the CTA
   runs the tile, ``bar.sync``, one thread release-adds 1 to each event the task notifies.
 - Dynamic: a ring of task ids (slot value ``epoch * num_tasks + task``, so one acquire load says
