@@ -211,3 +211,35 @@ def test_interpreter_and_emulator_agree_on_moe_skips():
         got = low.cons_task[low.cons_ptr[e] : low.cons_ptr[e + 1]].tolist()
         assert got == [c if live[c] > 1 else -c - 1 for c in cs]
     assert torch.equal(torch.as_tensor(low.task_nwait[: plan.num_tasks]), torch.tensor(live))
+
+
+def test_watchdog_diagnosis_names_the_event():
+    """The host's reading of a watchdog record (``runtime._diagnose``), without a GPU."""
+    from cutemk.codegen.lower import DEBUG_SIZE, KIND_EVENT_WAIT, KIND_QUEUE_IDLE
+    from cutemk.runtime import _diagnose
+
+    deps = [[], [0], [1]]
+    plan = instantiate(ops.dag_graph(deps, N, M), {"N": 3, "M": 2})
+    e = plan.waits[2][0]
+    # launch 4: counters hold 3 full launches plus this one's progress (vertex 0 notified only)
+    counters = np.array([4, 3, 3], dtype=np.int32)[: plan.num_events]
+    dbg = [2, e, 4, 3, 17, KIND_EVENT_WAIT] + [0] * (DEBUG_SIZE - 6)
+    msg = _diagnose(plan, dbg, counters, epoch=4)
+    assert (
+        "task synthetic_dag0[2] on SM 17 waits on event vertex[1]: expected count 1, seen 0" in msg
+    )
+    assert "(timed out in launch 4)" in msg
+    idle = [-1, -1, 3, 1, 5, KIND_QUEUE_IDLE] + [0] * (DEBUG_SIZE - 6)
+    msg = _diagnose(plan, idle, counters, epoch=4)
+    assert "ready queue stayed empty on SM 5 with 1 of 3 tasks done" in msg
+    assert "first stuck task synthetic_dag0[2] waits on event vertex[1]" in msg
+
+
+def test_one_kernel_key_for_same_structure_different_dags():
+    from cutemk.runtime import kernel_spec
+
+    a = ops.dag_graph([[], [0]], N, M)
+    b = ops.dag_graph([[], [], [0, 1]], N, M)
+    assert kernel_spec(a, dynamic=True) == kernel_spec(b, dynamic=True)
+    assert kernel_spec(a, dynamic=True) != kernel_spec(a, dynamic=False)
+    assert kernel_spec(a, dynamic=True) != kernel_spec(a, dynamic=True, watchdog=True)
