@@ -115,6 +115,17 @@ class TileOp:
         """Estimated microseconds for one tile on one SM (see ``cutemk.costmodel``)."""
         return 1.0
 
+    def host_args(self, tensors: tuple) -> tuple:
+        """Extra kernel arguments built on the host at each launch from the op's cute tensors
+        (``inputs + outputs`` order), e.g. TMA descriptors. Called inside the ``@cute.jit``
+        launch function; ``device_tile`` receives ``tensors + host_args(tensors)``."""
+        return ()
+
+    def reads_async_proxy(self) -> bool:
+        """True if the device tile reads global memory through the async proxy (TMA): the
+        megakernel then fences every task's stores before notifying them."""
+        return False
+
     def reference(self, coord: Coord, env: Bindings, t: Mapping[str, torch.Tensor]) -> None:
         """Compute one tile with torch, writing its outputs in place into ``t``."""
         raise NotImplementedError

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from cutlass import BFloat16, Float16, Float32, Int32, cute
 
+from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.errors import DTypeError, ShapeError
 from cutemk.symbolic import IntLike, cdiv
+from . import gemm_sm90
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -149,6 +151,25 @@ class GemmTile(TileOp):
         t["c"][r0:r1, c0:c1] = out.to(t["c"].dtype)
 
     # -- device -----------------------------------------------------------------------------
+    def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
+        """The Hopper (TMA + wgmma) tile where the target arch and the parameters allow it;
+        else None and the portable mma.sync / SIMT tile below runs."""
+        if target_arch() != "sm_90a":
+            return None
+        return gemm_sm90.sm90_config(
+            self.a.dtype, self.block_m, self.block_n, self.k, self.epilogue == "silu_mul"
+        )
+
+    def host_args(self, tensors) -> tuple:
+        """TMA descriptors of the Hopper path (built by the launch, see ``TileOp.host_args``)."""
+        cfg = self.sm90()
+        if cfg is None:
+            return ()
+        return gemm_sm90.tma_args(cfg, *tensors)
+
+    def reads_async_proxy(self) -> bool:
+        return self.sm90() is not None
+
     def device_plan(self) -> GemmDevicePlan:
         simt = self.a.dtype == torch.float32
         if simt:
@@ -171,16 +192,30 @@ class GemmTile(TileOp):
         )
 
     def device_smem_bytes(self) -> int:
+        cfg = self.sm90()
+        if cfg is not None:
+            return cfg.smem_bytes()
         return self.device_plan().smem_elems() * self.a.dtype.itemsize
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Tile (coord0, coord1) of C; ``tensors`` = (mA, mB, mC).
+        """Tile (coord0, coord1) of C; ``tensors`` = (mA, mB, mC) + ``host_args``.
 
-        mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n). Each BLOCK_K slice of
-        A and B is staged in shared memory by all threads (coalesced, zero-filled outside the
-        tensors and the block), then the tiled MMA accumulates in fp32 registers. Not yet
-        fast: no cp.async pipelining, no ldmatrix, scalar epilogue stores.
+        mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n). The Hopper tile
+        (``ops.gemm_sm90``) where ``sm90()`` applies, else the portable one.
+        """
+        if cutlass.const_expr(self.sm90() is not None):
+            gemm_sm90.device_tile(self.sm90(), tensors, coord0, coord1, tidx, smem_ptr)
+        else:
+            self._device_tile_mma(tensors, coord0, coord1, tidx, smem_ptr)
+
+    @cute.jit
+    def _device_tile_mma(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """The portable tile: fp32 SIMT, or mma.sync where the Hopper path does not apply.
+
+        Each BLOCK_K slice of A and B is staged in shared memory by all threads (coalesced,
+        zero-filled outside the tensors and the block), then the tiled MMA accumulates in fp32
+        registers. Slow: no cp.async pipelining, no ldmatrix, scalar epilogue stores.
         """
         plan = self.device_plan()
         fused = self.epilogue == "silu_mul"

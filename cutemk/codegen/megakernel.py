@@ -66,7 +66,7 @@ from .lower import (
     TAIL,
 )
 
-SMEM_ALIGN = 128
+SMEM_ALIGN = 1024  # 128-byte swizzled TMA tiles need 1024-byte aligned shared memory
 WORK_CAP = 64  # skipped-task work list of the dynamic pusher; beyond it, tasks are pushed as is
 CHUNK = NUM_THREADS // REC_WIDTH  # static queue records fetched per coalesced load
 PROGRAM = (
@@ -111,6 +111,9 @@ class Megakernel:
         self.spec = spec
         self.num_nodes = len(spec.ops)
         self.has_exists = tuple(hasattr(op, "device_exists") for op in spec.ops)
+        # some tile reads global memory through the async proxy (TMA): every task's stores
+        # are fenced into it before they are notified
+        self.fence_async = any(op.reads_async_proxy() for op in spec.ops)
 
     # -- device helpers (inlined) -------------------------------------------------------------
     def _rec(self, sRec, k):
@@ -127,20 +130,26 @@ class Megakernel:
     def _node_args(self, tensors, k: int):
         return tuple(tensors[i] for i in self.spec.node_tensors[k])
 
+    def _host_args(self, tensors) -> tuple:
+        """Per node: the op's launch-time extras (``TileOp.host_args``, e.g. TMA descriptors)."""
+        return tuple(
+            op.host_args(self._node_args(tensors, k)) for k, op in enumerate(self.spec.ops)
+        )
+
     @cute.jit
     def _exists(self, tensors, node: Int32, c0: Int32, c1: Int32) -> Boolean:
         ok = Boolean(True)
         for k in cutlass.range_constexpr(self.num_nodes):
             if cutlass.const_expr(self.has_exists[k]):
                 if node == k:
-                    ok = self.spec.ops[k].device_exists(self._node_args(tensors, k), c0, c1)
+                    ok = self.spec.ops[k].device_exists(tensors[k], c0, c1)
         return ok
 
     @cute.jit
     def _dispatch(self, tensors, node: Int32, c0: Int32, c1: Int32, tidx: Int32, scratch):
         for k in cutlass.range_constexpr(self.num_nodes):
             if node == k:
-                self.spec.ops[k].device_tile(self._node_args(tensors, k), c0, c1, tidx, scratch)
+                self.spec.ops[k].device_tile(tensors[k], c0, c1, tidx, scratch)
 
     @cute.jit
     def _abort(
@@ -343,6 +352,8 @@ class Megakernel:
                 start = cute.arch.globaltimer()
             if self._exists(tensors, node, c0, c1):
                 self._dispatch(tensors, node, c0, c1, tidx, scratch)
+                if cutlass.const_expr(self.fence_async):
+                    cute.arch.fence_proxy("async.global")
             cute.arch.sync_threads()
             if tidx == 0:
                 if cutlass.const_expr(self.spec.profile):
@@ -416,7 +427,8 @@ class Megakernel:
     @cute.kernel
     def kernel(
         self,
-        tensors: tuple,
+        graph_tensors: tuple,
+        extras: tuple,
         mProg: cute.Tensor,
         mDev: cute.Tensor,
         mProf: cute.Tensor,
@@ -428,6 +440,10 @@ class Megakernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
+        # per node: its tensors (inputs + outputs) and its host-built extras; "tensors" below
+        tensors = tuple(
+            self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
+        )
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         sWork = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
@@ -560,9 +576,10 @@ class Megakernel:
     ):
         # shared memory is sized by the DSL from the kernel's SmemAllocator requests; cooperative
         # launch makes a grid that cannot be co-resident fail at launch instead of hanging
-        self.kernel(tensors, mProg, mDev, mProf, num_tasks, num_init, max_epoch, timeout_ns).launch(
-            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True
-        )
+        extras = self._host_args(tensors)
+        self.kernel(
+            tensors, extras, mProg, mDev, mProf, num_tasks, num_init, max_epoch, timeout_ns
+        ).launch(grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True)
 
 
 # CuTe DSL prefixes generated symbols with "cutlass_"; name the kernel after cutemk instead.

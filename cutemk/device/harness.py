@@ -24,8 +24,9 @@ from cutemk.tileop import TileOp
 
 from .config import NUM_THREADS
 
-SMEM_ALIGN = 128
-"""Byte alignment of the scratch handed to ``device_tile`` (enough for any vector access)."""
+SMEM_ALIGN = 1024
+"""Byte alignment of the scratch handed to ``device_tile`` (128-byte swizzled TMA tiles need
+1024)."""
 
 
 class TileHarness:
@@ -37,16 +38,16 @@ class TileHarness:
         self.smem_bytes = max(int(op.device_smem_bytes()), 16)
 
     @cute.kernel
-    def kernel(self, tensors: tuple):
+    def kernel(self, tensors: tuple, extra: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         smem_ptr = smem.allocate_array(cutlass.Uint8, self.smem_bytes, byte_alignment=SMEM_ALIGN)
-        self.op.device_tile(tensors, bidx, bidy, tidx, smem_ptr)
+        self.op.device_tile(tensors + extra, bidx, bidy, tidx, smem_ptr)
 
     @cute.jit
     def launch(self, tensors: tuple, g0: Int32, g1: Int32, stream: cuda.CUstream):
-        self.kernel(tensors).launch(grid=(g0, g1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
+        self.kernel(tensors, self.op.host_args(tensors)).launch(grid=(g0, g1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
 
 
 # The DSL prefixes generated symbols with "cutlass_"; cutemk names its own kernels (a kernel name containing "cutlass" was reported to trigger heavy ptxas spilling).
