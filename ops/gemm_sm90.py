@@ -210,7 +210,9 @@ def device_tile(
 
     if warp == 0:
         for _ in cutlass.range(cute.min(cfg.stages, k_tiles), unroll=1):
-            _load_slice(ring, load, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused)
+            _load_slice(
+                ring, load, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused
+            )
             load.advance()
 
     for kt in cutlass.range(k_tiles, unroll=1):
@@ -223,13 +225,18 @@ def device_tile(
                 cute.gemm(tiled_mma, acc_up, tCrA[slot], tCrU[slot], acc_up)
         warpgroup.commit_group()
         warpgroup.wait_group(1)  # the batch before this one has read its slot
+        read.advance()
         if kt > 0:
+            # every warp frees slice kt-1, then warp 0 refills that slot: a refill is only
+            # issued after its release (waiting for one before it would deadlock warp 0
+            # against the other warps, which need warp 0 for the next warpgroup-wide wgmma)
             ring.consumer_release(free)
             free.advance()
-        read.advance()
-        if warp == 0 and load.count < k_tiles:
-            _load_slice(ring, load, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused)
-            load.advance()
+            if warp == 0 and load.count < k_tiles:
+                _load_slice(
+                    ring, load, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused
+                )
+                load.advance()
     warpgroup.wait_group(0)
 
     m = mC.shape[0]
