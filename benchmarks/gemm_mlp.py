@@ -58,9 +58,16 @@ def gemm_case(res, name, t, n, k, blocks, dtype):
     case = f"{name} T={t} N={n} K={k}"
     for impl, fn in (("megakernel", lambda: c(x, wt)), ("torch", lambda: x @ wt.T)):
         us = time_us(graphed(fn), warmup=5, rep=50)
-        res.add(case, impl, us, blocks="x".join(map(str, blocks)) if impl == "megakernel" else "",
-                tflops=round(flops / us / 1e6, 1), floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3), rel_err=round(err, 5) if impl == "megakernel" else "")
+        res.add(
+            case,
+            impl,
+            us,
+            blocks="x".join(map(str, blocks)) if impl == "megakernel" else "",
+            tflops=round(flops / us / 1e6, 1),
+            floor_us=round(fl, 2),
+            of_floor=round(fl / us, 3),
+            rel_err=round(err, 5) if impl == "megakernel" else "",
+        )
 
 
 def mlp_case(res, t, h, i, blocks, dtype):
@@ -87,9 +94,16 @@ def mlp_case(res, t, h, i, blocks, dtype):
         ("torch_eager", torch_mlp),
     ):
         us = time_us(fn, warmup=5, rep=50)
-        res.add(case, impl, us, blocks="x".join(map(str, blocks)) if impl == "megakernel" else "",
-                tflops=round(flops / us / 1e6, 1), floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3), rel_err=round(err, 5) if impl == "megakernel" else "")
+        res.add(
+            case,
+            impl,
+            us,
+            blocks="x".join(map(str, blocks)) if impl == "megakernel" else "",
+            tflops=round(flops / us / 1e6, 1),
+            floor_us=round(fl, 2),
+            of_floor=round(fl / us, 3),
+            rel_err=round(err, 5) if impl == "megakernel" else "",
+        )
 
 
 def main() -> None:

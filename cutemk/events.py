@@ -14,6 +14,8 @@ Events come two ways (``cutemk.plan`` turns both into concrete counters):
 - **explicit**: a custom op's author declares the event tensor, its count and the maps, as in
   the Event Tensor paper's Figure 3. The count is checked against the number of notifiers when
   the graph is instantiated: a count that can never be met is a :class:`GraphError`, not a hang.
+  Explicit events also carry the dependencies between ranks of a distributed graph: a
+  ``remote_wait`` map sends a task to wait on the same event element of another rank.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ IndexMap = Callable[..., Union[Index, Iterable[Index], None]]
 """``f(*coord) -> index | [index, ...] | None``; receives ``env=`` if it declares that kwarg."""
 
 CountFn = Callable[[Index, Bindings], int]
+RankIndexMap = Callable[..., Union[tuple[int, Index], Iterable[tuple[int, Index]], None]]
+"""``f(*coord[, env=]) -> [(rank, index), ...]``: the event elements of *other ranks* a task
+waits on (distributed graphs; every rank runs the same graph, so an event index means the same
+counter on every rank). ``env["RANK"]`` is this rank; a pair naming it is an ordinary wait."""
 
 
 @dataclass(eq=False)
@@ -66,6 +72,22 @@ class EventMap:
     event: EventTensor
     notify: list[tuple[object, IndexMap]] = field(default_factory=list)  # (node, map)
     wait: list[tuple[object, IndexMap]] = field(default_factory=list)
+    remote_wait: list[tuple[object, RankIndexMap]] = field(default_factory=list)
+
+
+def apply_rank_map(
+    fn: RankIndexMap, coord: Sequence[int], env: Bindings
+) -> list[tuple[int, Index]]:
+    """Evaluate a cross-rank wait map: ``[(rank, index), ...]``."""
+    res = fn(*coord, env=env) if _takes_env(fn) else fn(*coord)
+    if res is None:
+        return []
+    if isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], int):
+        res = [res]
+    out = []
+    for rank, idx in res:
+        out.append((int(rank), (int(idx),) if isinstance(idx, int) else tuple(int(i) for i in idx)))
+    return out
 
 
 def apply_map(fn: IndexMap, coord: Sequence[int], env: Bindings) -> list[Index]:

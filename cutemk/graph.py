@@ -144,6 +144,7 @@ class Graph:
         name: str = "event",
         notify: Sequence[tuple[Value, IndexMap]] = (),
         wait: Sequence[tuple[Value, IndexMap]] = (),
+        remote_wait: Sequence[tuple[Value, Any]] = (),
     ) -> EventTensor:
         """Declare an explicit event tensor (Event Tensor paper, Fig. 3).
 
@@ -151,6 +152,10 @@ class Graph:
         index map from that node's tile coordinate to event indices. A (producer, consumer)
         pair wired explicitly gets no automatic events: the explicit wiring is trusted for
         ordering, and its counts are checked when the graph is instantiated.
+
+        ``remote_wait`` (distributed graphs) pairs a value with a map from the waiting node's
+        tile coordinate to ``(rank, index)`` pairs: the task waits until element ``index`` of
+        this event *on rank* ``rank`` is complete (see ``cutemk.events.RankIndexMap``).
         """
         ev = EventTensor(
             tuple(const(d) if not isinstance(d, int) else d for d in shape), count, name
@@ -160,7 +165,9 @@ class Graph:
             em.notify.append((self._node_of(v, "notify"), fn))
         for v, fn in wait:
             em.wait.append((self._node_of(v, "wait"), fn))
-        if not em.notify or not em.wait:
+        for v, fn in remote_wait:
+            em.remote_wait.append((self._node_of(v, "remote_wait"), fn))
+        if not em.notify or not (em.wait or em.remote_wait):
             raise GraphError(f"event {name}: needs at least one notifying and one waiting node")
         self.event_maps.append(em)
         return ev

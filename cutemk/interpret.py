@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .binding import bind, env_key, poison_
+from .comm import PeerTable, peer_key
 from .errors import DeadlockError, RaceError
 from .graph import Graph
 from .plan import Plan, instantiate, node_regions
@@ -149,9 +150,13 @@ class _Simulation:
         num_sms: int,
         rng: random.Random,
         check_races: bool,
+        peers: dict[str, PeerTable] | None = None,
     ) -> None:
         self.plan, self.tensors, self.num_sms, self.rng = plan, tensors, num_sms, rng
         self.check_races = check_races
+        # the simulations of every rank, indexed by rank (set by cutemk.world for W > 1)
+        self.world_sims: list[_Simulation] | None = None
+        self.remote_written = set(peers or ())  # values other ranks write: no local race check
         self.counter = [0] * plan.num_events
         self.done = [False] * plan.num_tasks
         self.skipped = 0
@@ -169,9 +174,13 @@ class _Simulation:
             else {}
         )
         self.views = []
+        rank = plan.env.get("RANK", 0)
         for node in plan.graph.nodes:
-            view = {a: tensors[v.name] for a, v in node.args.items()}
+            view: dict[str, Any] = {a: tensors[v.name] for a, v in node.args.items()}
             view.update({o: tensors[v.name] for o, v in node.results.items()})
+            for a in node.op.peer_values:
+                v = node.args.get(a) or node.results[a]
+                view[peer_key(a)] = (peers or {}).get(v.name) or PeerTable(rank, [tensors[v.name]])
             self.views.append(view)
         # cost-model clock
         self.sm_clock = [0.0] * num_sms
@@ -182,6 +191,13 @@ class _Simulation:
     # -- shared steps ---------------------------------------------------------------------
     def _complete(self, e: int) -> bool:
         return self.counter[e] >= self.plan.event_count[e]
+
+    def _remote_ok(self, t: int) -> bool:
+        """Task t's events on other ranks are complete (the SM spins on them before running)."""
+        sims = self.world_sims
+        return not self.plan.remote_waits[t] or all(
+            sims[r]._complete(e) for r, e in self.plan.remote_waits[t]
+        )
 
     def _exists(self, t: int) -> bool:
         task = self.plan.tasks[t]
@@ -238,7 +254,7 @@ class _Simulation:
         reads = node_regions(node, "reads", task.coord, self.plan.env, self.views[node.index])
         for arg, box in ((a, b) for a, r in reads.items() for b in r):
             v = node.args[arg]
-            if v.kind != "intermediate" or box_is_empty(box):
+            if v.kind != "intermediate" or box_is_empty(box) or v.name in self.remote_written:
                 continue
             w = self.writer[v.name][box_slices(box)]
             if (w < 0).any():
@@ -266,75 +282,95 @@ class _Simulation:
 
     # -- static -------------------------------------------------------------------------------
     def run_static(self, sched: StaticSchedule) -> None:
-        plan = self.plan
-        queues = [deque(q) for q in sched.queues]
-        queues += [deque() for _ in range(self.num_sms - len(queues))]
+        self.begin_static(sched)
+        self.run_until_stuck()
+        self.check_finished()
+
+    def run_until_stuck(self) -> None:
         while True:
-            actions = []
-            for sm in range(self.num_sms):
-                if self.inflight[sm] is not None:
-                    actions.append((sm, None))
-                elif queues[sm] and all(self._complete(e) for e in plan.waits[queues[sm][0]]):
-                    actions.append((sm, queues[sm][0]))
+            actions = self.actions()
             if not actions:
-                break
-            sm, t = self.rng.choice(actions)
-            if t is None:
-                self._finish(sm)
-            else:
-                queues[sm].popleft()
-                self._start(sm, t)
-        stuck = [(sm, q[0]) for sm, q in enumerate(queues) if q]
+                return
+            self.apply(self.rng.choice(actions))
+
+    def begin_static(self, sched: StaticSchedule) -> None:
+        self.queues = [deque(q) for q in sched.queues]
+        self.queues += [deque() for _ in range(self.num_sms - len(self.queues))]
+        self.dynamic = False
+
+    def actions(self) -> list[tuple[int, Any]]:
+        """What can happen next: ``(sm, None)`` finishes the SM's task (its remote waits are
+        met), ``(sm, t)`` starts task t (static) / pops the ready queue's head (dynamic)."""
+        plan, out = self.plan, []
+        for sm in range(self.num_sms):
+            t = self.inflight[sm]
+            if t is not None:
+                if self._remote_ok(t):
+                    out.append((sm, None))
+            elif self.dynamic:
+                if self.ready:
+                    out.append((sm, self.ready[0]))
+            elif self.queues[sm] and all(self._complete(e) for e in plan.waits[self.queues[sm][0]]):
+                out.append((sm, self.queues[sm][0]))
+        return out
+
+    def apply(self, action: tuple[int, Any]) -> None:
+        sm, t = action
+        if t is not None:
+            (self.ready if self.dynamic else self.queues[sm]).popleft()
+            self._start(sm, t)
+            return
+        completed = self._finish(sm)
+        if self.dynamic:
+            newly = []
+            for e in completed:
+                for c in self.consumers[e]:
+                    self.remaining[c] -= 1
+                    if self.remaining[c] == 0:
+                        newly.append(c)
+            self._push(newly)
+
+    def check_finished(self) -> None:
+        if self.dynamic:
+            stuck = [t for t in range(self.plan.num_tasks) if not self.done[t]]
+            if stuck:
+                self._raise_deadlock(stuck, {})
+            return
+        stuck = [(sm, q[0]) for sm, q in enumerate(self.queues) if q]
+        stuck += [(sm, t) for sm, t in enumerate(self.inflight) if t is not None]
         if stuck:
             self._raise_deadlock([t for _, t in stuck], {t: sm for sm, t in stuck})
 
     # -- dynamic ------------------------------------------------------------------------------
     def run_dynamic(self, initial: list[int]) -> None:
+        self.begin_dynamic(initial)
+        self.run_until_stuck()
+        self.check_finished()
+
+    def begin_dynamic(self, initial: list[int]) -> None:
         plan = self.plan
-        consumers = plan.consumers()
-        remaining = [
+        self.dynamic = True
+        self.consumers = plan.consumers()
+        self.remaining = [
             sum(1 for e in plan.waits[t] if plan.event_count[e] > 0) for t in range(plan.num_tasks)
         ]
-        ready: deque[int] = deque()
+        self.ready: deque[int] = deque()
+        self._push([t for t in initial if self.remaining[t] == 0])
 
-        def push(ts: list[int]) -> None:
-            # a task that does not exist is never queued: its pusher completes it in place
-            work = list(ts)
-            while work:
-                t = work.pop(0)
-                if self._exists(t):
-                    ready.append(t)
-                    continue
-                self._start_skip(t)
-                for e in self._notify(t, self.start_time[t]):
-                    for c in consumers[e]:
-                        remaining[c] -= 1
-                        if remaining[c] == 0:
-                            work.append(c)
-
-        push([t for t in initial if remaining[t] == 0])
-        while True:
-            actions = [
-                (sm, self.inflight[sm] is not None)
-                for sm in range(self.num_sms)
-                if self.inflight[sm] is not None or ready
-            ]
-            if not actions:
-                break
-            sm, busy = self.rng.choice(actions)
-            if busy:
-                newly = []
-                for e in self._finish(sm):
-                    for c in consumers[e]:
-                        remaining[c] -= 1
-                        if remaining[c] == 0:
-                            newly.append(c)
-                push(newly)
-            else:
-                self._start(sm, ready.popleft())
-        stuck = [t for t in range(plan.num_tasks) if not self.done[t]]
-        if stuck:
-            self._raise_deadlock(stuck, {})
+    def _push(self, ts: list[int]) -> None:
+        # a task that does not exist is never queued: its pusher completes it in place
+        work = list(ts)
+        while work:
+            t = work.pop(0)
+            if self._exists(t):
+                self.ready.append(t)
+                continue
+            self._start_skip(t)
+            for e in self._notify(t, self.start_time[t]):
+                for c in self.consumers[e]:
+                    self.remaining[c] -= 1
+                    if self.remaining[c] == 0:
+                        work.append(c)
 
     def _start_skip(self, t: int) -> None:
         anc = 0
@@ -349,14 +385,18 @@ class _Simulation:
     def _raise_deadlock(self, stuck: list[int], sm_of: dict[int, int]) -> None:
         plan = self.plan
         lines = []
+        rank = f"rank {plan.env['RANK']}: " if self.world_sims else ""
         for t in stuck:
-            for e in plan.waits[t]:
-                if not self._complete(e):
-                    where = f" on SM {sm_of[t]}" if t in sm_of else ""
+            where = f" on SM {sm_of[t]}" if t in sm_of else ""
+            waits = [(None, e, self) for e in plan.waits[t]]
+            waits += [(r, e, self.world_sims[r]) for r, e in plan.remote_waits[t]]
+            for r, e, sim in waits:
+                if not sim._complete(e):
+                    of = "" if r is None else f" of rank {r}"
                     lines.append(
-                        f"task {plan.tasks[t].label}{where} waits on event "
-                        f"{plan.event_label[e]}: expected count {plan.event_count[e]}, "
-                        f"seen {self.counter[e]}"
+                        f"{rank}task {plan.tasks[t].label}{where} waits on event "
+                        f"{plan.event_label[e]}{of}: expected count {plan.event_count[e]}, "
+                        f"seen {sim.counter[e]}"
                     )
                     break
         n_left = sum(1 for d in self.done if not d)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import GraphError
-from .events import apply_map
+from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
 from .symbolic import Bindings
 from .tileop import Box, Coord, as_boxes, box_is_empty
@@ -49,6 +49,10 @@ class Plan:
     event_label: list[str] = field(default_factory=list)
     waits: list[list[int]] = field(default_factory=list)
     notifies: list[list[int]] = field(default_factory=list)
+    remote_waits: list[list[tuple[int, int]]] = field(default_factory=list)
+    """Per task: ``(rank, event)`` pairs it waits on in other ranks' plans (distributed)."""
+    shared_events: set[int] = field(default_factory=set)
+    """Events other ranks may wait on: kept (notified) even with no local waiter."""
     cost: list[float] = field(default_factory=list)
 
     @property
@@ -80,13 +84,21 @@ class Plan:
                 out[e].append(t)
         return out
 
-    def preds(self) -> list[set[int]]:
-        """Task -> tasks it depends on (through any event)."""
+    def preds(self, mirror_remote: bool = False) -> list[set[int]]:
+        """Task -> tasks it depends on (through any event). With ``mirror_remote``, a wait on
+        event e of another rank also counts this rank's producers of e: every rank runs the
+        same graph, so they are the other rank's producers' twins (schedulers use this to
+        order tasks; deadlock checks across ranks are ``cutemk.world``'s)."""
         prod = self.producers()
-        return [
+        out = [
             set(itertools.chain.from_iterable(prod[e] for e in self.waits[t]))
             for t in range(self.num_tasks)
         ]
+        if mirror_remote:
+            for t, rw in enumerate(self.remote_waits):
+                for _, e in rw:
+                    out[t].update(prod[e])
+        return out
 
     def num_edges(self) -> int:
         return sum(len(p) for p in self.preds())
@@ -101,6 +113,7 @@ class Plan:
                     "tid": t.tid,
                     "label": t.label,
                     "waits": self.waits[t.tid],
+                    "remote_waits": self.remote_waits[t.tid],
                     "notifies": self.notifies[t.tid],
                     "cost_us": self.cost[t.tid],
                 }
@@ -208,6 +221,7 @@ def instantiate(graph: Graph, env: Bindings) -> Plan:
     plan = Plan(graph, env, tasks, node_tasks, shapes)
     plan.waits = [[] for _ in tasks]
     plan.notifies = [[] for _ in tasks]
+    plan.remote_waits = [[] for _ in tasks]
     plan.cost = [float(t.node.op.cost(t.coord, env)) for t in tasks]
     explicit_pairs = _explicit_events(graph, plan)
     _automatic_events(graph, plan, explicit_pairs)
@@ -286,6 +300,21 @@ def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
                 for idx in apply_map(fn, plan.tasks[t].coord, env):
                     plan.waits[t].append(eid_of(idx, plan.tasks[t].label))
                     waited.add(idx)
+        rank, world = env.get("RANK", 0), env.get("WORLD", 1)
+        for node, fn in em.remote_wait:
+            for t in plan.node_tasks[node.index]:
+                for r, idx in apply_rank_map(fn, plan.tasks[t].coord, env):
+                    if not 0 <= r < world:
+                        raise GraphError(
+                            f"{plan.tasks[t].label} waits on {ev.name}{list(idx)} of rank {r}, "
+                            f"outside the world of {world} ranks"
+                        )
+                    eid = eid_of(idx, plan.tasks[t].label)
+                    if r == rank:
+                        plan.waits[t].append(eid)
+                    else:
+                        plan.remote_waits[t].append((r, eid))
+                    waited.add(idx)
         for idx, eid in ids.items():
             have = notifiers.get(idx, 0)
             want = ev.count_at(idx, env)
@@ -297,7 +326,9 @@ def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
                     f"notify it: {verdict}"
                 )
             plan.event_count[eid] = want
+            if em.remote_wait:
+                plan.shared_events.add(eid)
         for pn, _ in em.notify:
-            for wn, _ in em.wait:
+            for wn, _ in em.wait + em.remote_wait:
                 pairs.add((pn.index, wn.index))
     return pairs

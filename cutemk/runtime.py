@@ -18,6 +18,7 @@ import torch
 
 from .arch import target_arch
 from .binding import bind, env_key, poison_
+from .comm import Communicator, is_distributed, symmetric_values
 from .codegen.lower import (
     ABORT,
     DBG_EVENT,
@@ -28,6 +29,8 @@ from .codegen.lower import (
     DEBUG_SIZE,
     EPOCH,
     KIND_EVENT_WAIT,
+    KIND_REMOTE_WAIT,
+    MAX_EPOCH_COUNT,
     STATE_SIZE,
     LoweredPlan,
     lower,
@@ -63,6 +66,7 @@ class _Buffers:
     intermediates: dict[str, torch.Tensor]
     cute_intermediates: dict[str, Any]
     max_epoch: int  # the kernel wraps its counters to epoch 0 after this many launches
+    launches: int = 0  # distributed: counted on the host (counters never wrap on the device)
 
 
 class CuteGraph:
@@ -78,6 +82,7 @@ class CuteGraph:
         timeout_s: float = 1.0,
         profile: bool = False,
         poison_outputs: bool = False,
+        group: Any = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise DeviceError("the cute backend needs a CUDA GPU; use backend='interpret'")
@@ -94,6 +99,22 @@ class CuteGraph:
         self.timeout_ns = int(timeout_s * 1e9)
         self.poison_outputs = poison_outputs
         self.spec = kernel_spec(graph, self.dynamic, watchdog, profile)
+        self.symmetric = symmetric_values(graph)
+        self.comm = Communicator.from_group(group) if self.spec.distributed else Communicator()
+        for node in graph.nodes:
+            w = getattr(node.op, "world", None)
+            if node.op.peer_values and w != self.comm.world:
+                raise CuteMKError(
+                    f"{node.name} was built for {w} ranks but this process group has "
+                    f"{self.comm.world}"
+                )
+        for name in self.symmetric:
+            if any(v.name == name for v in graph.outputs):
+                raise CuteMKError(
+                    f"{name} is reached by other ranks, so it lives in symmetric memory and "
+                    "cannot be a graph output (copy it out with another op)"
+                )
+        self._peer_tables: dict[str, Any] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._weight_cache: dict[tuple, Any] = {}
         self._scratch_bufs: dict[str, torch.Tensor] = {}
@@ -134,7 +155,15 @@ class CuteGraph:
         }
         dev_np, spans = pack_int32([np.zeros(sizes[k], dtype=np.int32) for k in DEVICE_STATE])
         prog = torch.from_numpy(prog_np).cuda()
-        devbuf = torch.from_numpy(dev_np).cuda()
+        if self.spec.distributed:  # other ranks poll these counters: symmetric memory
+            devbuf, ptrs = self.comm.symmetric_empty(dev_np.size, torch.int32)
+            devbuf.zero_()
+            devbuf[: dev_np.size].copy_(torch.from_numpy(dev_np))
+            self.comm.barrier()  # no rank polls a peer's counters before they are zeroed
+        else:
+            devbuf = torch.from_numpy(dev_np).cuda()
+            ptrs = [devbuf.data_ptr()]
+        peers = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
         views = {k: devbuf[o : o + size] for k, (o, size) in zip(DEVICE_STATE, spans)}
         views["debug"].fill_(-1)
         prof = torch.zeros(
@@ -149,8 +178,8 @@ class CuteGraph:
         return _Buffers(
             plan,
             low,
-            (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof)),
-            {**views, "prog": prog, "devbuf": devbuf, "prof": prof},
+            (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof), _cute_tensor(peers)),
+            {**views, "prog": prog, "devbuf": devbuf, "prof": prof, "peers": peers},
             inter,
             {k: _cute_tensor(v) for k, v in inter.items()},
             low.max_launches(),
@@ -162,9 +191,13 @@ class CuteGraph:
         are served. Launches are stream-ordered, so one graph serves one stream at a time."""
         buf = self._scratch_bufs.get(v.name)
         if buf is None:
-            numel = int(np.prod([upper(d) for d in v.shape]))
-            buf = poison_(torch.empty(max(numel, 1), dtype=v.dtype, device="cuda"))
-            self._scratch_bufs[v.name] = buf
+            numel = max(int(np.prod([upper(d) for d in v.shape])), 1)
+            if v.name in self.symmetric:  # reached by other ranks: symmetric memory
+                buf, ptrs = self.comm.symmetric_empty(numel, v.dtype)
+                self._peer_tables[v.name] = _cute_tensor(self.comm.peer_table(ptrs))
+            else:
+                buf = torch.empty(numel, dtype=v.dtype, device="cuda")
+            self._scratch_bufs[v.name] = poison_(buf)
         return buf
 
     # -- launching --------------------------------------------------------------------------------
@@ -175,6 +208,8 @@ class CuteGraph:
                 "so it cannot be captured in a CUDA graph; compile without it"
             )
         env, leaves = bind(self.graph, args, kwargs, device_type="cuda")
+        if self.spec.distributed:
+            env.update(self.comm.env())
         for name, t in leaves.items():
             if t.data_ptr() % 16:
                 raise LayoutError(
@@ -198,6 +233,7 @@ class CuteGraph:
                 tensors.append(_cute_tensor(outs[v.name]))
             else:
                 tensors.append(b.cute_intermediates[v.name])
+        tensors += [self._peer_tables[name] for name in self.symmetric]
         if b.plan.num_tasks:
             if self.spec.profile:
                 b.torch_dev["prof"].zero_()  # skipped tasks keep no earlier launch's times
@@ -229,14 +265,35 @@ class CuteGraph:
             *b.kernel_args,
             Int32(b.plan.num_tasks),
             Int32(b.lowered.num_init),
-            Int32(b.max_epoch),
+            Int32(MAX_EPOCH_COUNT if self.spec.distributed else b.max_epoch),
             Int64(self.timeout_ns),
             Int32(self.num_sms),
             stream,
         )
         if self._fn is None:
             self._fn = _COMPILED.get(self.spec) or _compile(self.spec, args)
+        if self.spec.distributed:
+            self._count_launch(b)
         self._fn(*args)
+
+    def _count_launch(self, b: _Buffers) -> None:
+        """Distributed counters are read by other ranks, so the kernel never wraps them; before
+        a target would pass int32 every rank resets its counters here, between barriers (all
+        ranks launch the same sequence, so they all arrive at the same launch)."""
+        b.launches += 1
+        if b.launches <= b.max_epoch:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise CuteMKError(
+                f"{b.max_epoch} launches of this plan: its event counters must be reset, which "
+                "cannot happen inside CUDA-graph capture; capture a fresh graph"
+            )
+        torch.cuda.synchronize()
+        self.comm.barrier()
+        self._reset(b)
+        torch.cuda.synchronize()
+        self.comm.barrier()
+        b.launches = 1
 
     def _reset(self, b: _Buffers) -> None:
         b.torch_dev["devbuf"][b.torch_dev["state"].storage_offset() :].zero_()
@@ -285,15 +342,25 @@ def kernel_spec(
 ) -> KernelSpec:
     """The compile-cache key of ``graph``'s megakernel."""
     index = {id(v): i for i, v in enumerate(graph.values)}
+    # peer tables of the symmetric values follow the graph values in the kernel's tensor tuple
+    symmetric = symmetric_values(graph)
+    table = {name: len(graph.values) + k for k, name in enumerate(symmetric)}
+
+    def peer_table(n, a):
+        v = n.args.get(a) or n.results[a]
+        return table[v.name]
+
     node_tensors = tuple(
         tuple(index[id(n.args[a])] for a in n.op.inputs)
         + tuple(index[id(n.results[o])] for o in n.op.outputs)
+        + tuple(peer_table(n, a) for a in n.op.peer_values)
         for n in graph.nodes
     )
     for n in graph.nodes:
         if not hasattr(n.op, "device_tile"):
             raise NotImplementedError(f"op {n.op.name} has no device function yet")
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
+    values += (("torch.int64", 1),) * len(symmetric)
     return KernelSpec(
         tuple(n.op for n in graph.nodes),
         node_tensors,
@@ -302,6 +369,7 @@ def kernel_spec(
         bool(watchdog),
         bool(profile),
         target_arch(),
+        is_distributed(graph),
     )
 
 
@@ -339,11 +407,13 @@ def compile_offline(
         )
 
     tensors = tuple(fake(v.dtype, len(v.shape)) for v in graph.values)
+    tensors += tuple(fake(torch.int64, 1) for _ in symmetric_values(graph))
     return cute.compile(
         Megakernel(spec).launch,
         tensors,
         fake(torch.int32, 1),
         fake(torch.int32, 1),
+        fake(torch.int64, 1),
         fake(torch.int64, 1),
         Int32(1),
         Int32(1),
@@ -371,12 +441,13 @@ def _compile(spec: KernelSpec, args: tuple):
 def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int) -> str:
     """Name the event a stuck task waits on, from the watchdog record and the live counters."""
     lines = []
-    if dbg[DBG_KIND] == KIND_EVENT_WAIT and 0 <= dbg[DBG_TASK] < plan.num_tasks:
+    if dbg[DBG_KIND] in (KIND_EVENT_WAIT, KIND_REMOTE_WAIT) and 0 <= dbg[DBG_TASK] < plan.num_tasks:
         e = dbg[DBG_EVENT]
         count = plan.event_count[e]
+        where = " on another rank" if dbg[DBG_KIND] == KIND_REMOTE_WAIT else ""
         lines.append(
             f"task {plan.tasks[dbg[DBG_TASK]].label} on SM {dbg[DBG_SM]} waits on event "
-            f"{plan.event_label[e]}: expected count {count}, seen "
+            f"{plan.event_label[e]}{where}: expected count {count}, seen "
             f"{dbg[DBG_SEEN] - (epoch - 1) * count} (timed out in launch {epoch})"
         )
     else:

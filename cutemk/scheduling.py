@@ -64,9 +64,10 @@ def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
         ) from None
 
 
-def topological_order(plan: Plan) -> list[int]:
-    """Task ids in dependency order; raises GraphError if the task graph has a cycle."""
-    preds = plan.preds()
+def topological_order(plan: Plan, preds: list[set[int]] | None = None) -> list[int]:
+    """Task ids in dependency order (``preds``: the plan's own by default); raises GraphError
+    if the task graph has a cycle."""
+    preds = plan.preds() if preds is None else preds
     succs: list[list[int]] = [[] for _ in range(plan.num_tasks)]
     indeg = [len(p) for p in preds]
     for t, ps in enumerate(preds):

@@ -108,6 +108,12 @@ class TileOp:
         """False when data computed earlier in the launch says this tile has no work."""
         return True
 
+    peer_values: ClassVar[tuple[str, ...]] = ()
+    """Inputs/outputs that other ranks' tiles read or write (distributed ops): the runtime puts
+    them in symmetric memory and ``device_tile`` gets one peer table per name (int64
+    ``[rank, addr_0, ...]``) after the outputs; references get a ``cutemk.comm.PeerTable``
+    under ``cutemk.comm.peer_key(value)``."""
+
     data_inputs: ClassVar[tuple[str, ...]] = ()
     """Inputs whose values (not only shapes) decide the task grid or regions."""
 

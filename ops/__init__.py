@@ -4,16 +4,22 @@ Each module defines a ``...Tile`` op class (a frozen dataclass) and a builder fu
 same name as the module, used with ``Graph.call``: ``g.call(ops.gemm, x, w, block_n=128)``.
 """
 
+from .all_gather import AllGatherTile, all_gather
 from .gemm import GemmTile, gemm
 from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
 from .moe_route import MoeRouteTile, max_tiles, moe_route
+from .reduce_scatter import ReduceScatterTile, reduce_scatter
 from .rmsnorm import RmsNormTile, rmsnorm
 from .silu_mul import SiluMulTile, silu_mul
 from .synthetic import SyntheticDagTile, dag_graph, dag_inputs, synthetic_dag
 from .topk import TopkSoftmaxTile, topk_softmax
 
 __all__ = [
+    "AllGatherTile",
+    "all_gather",
+    "ReduceScatterTile",
+    "reduce_scatter",
     "GemmTile",
     "gemm",
     "MoeCombineTile",

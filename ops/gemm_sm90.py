@@ -262,4 +262,3 @@ def _load_slice(ring, state, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUg
     cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar)
     if fused:
         cute.copy(atom_u, tUgU[(None, k)], tUsU[(None, s)], tma_bar_ptr=bar)
-

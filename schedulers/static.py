@@ -34,8 +34,8 @@ class StaticScheduler:
     def build(self, plan: Plan, num_sms: int) -> StaticSchedule:
         if num_sms < 1:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
-        order = topological_order(plan)
-        preds = plan.preds()
+        preds = plan.preds(mirror_remote=True)
+        order = topological_order(plan, preds)
         succs: list[list[int]] = [[] for _ in range(plan.num_tasks)]
         for t, ps in enumerate(preds):
             for p in ps:

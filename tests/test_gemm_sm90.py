@@ -24,9 +24,7 @@ T, N = mk.sym("T", 4096), mk.sym("N", 8192)
 
 def op_for(dtype, k, block, epilogue=None) -> GemmTile:
     rows_b = 2 * N if epilogue == "silu_mul" else N
-    return GemmTile(
-        TensorSpec((T, k), dtype), TensorSpec((rows_b, k), dtype), *block, epilogue
-    )
+    return GemmTile(TensorSpec((T, k), dtype), TensorSpec((rows_b, k), dtype), *block, epilogue)
 
 
 # -- CPU ------------------------------------------------------------------------------------

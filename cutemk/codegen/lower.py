@@ -27,11 +27,12 @@ REC_WIDTH = 8
 R_TASK, R_NODE, R_C0, R_C1, R_WLO, R_WHI, R_NLO, R_NHI = range(REC_WIDTH)
 STATE_SIZE = 8
 # state[] slots (int32), shared by host and device
-EPOCH, HEAD, TAIL, DONE, EXITED, ABORT = range(6)
+EPOCH, HEAD, TAIL, DONE, EXITED, ABORT, BARRIER = range(7)
+# BARRIER (distributed): ranks that finished each launch, counted up to world * epoch
 DEBUG_SIZE = 8
 # debug[] slots written by a watchdog timeout
 DBG_TASK, DBG_EVENT, DBG_EXPECTED, DBG_SEEN, DBG_SM, DBG_KIND = range(6)
-KIND_EVENT_WAIT, KIND_QUEUE_IDLE = 1, 2
+KIND_EVENT_WAIT, KIND_QUEUE_IDLE, KIND_REMOTE_WAIT = 1, 2, 3
 MAX_EPOCH_COUNT = 2**31 - 1
 
 
@@ -52,6 +53,10 @@ class LoweredPlan:
     cons_task: np.ndarray  # (C,)
     task_nwait: np.ndarray  # (N,) number of waits of each task
     init_tasks: np.ndarray  # (I,) tasks with no waits (pushed at launch start)
+    rwait_ptr: np.ndarray  # (N + 1,) distributed: task t waits on remote entries [ptr[t], ptr[t+1])
+    rwait_ev: np.ndarray  # (R,) event id (the same id on every rank)
+    rwait_rank: np.ndarray  # (R,) the rank whose counter is awaited
+    rwait_target: np.ndarray  # (R,) count per launch
     num_init: int
 
     def program_arrays(self) -> dict[str, np.ndarray]:
@@ -93,7 +98,12 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     wait_target = _nonempty(
         np.asarray([plan.event_count[e] for w in plan.waits for e in w], dtype=np.int32)
     )
-    notify_ptr, notify_ev = _csr([[e for e in ns if consumers[e]] for ns in plan.notifies])
+    keep = [bool(c) or e in plan.shared_events for e, c in enumerate(consumers)]
+    notify_ptr, notify_ev = _csr([[e for e in ns if keep[e]] for ns in plan.notifies])
+    remote = plan.remote_waits or [[] for _ in range(n)]
+    rwait_ptr, rwait_ev = _csr([[e for _, e in w] for w in remote])
+    _, rwait_rank = _csr([[r for r, _ in w] for w in remote])
+    _, rwait_target = _csr([[plan.event_count[e] for _, e in w] for w in remote])
     rec = np.zeros((max(n, 1), REC_WIDTH), dtype=np.int32)
     for t in plan.tasks:
         if len(t.coord) > 2:
@@ -135,6 +145,10 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         cons_task=cons_task,
         task_nwait=_nonempty(np.asarray([len(w) for w in live_waits], dtype=np.int32)),
         init_tasks=_nonempty(np.asarray(init, dtype=np.int32)),
+        rwait_ptr=rwait_ptr,
+        rwait_ev=rwait_ev,
+        rwait_rank=rwait_rank,
+        rwait_target=rwait_target,
         num_init=len(init),
     )
 

@@ -42,6 +42,7 @@ from ..device.sync import notify_event, wait_event, wait_event_or_abort
 from ..tileop import TileOp
 from .lower import (
     ABORT,
+    BARRIER,
     DBG_EVENT,
     DBG_EXPECTED,
     DBG_KIND,
@@ -54,6 +55,7 @@ from .lower import (
     HEAD,
     KIND_EVENT_WAIT,
     KIND_QUEUE_IDLE,
+    KIND_REMOTE_WAIT,
     R_C0,
     R_C1,
     R_NHI,
@@ -81,6 +83,10 @@ PROGRAM = (
     "cons_task",
     "task_nwait",
     "init_tasks",
+    "rwait_ptr",
+    "rwait_ev",
+    "rwait_rank",
+    "rwait_target",
 )
 DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")
 P = {name: i for i, name in enumerate(PROGRAM)}
@@ -99,6 +105,7 @@ class KernelSpec:
     watchdog: bool
     profile: bool
     arch: str
+    distributed: bool = False  # cross-rank waits, sys-scope notifies, a barrier per launch
 
     @property
     def scratch_bytes(self) -> int:
@@ -114,6 +121,8 @@ class Megakernel:
         # some tile reads global memory through the async proxy (TMA): every task's stores
         # are fenced into it before they are notified
         self.fence_async = any(op.reads_async_proxy() for op in spec.ops)
+        # events other GPUs read are released at system scope
+        self.scope = "sys" if spec.distributed else "gpu"
 
     # -- device helpers (inlined) -------------------------------------------------------------
     def _rec(self, sRec, k):
@@ -204,6 +213,48 @@ class Megakernel:
         return ok
 
     @cute.jit
+    def _wait_remote(
+        self,
+        prog,
+        dev,
+        peers,
+        ev_off: Int32,
+        t: Int32,
+        epoch: Int32,
+        lane: Int32,
+        timeout_ns: Int64,
+    ) -> Boolean:
+        """Warp 0: wait for task t's events on other ranks. ``peers[r]`` is rank r's device-state
+        buffer (symmetric memory mapped into this GPU); its counters start at word ``ev_off``,
+        the same on every rank. Acquire loads at system scope, over NVLink."""
+        rwait_ptr, rwait_ev = prog[P["rwait_ptr"]], prog[P["rwait_ev"]]
+        rwait_rank, rwait_target = prog[P["rwait_rank"]], prog[P["rwait_target"]]
+        state, debug = dev[D["state"]], dev[D["debug"]]
+        ok = Boolean(True)
+        if cutlass.const_expr(self.spec.watchdog):
+            ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
+        j = rwait_ptr[t] + lane
+        hi = rwait_ptr[t + 1]
+        going = ok and j < hi
+        while going:
+            e = rwait_ev[j]
+            target = rwait_target[j] * epoch
+            addr = peers[rwait_rank[j]] + Int64(ev_off + e) * 4
+            ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+            if cutlass.const_expr(self.spec.watchdog):
+                timed_out, seen = wait_event_or_abort(
+                    ptr, target, timeout_ns, state.iterator + ABORT, "sys"
+                )
+                if timed_out:
+                    self._abort(state, debug, t, e, target, seen, Int32(KIND_REMOTE_WAIT))
+                    ok = Boolean(False)
+            else:
+                wait_event(ptr, target, "sys")
+            j = j + WARP
+            going = ok and j < hi
+        return ok
+
+    @cute.jit
     def _push(self, dev, t: Int32, stamp: Int32, num_init: Int32):
         """Publish task t: ring slots hold ``stamp + t`` with ``stamp = epoch * num_tasks``, so
         one acquire load tells a popper both that the slot is filled in this launch and what
@@ -263,7 +314,7 @@ class Megakernel:
                 done = Int32(0)
                 if lane == 0:
                     old = cute.arch.atomic_add(
-                        ev_counter.iterator + e, Int32(1), sem="acq_rel", scope="gpu"
+                        ev_counter.iterator + e, Int32(1), sem="acq_rel", scope=self.scope
                     )
                     if old + 1 == ev_count[e] * epoch:
                         done = Int32(1)
@@ -318,6 +369,8 @@ class Megakernel:
         prog,
         dev,
         mProf,
+        peers,
+        ev_off: Int32,
         rec,
         epoch: Int32,
         stamp: Int32,
@@ -336,13 +389,20 @@ class Megakernel:
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         w_lo, w_hi, n_lo, n_hi = rec[R_WLO], rec[R_WHI], rec[R_NLO], rec[R_NHI]
         notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], mProf
-        alive = Boolean(True)  # a popped (dynamic) task is ready by construction
-        if cutlass.const_expr(not self.spec.dynamic):
+        # a popped (dynamic) task is ready by construction, except for its waits on other ranks
+        alive = Boolean(True)
+        if cutlass.const_expr(not self.spec.dynamic or self.spec.distributed):
             if tidx < WARP:
                 if tidx == 0:
                     sCtl[0] = Int32(1)
                 cute.arch.sync_warp()
-                if not self._wait_all(prog, dev, t, w_lo, w_hi, epoch, tidx, timeout_ns):
+                ok = Boolean(True)
+                if cutlass.const_expr(not self.spec.dynamic):
+                    ok = self._wait_all(prog, dev, t, w_lo, w_hi, epoch, tidx, timeout_ns)
+                if cutlass.const_expr(self.spec.distributed):
+                    if ok:
+                        ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, tidx, timeout_ns)
+                if not ok:
                     sCtl[0] = Int32(0)  # only ever lowered: no lane order needed
             cute.arch.sync_threads()
             alive = sCtl[0] != 0
@@ -364,7 +424,7 @@ class Megakernel:
                     prof[base + 3] = Int64(node)
                 if cutlass.const_expr(not self.spec.dynamic):
                     for j in range(n_lo, n_hi):
-                        notify_event(ev_counter.iterator + notify_ev[j], Int32(1))
+                        notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
             if cutlass.const_expr(self.spec.dynamic):
                 if tidx < WARP:
                     self._complete_dynamic(
@@ -432,6 +492,7 @@ class Megakernel:
         mProg: cute.Tensor,
         mDev: cute.Tensor,
         mProf: cute.Tensor,
+        mPeers: cute.Tensor,
         num_tasks: Int32,
         num_init: Int32,
         max_epoch: Int32,
@@ -460,6 +521,7 @@ class Megakernel:
         )
         init_tasks = prog[P["init_tasks"]]
         state = dev[D["state"]]
+        ev_off = mDev[2 * D["ev_counter"]]  # header: word offset of the counters
         epoch = state[EPOCH] + 1
         stamp = epoch * num_tasks
 
@@ -494,6 +556,8 @@ class Megakernel:
                         prog,
                         dev,
                         mProf,
+                        mPeers,
+                        ev_off,
                         self._rec(sRec, 0),
                         epoch,
                         stamp,
@@ -522,6 +586,8 @@ class Megakernel:
                             prog,
                             dev,
                             mProf,
+                            mPeers,
+                            ev_off,
                             self._rec(sRec, k),
                             epoch,
                             stamp,
@@ -546,6 +612,9 @@ class Megakernel:
             sCtl[2] = Int32(1) if old == gdim - 1 else Int32(0)
         cute.arch.sync_threads()
         if sCtl[2] != 0:
+            if cutlass.const_expr(self.spec.distributed):
+                if tidx == 0:
+                    self._rank_barrier(mDev, mPeers, epoch)
             wrap = epoch >= max_epoch
             if wrap:
                 for k in cutlass.range_constexpr(2, len(DEVICE_STATE)):  # past state, debug
@@ -561,12 +630,27 @@ class Megakernel:
                 state[EPOCH] = Int32(0) if wrap else epoch
 
     @cute.jit
+    def _rank_barrier(self, mDev, mPeers, epoch: Int32):
+        """Last CTA out, one thread: tell every rank this one has finished launch ``epoch``,
+        then wait until all have. No rank starts its next launch (which rewrites buffers the
+        others read or write remotely) before every rank is done with this one; and no counter
+        is remote-read across a reset, since distributed launches never wrap on the device."""
+        world = cute.size(mPeers)
+        state_off = mDev[2 * D["state"]]
+        for p in range(world):
+            addr = mPeers[p] + Int64(state_off + BARRIER) * 4
+            ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+            notify_event(ptr, Int32(1), "sys")
+        wait_event(mDev.iterator + (state_off + BARRIER), world * epoch, "sys")
+
+    @cute.jit
     def launch(
         self,
         tensors: tuple,
         mProg: cute.Tensor,
         mDev: cute.Tensor,
         mProf: cute.Tensor,
+        mPeers: cute.Tensor,
         num_tasks: Int32,
         num_init: Int32,
         max_epoch: Int32,
@@ -578,7 +662,7 @@ class Megakernel:
         # launch makes a grid that cannot be co-resident fail at launch instead of hanging
         extras = self._host_args(tensors)
         self.kernel(
-            tensors, extras, mProg, mDev, mProf, num_tasks, num_init, max_epoch, timeout_ns
+            tensors, extras, mProg, mDev, mProf, mPeers, num_tasks, num_init, max_epoch, timeout_ns
         ).launch(grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True)
 
 

@@ -47,7 +47,9 @@ class TileHarness:
 
     @cute.jit
     def launch(self, tensors: tuple, g0: Int32, g1: Int32, stream: cuda.CUstream):
-        self.kernel(tensors, self.op.host_args(tensors)).launch(grid=(g0, g1, 1), block=(NUM_THREADS, 1, 1), stream=stream)
+        self.kernel(tensors, self.op.host_args(tensors)).launch(
+            grid=(g0, g1, 1), block=(NUM_THREADS, 1, 1), stream=stream
+        )
 
 
 # The DSL prefixes generated symbols with "cutlass_"; cutemk names its own kernels (a kernel name containing "cutlass" was reported to trigger heavy ptxas spilling).
@@ -86,11 +88,10 @@ def compile_tile(op: TileOp, tensors: Sequence[Any], options: str = "") -> Compi
 
     ``options`` goes to ``cute.compile`` (e.g. ``"--keep-ptx"`` to fill ``ptx``).
     """
-    expected = len(op.inputs) + len(op.outputs)
-    if len(tensors) != expected:
+    names = op.inputs + op.outputs + tuple(f"{v}@peers" for v in op.peer_values)
+    if len(tensors) != len(names):
         raise ValueError(
-            f"{op.name}: expected {expected} tensors ({', '.join(op.inputs + op.outputs)}), "
-            f"got {len(tensors)}"
+            f"{op.name}: expected {len(names)} tensors ({', '.join(names)}), got {len(tensors)}"
         )
     args = tuple(as_cute_tensor(t) for t in tensors)
     fn = cute.compile(

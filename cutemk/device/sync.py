@@ -71,6 +71,7 @@ def _poll_until(
     abort_ptr: cute.Pointer,
     bounded: cutlass.Constexpr[bool],
     abortable: cutlass.Constexpr[bool],
+    scope: cutlass.Constexpr[str] = "gpu",
 ) -> tuple[Boolean, Int32]:
     """Spin (acquire loads, exponential nanosleep back-off) until ``*event_ptr >= target``.
 
@@ -81,7 +82,7 @@ def _poll_until(
     loop, so the exit condition is carried as ``spinning`` and every carried value is created
     with its final type before the loop.
     """
-    seen = cute.arch.load(event_ptr, Int32, sem="acquire", scope="gpu")
+    seen = cute.arch.load(event_ptr, Int32, sem="acquire", scope=scope)
     timed_out = Boolean(False)
     spinning = seen < target
     backoff = Int32(BACKOFF_MIN_NS)
@@ -92,7 +93,7 @@ def _poll_until(
         _prims.nanosleep(backoff)
         if backoff < BACKOFF_MAX_NS:
             backoff = backoff * 2
-        seen = cute.arch.load(event_ptr, Int32, sem="acquire", scope="gpu")
+        seen = cute.arch.load(event_ptr, Int32, sem="acquire", scope=scope)
         spinning = seen < target
         # Not merged with the inner `if`: const_expr must be the whole condition to stay a
         # compile-time branch.
@@ -110,14 +111,16 @@ def _poll_until(
 
 
 @cute.jit
-def wait_event(event_ptr: cute.Pointer, target: Int32) -> None:
+def wait_event(
+    event_ptr: cute.Pointer, target: Int32, scope: cutlass.Constexpr[str] = "gpu"
+) -> None:
     """Block until the int32 event counter at ``event_ptr`` is ``>= target`` (acquire, gpu scope).
 
     One thread only; follow with ``cute.arch.sync_threads()`` so the whole CTA is ordered after
     the acquire (see the module docstring). Spins forever if the producer never arrives: use
     ``wait_event_or_timeout`` where a hang must be diagnosable.
     """
-    _poll_until(event_ptr, target, Int64(0), event_ptr, False, False)
+    _poll_until(event_ptr, target, Int64(0), event_ptr, False, False, scope)
 
 
 @cute.jit
@@ -136,19 +139,26 @@ def wait_event_or_timeout(
 
 @cute.jit
 def wait_event_or_abort(
-    event_ptr: cute.Pointer, target: Int32, timeout_ns: Int64, abort_ptr: cute.Pointer
+    event_ptr: cute.Pointer,
+    target: Int32,
+    timeout_ns: Int64,
+    abort_ptr: cute.Pointer,
+    scope: cutlass.Constexpr[str] = "gpu",
 ) -> tuple[Boolean, Int32]:
     """``wait_event_or_timeout`` that also gives up once ``*abort_ptr != 0``, so one CTA's
-    watchdog stops every other CTA's wait at once instead of after its own timeout."""
-    return _poll_until(event_ptr, target, timeout_ns, abort_ptr, True, True)
+    watchdog stops every other CTA's wait at once instead of after its own timeout.
+    ``scope="sys"`` for a counter another GPU releases (a peer's, over NVLink)."""
+    return _poll_until(event_ptr, target, timeout_ns, abort_ptr, True, True, scope)
 
 
 @cute.jit
-def notify_event(event_ptr: cute.Pointer, inc: Int32) -> None:
+def notify_event(
+    event_ptr: cute.Pointer, inc: Int32, scope: cutlass.Constexpr[str] = "gpu"
+) -> None:
     """Add ``inc`` to the int32 event counter at ``event_ptr`` with release semantics, gpu scope.
 
     One thread only, after ``cute.arch.sync_threads()`` has ordered the whole CTA's global writes
     of the tile before it (module docstring, rule 1). ``red`` rather than ``atom``: the old value
     is not needed, so no round trip to L2 is waited for.
     """
-    cute.arch.red(event_ptr, inc, op="add", dtype=Int32, sem="release", scope="gpu")
+    cute.arch.red(event_ptr, inc, op="add", dtype=Int32, sem="release", scope=scope)
