@@ -7,9 +7,9 @@ event counters) are allocated in **symmetric memory** through PyTorch
 into every GPU's address space over NVLink). Device code reaches a peer's copy through a *peer
 table*, an int64 tensor ``[rank, addr_0, ..., addr_{W-1}]``.
 
-With one rank (no process group) the same code runs on plain allocations, so the whole
+With no process group the same code runs on plain allocations (one rank), so the whole
 distributed path (peer tables, system-scope events, the per-launch rank barrier) is exercised on
-one GPU.
+one GPU; a process group of one rank goes through symmetric memory as a larger one does.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Communicator:
         """A flat buffer of at least ``numel`` elements on every rank (collective call: sizes are
         agreed on first), and the address of each rank's copy as seen from this GPU."""
         numel = self.max_over_ranks(max(int(numel), 1))
-        if self.world == 1:
+        if self.group is None:  # no process group: one rank, plain memory
             t = torch.empty(numel, dtype=dtype, device="cuda")
             return t, [t.data_ptr()]
         import torch.distributed._symmetric_memory as symm_mem
