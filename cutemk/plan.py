@@ -68,6 +68,11 @@ class Plan:
         self.event_label.append(label)
         return len(self.event_count) - 1
 
+    def task_key(self, t: int) -> tuple:
+        """Sort key of task t for schedulers: node order, then the op's ``order_key``."""
+        task = self.tasks[t]
+        return (task.node.index, *task.node.op.order_key(task.coord))
+
     def producers(self) -> list[list[int]]:
         """Event id -> tasks notifying it."""
         out: list[list[int]] = [[] for _ in range(self.num_events)]

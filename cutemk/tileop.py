@@ -127,6 +127,12 @@ class TileOp:
         launch function; ``device_tile`` receives ``tensors + host_args(tensors)``."""
         return ()
 
+    def order_key(self, coord: Coord) -> tuple:
+        """Preferred run order of this op's tiles (schedulers break ties with it). The default
+        is grid order; an op whose tiles share inputs can group them, e.g. a GEMM runs blocks
+        of row tiles across the columns so one wave of SMs reads few A and B tiles."""
+        return tuple(coord)
+
     def reads_async_proxy(self) -> bool:
         """True if the device tile reads global memory through the async proxy (TMA): the
         megakernel then fences every task's stores before notifying them."""

@@ -36,6 +36,9 @@ EPILOGUES = (None, "silu_mul")
 BLOCK_K = 32
 """K-slice staged in shared memory per main-loop step (two mma.sync k-steps of 16)."""
 
+RASTER_GROUP = 8
+"""Row tiles per group in the preferred tile order (``GemmTile.order_key``)."""
+
 _CUTE_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16}
 
 
@@ -105,6 +108,13 @@ class GemmTile(TileOp):
     @property
     def k(self) -> IntLike:
         return self.a.shape[1]
+
+    def order_key(self, coord) -> tuple:
+        """Blocks of ``RASTER_GROUP`` row tiles swept across the column tiles: a wave of SMs
+        then reads about ``RASTER_GROUP`` A tiles and ``SMs / RASTER_GROUP`` B tiles, which stay
+        in L2, instead of one A tile and a whole row of B tiles (grid order)."""
+        i, j = coord
+        return (i // RASTER_GROUP, j, i % RASTER_GROUP)
 
     def output_specs(self) -> dict[str, TensorSpec]:
         return {"c": TensorSpec((self.m, self.n), self.out_dtype or self.a.dtype)}

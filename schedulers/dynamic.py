@@ -23,6 +23,7 @@ class DynamicScheduler:
 
     def initial_order(self, plan: Plan) -> list[int]:
         # an explicit event of count 0 is complete from the start: it holds nobody back
-        return [
+        ready = [
             t for t in range(plan.num_tasks) if all(plan.event_count[e] == 0 for e in plan.waits[t])
         ]
+        return sorted(ready, key=plan.task_key)

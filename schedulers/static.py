@@ -49,12 +49,13 @@ class StaticScheduler:
         sm_of = [-1] * plan.num_tasks
         queues: list[list[int]] = [[] for _ in range(num_sms)]
         missing = [len(p) for p in preds]
-        # ties: lower task id first, which keeps a node's tiles in grid order
-        heap = [(-rank[t], t) for t in range(plan.num_tasks) if missing[t] == 0]
+        # ties: node order, then the op's preferred tile order (grid order by default)
+        key = [plan.task_key(t) for t in range(plan.num_tasks)]
+        heap = [(-rank[t], key[t], t) for t in range(plan.num_tasks) if missing[t] == 0]
         heapq.heapify(heap)
         hop = self.hw.hop_us
         while heap:
-            _, t = heapq.heappop(heap)
+            _, _, t = heapq.heappop(heap)
             ready = np.zeros(num_sms)
             if preds[t]:
                 far = max(finish[p] for p in preds[t]) + hop
@@ -74,7 +75,7 @@ class StaticScheduler:
             for s in succs[t]:
                 missing[s] -= 1
                 if missing[s] == 0:
-                    heapq.heappush(heap, (-rank[s], s))
+                    heapq.heappush(heap, (-rank[s], key[s], s))
         sched = StaticSchedule(tuple(tuple(q) for q in queues))
         check_static_schedule(plan, sched)
         return sched
