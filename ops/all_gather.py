@@ -29,6 +29,9 @@ from cutemk.tileop import (
     register_op,
 )
 
+VEC = 8
+"""Elements per thread per step of the device tile."""
+
 
 @register_op
 @dataclass(frozen=True)
@@ -108,15 +111,23 @@ class AllGatherTile(TileOp):
             for q in range(self.world)
         ]
         row0 = coord0 * self.block_m
-        row_end = cute.min(row0 + self.block_m, s_rows)
         col0 = coord1 * self.block_n
-        col_end = cute.min(col0 + self.block_n, k)
-        for row in range(row0, row_end):
-            dst_row = rank * s_rows + row
-            for c in cutlass.range(col0 + tidx, col_end, NUM_THREADS, unroll=2):
-                v = mX[row, c]
-                for q in cutlass.range_constexpr(self.world):
-                    dsts[q][dst_row, c] = v
+        cols = cute.min(col0 + self.block_n, k) - col0
+        total = (cute.min(row0 + self.block_m, s_rows) - row0) * cols
+        dst_row0 = rank * s_rows + row0
+        # VEC elements a thread: all loads of a step before its stores (see reduce_scatter)
+        vals = cute.make_rmem_tensor((VEC,), mX.element_type)
+        for base in range(0, total, NUM_THREADS * VEC):
+            for v in cutlass.range_constexpr(VEC):
+                idx = base + v * NUM_THREADS + tidx
+                if idx < total:
+                    vals[v] = mX[row0 + idx // cols, col0 + idx % cols]
+            for v in cutlass.range_constexpr(VEC):
+                idx = base + v * NUM_THREADS + tidx
+                if idx < total:
+                    r, c = idx // cols, col0 + idx % cols
+                    for q in cutlass.range_constexpr(self.world):
+                        dsts[q][dst_row0 + r, c] = vals[v]
 
 
 def all_gather(

@@ -34,6 +34,9 @@ from cutemk.tileop import (
     register_op,
 )
 
+VEC = 8
+"""Elements per thread per step of the device tile."""
+
 
 @register_op
 @dataclass(frozen=True)
@@ -127,16 +130,26 @@ class ReduceScatterTile(TileOp):
             for s in range(self.world)
         ]
         row0 = coord0 * self.block_m
-        row_end = cute.min(row0 + self.block_m, chunk)
         col0 = coord1 * self.block_n
-        col_end = cute.min(col0 + self.block_n, n)
-        for row in range(row0, row_end):
-            src_row = rank * chunk + row
-            for c in cutlass.range(col0 + tidx, col_end, NUM_THREADS, unroll=2):
-                acc = Float32(0.0)
-                for s in cutlass.range_constexpr(self.world):
-                    acc = acc + srcs[s][src_row, c].to(Float32)
-                mOut[row, c] = acc.to(mOut.element_type)
+        cols = cute.min(col0 + self.block_n, n) - col0
+        total = (cute.min(row0 + self.block_m, chunk) - row0) * cols
+        src_row0 = rank * chunk + row0
+        # VEC elements a thread: every load of a step is issued before its stores (the
+        # compiler cannot move a load above a store that may alias it), so a thread keeps
+        # VEC * world loads in flight instead of one
+        acc = cute.make_rmem_tensor((VEC,), Float32)
+        for base in range(0, total, NUM_THREADS * VEC):
+            for v in cutlass.range_constexpr(VEC):
+                idx = base + v * NUM_THREADS + tidx
+                acc[v] = Float32(0.0)
+                if idx < total:
+                    r, c = idx // cols, col0 + idx % cols
+                    for s in cutlass.range_constexpr(self.world):
+                        acc[v] = acc[v] + srcs[s][src_row0 + r, c].to(Float32)
+            for v in cutlass.range_constexpr(VEC):
+                idx = base + v * NUM_THREADS + tidx
+                if idx < total:
+                    mOut[row0 + idx // cols, col0 + idx % cols] = acc[v].to(mOut.element_type)
 
 
 def reduce_scatter(
