@@ -111,23 +111,20 @@ class AllGatherTile(TileOp):
             for q in range(self.world)
         ]
         row0 = coord0 * self.block_m
+        rows = cute.min(row0 + self.block_m, s_rows) - row0
         col0 = coord1 * self.block_n
-        cols = cute.min(col0 + self.block_n, k) - col0
-        total = (cute.min(row0 + self.block_m, s_rows) - row0) * cols
+        col_end = cute.min(col0 + self.block_n, k)
         dst_row0 = rank * s_rows + row0
-        # VEC elements a thread: all loads of a step before its stores (see reduce_scatter)
+        # VEC rows at a time, all loads before the stores (see reduce_scatter)
         vals = cute.make_rmem_tensor((VEC,), mX.element_type)
-        for base in range(0, total, NUM_THREADS * VEC):
-            for v in cutlass.range_constexpr(VEC):
-                idx = base + v * NUM_THREADS + tidx
-                if idx < total:
-                    vals[v] = mX[row0 + idx // cols, col0 + idx % cols]
-            for v in cutlass.range_constexpr(VEC):
-                idx = base + v * NUM_THREADS + tidx
-                if idx < total:
-                    r, c = idx // cols, col0 + idx % cols
-                    for q in cutlass.range_constexpr(self.world):
-                        dsts[q][dst_row0 + r, c] = vals[v]
+        for rb in range(0, rows, VEC):
+            for c in range(col0 + tidx, col_end, NUM_THREADS):
+                for v in cutlass.range_constexpr(VEC):
+                    vals[v] = mX[row0 + cute.min(rb + v, rows - 1), c]
+                for v in cutlass.range_constexpr(VEC):
+                    if rb + v < rows:
+                        for q in cutlass.range_constexpr(self.world):
+                            dsts[q][dst_row0 + rb + v, c] = vals[v]
 
 
 def all_gather(

@@ -130,26 +130,24 @@ class ReduceScatterTile(TileOp):
             for s in range(self.world)
         ]
         row0 = coord0 * self.block_m
+        rows = cute.min(row0 + self.block_m, chunk) - row0
         col0 = coord1 * self.block_n
-        cols = cute.min(col0 + self.block_n, n) - col0
-        total = (cute.min(row0 + self.block_m, chunk) - row0) * cols
+        col_end = cute.min(col0 + self.block_n, n)
         src_row0 = rank * chunk + row0
-        # VEC elements a thread: every load of a step is issued before its stores (the
-        # compiler cannot move a load above a store that may alias it), so a thread keeps
-        # VEC * world loads in flight instead of one
+        # VEC rows at a time: a thread issues all VEC * world loads of a step (unconditional,
+        # rows past the tile clamped to its last row) before any store, so they are in flight
+        # together (the compiler cannot move a load above a store that may alias it)
         acc = cute.make_rmem_tensor((VEC,), Float32)
-        for base in range(0, total, NUM_THREADS * VEC):
-            for v in cutlass.range_constexpr(VEC):
-                idx = base + v * NUM_THREADS + tidx
-                acc[v] = Float32(0.0)
-                if idx < total:
-                    r, c = idx // cols, col0 + idx % cols
+        for rb in range(0, rows, VEC):
+            for c in range(col0 + tidx, col_end, NUM_THREADS):
+                for v in cutlass.range_constexpr(VEC):
+                    r = src_row0 + cute.min(rb + v, rows - 1)
+                    acc[v] = Float32(0.0)
                     for s in cutlass.range_constexpr(self.world):
-                        acc[v] = acc[v] + srcs[s][src_row0 + r, c].to(Float32)
-            for v in cutlass.range_constexpr(VEC):
-                idx = base + v * NUM_THREADS + tidx
-                if idx < total:
-                    mOut[row0 + idx // cols, col0 + idx % cols] = acc[v].to(mOut.element_type)
+                        acc[v] = acc[v] + srcs[s][r, c].to(Float32)
+                for v in cutlass.range_constexpr(VEC):
+                    if rb + v < rows:
+                        mOut[row0 + rb + v, c] = acc[v].to(mOut.element_type)
 
 
 def reduce_scatter(
