@@ -183,6 +183,11 @@ def expect_dtype(spec: TensorSpec, allowed: Sequence[torch.dtype], arg: str) -> 
         raise DTypeError(f"{arg} must have dtype in ({names}), got {spec.dtype}")
 
 
+def expect_positive_int(value: Any, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+
+
 def expect_same_dim(a: IntLike, b: IntLike, what: str) -> None:
     """Static check that two dims are the same int or the same symbolic expression."""
     if a != b:

@@ -18,6 +18,7 @@ from cutlass import Int32, cute
 from cutemk.comm import peer_key
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
+from cutemk.device.peers import peer_tensors
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -26,6 +27,7 @@ from cutemk.tileop import (
     block,
     expect_dtype,
     expect_ndim,
+    expect_positive_int,
     register_op,
 )
 
@@ -49,11 +51,8 @@ class AllGatherTile(TileOp):
     def __post_init__(self) -> None:
         expect_ndim(self.x, 2, "all_gather x")
         expect_dtype(self.x, FLOAT_DTYPES, "all_gather x")
-        if not isinstance(self.world, int) or self.world < 1:
-            raise ValueError(f"all_gather world must be a positive int, got {self.world!r}")
-        for f in ("block_m", "block_n"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"all_gather {f} must be a positive int")
+        for f in ("world", "block_m", "block_n"):
+            expect_positive_int(getattr(self, f), f"all_gather {f}")
 
     def output_specs(self):
         s, k = self.x.shape
@@ -97,19 +96,10 @@ class AllGatherTile(TileOp):
         """``tensors`` = (mX, mOut, mPeers). mX: (s, k); mOut: (s * W, k) local; mPeers: int64
         ``[rank, addr_0, ..., addr_{W-1}]`` of every rank's ``out``. Each element is loaded once
         and stored to every rank (remote stores are posted: no round trip is waited for)."""
-        mX, mOut, mPeers = tensors[0], tensors[1], tensors[2]
-        rank = Int32(mPeers[0])
+        mX, mOut = tensors[0], tensors[1]
+        rank, dsts = peer_tensors(tensors[2], mOut, self.world)
         s_rows = mX.shape[0]
         k = mX.shape[1]
-        dsts = [
-            cute.make_tensor(
-                cute.make_ptr(
-                    mOut.element_type, mPeers[1 + q], cute.AddressSpace.gmem, assumed_align=16
-                ),
-                mOut.layout,
-            )
-            for q in range(self.world)
-        ]
         row0 = coord0 * self.block_m
         rows = cute.min(row0 + self.block_m, s_rows) - row0
         col0 = coord1 * self.block_n

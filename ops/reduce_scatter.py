@@ -22,6 +22,7 @@ from cutlass import Float32, Int32, cute
 from cutemk.comm import peer_key
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
+from cutemk.device.peers import peer_tensors
 from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
@@ -31,6 +32,7 @@ from cutemk.tileop import (
     block,
     expect_dtype,
     expect_ndim,
+    expect_positive_int,
     register_op,
 )
 
@@ -54,11 +56,8 @@ class ReduceScatterTile(TileOp):
     def __post_init__(self) -> None:
         expect_ndim(self.partial, 2, "reduce_scatter partial")
         expect_dtype(self.partial, FLOAT_DTYPES, "reduce_scatter partial")
-        if not isinstance(self.world, int) or self.world < 1:
-            raise ValueError(f"reduce_scatter world must be a positive int, got {self.world!r}")
-        for f in ("block_m", "block_n"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"reduce_scatter {f} must be a positive int")
+        for f in ("world", "block_m", "block_n"):
+            expect_positive_int(getattr(self, f), f"reduce_scatter {f}")
         m = self.partial.shape[0]
         if isinstance(m, int) and m % self.world:
             raise ShapeError(f"reduce_scatter: {m} rows do not split over {self.world} ranks")
@@ -116,19 +115,10 @@ class ReduceScatterTile(TileOp):
         """``tensors`` = (mPartial, mOut, mPeers). mPartial: (m, n) local; mOut: (m / W, n);
         mPeers: int64 ``[rank, addr_0, ..., addr_{W-1}]`` of every rank's ``partial``. The CTA
         sweeps each row with consecutive threads on consecutive columns (coalesced over NVLink)."""
-        mPartial, mOut, mPeers = tensors[0], tensors[1], tensors[2]
-        rank = Int32(mPeers[0])
+        mPartial, mOut = tensors[0], tensors[1]
+        rank, srcs = peer_tensors(tensors[2], mPartial, self.world)
         chunk = mOut.shape[0]
         n = mOut.shape[1]
-        srcs = [
-            cute.make_tensor(
-                cute.make_ptr(
-                    mPartial.element_type, mPeers[1 + s], cute.AddressSpace.gmem, assumed_align=16
-                ),
-                mPartial.layout,
-            )
-            for s in range(self.world)
-        ]
         row0 = coord0 * self.block_m
         rows = cute.min(row0 + self.block_m, chunk) - row0
         col0 = coord1 * self.block_n
