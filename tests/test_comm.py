@@ -60,6 +60,13 @@ def test_world_simulation_matches_reference(world, scheduler, case):
         assert any(plans[0].remote_waits), "no cross-rank waits: the test would not test them"
 
 
+@pytest.mark.parametrize("case", [rs_case, ag_case], ids=["gemm_rs", "ag_gemm"])
+def test_world_size_one_graphs_run_on_the_interpreter(case):
+    g, inputs, refs = case(1)
+    out = g.compile("interpret", num_sms=4, scheduler="dynamic")(**inputs[0])
+    assert rel_err(out, refs[0]) < 1e-6
+
+
 def test_remote_waits_are_tile_to_tile():
     """A reduce-scatter tile waits for exactly the GEMM tiles of its block, on every rank."""
     g, _, _ = rs_case(4)
