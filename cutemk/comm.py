@@ -52,6 +52,16 @@ class Communicator:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
+    def same_on_all_ranks(self, value: int) -> bool:
+        """Do all ranks pass the same (non-negative, < 2**62) ``value``? Collective."""
+        if self.world == 1 or self.group is None:
+            return True
+        import torch.distributed as dist
+
+        t = torch.tensor([value, -value], dtype=torch.int64, device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t[0]) == value and int(t[1]) == -value
+
     def symmetric_empty(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
         """A flat buffer of at least ``numel`` elements on every rank (collective call: sizes are
         agreed on first), and the address of each rank's copy as seen from this GPU."""

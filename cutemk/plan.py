@@ -90,20 +90,42 @@ class Plan:
         return out
 
     def preds(self, mirror_remote: bool = False) -> list[set[int]]:
-        """Task -> tasks it depends on (through any event). With ``mirror_remote``, a wait on
-        event e of another rank also counts this rank's producers of e: every rank runs the
-        same graph, so they are the other rank's producers' twins (schedulers use this to
-        order tasks; deadlock checks across ranks are ``cutemk.world``'s)."""
+        """Task -> tasks it depends on (through any event).
+
+        With ``mirror_remote`` (schedulers of distributed graphs), a task that waits on other
+        ranks also depends on every producer of every event other ranks may wait on
+        (``shared_events``). Each rank's queues then run all of those producers before any
+        cross-rank waiter, so no rank's waiter can sit in front of a producer another rank
+        needs: the queues cannot deadlock across ranks, whatever each rank's costs (a shared
+        producer that itself depends on a cross-rank waiter makes this a cycle, refused)."""
         prod = self.producers()
         out = [
             set(itertools.chain.from_iterable(prod[e] for e in self.waits[t]))
             for t in range(self.num_tasks)
         ]
-        if mirror_remote:
+        if mirror_remote and self.shared_events:
+            shared = set(itertools.chain.from_iterable(prod[e] for e in self.shared_events))
             for t, rw in enumerate(self.remote_waits):
-                for _, e in rw:
-                    out[t].update(prod[e])
+                if rw:
+                    out[t].update(shared - {t})
         return out
+
+    def check_distributed(self, dynamic: bool) -> None:
+        """Refuse what the distributed protocol cannot run without a cross-rank deadlock:
+        in dynamic mode a popped task spins on its cross-rank waits while holding its SM, so
+        every producer of an event other ranks wait on must be a task that waits on nothing
+        (pushed at launch, ahead of any waiter in the FIFO ready queue)."""
+        if not dynamic or not self.shared_events:
+            return
+        prod = self.producers()
+        for e in sorted(self.shared_events):
+            for t in prod[e]:
+                if any(self.event_count[w] > 0 for w in self.waits[t]) or self.remote_waits[t]:
+                    raise GraphError(
+                        f"dynamic scheduling: {self.tasks[t].label} notifies "
+                        f"{self.event_label[e]}, which other ranks wait on, but waits itself; "
+                        "cross-rank producers must wait on nothing (use the static scheduler)"
+                    )
 
     def num_edges(self) -> int:
         return sum(len(p) for p in self.preds())

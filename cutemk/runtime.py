@@ -7,6 +7,7 @@ a new plan and its int32 program arrays (cached per bound dims), never a new ker
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ class CuteGraph:
                     "cannot be a graph output (copy it out with another op)"
                 )
         self._peer_tables: dict[str, Any] = {}
+        self._broken = ""  # set when a distributed launch aborted: the ranks' epochs disagree
         self._buffers: dict[tuple, _Buffers] = {}
         self._weight_cache: dict[tuple, Any] = {}
         self._scratch_bufs: dict[str, torch.Tensor] = {}
@@ -138,6 +140,9 @@ class CuteGraph:
         self._buffers[env_key(plan.env)] = self._build_buffers(plan)
 
     def _build_buffers(self, plan: Plan) -> _Buffers:
+        if self.spec.distributed:
+            plan.check_distributed(self.dynamic)
+            self._check_same_plan_everywhere(plan)
         sched = None
         if not self.dynamic:
             sched = self.scheduler.build(plan, self.num_sms)
@@ -159,6 +164,7 @@ class CuteGraph:
             devbuf, ptrs = self.comm.symmetric_empty(dev_np.size, torch.int32)
             devbuf.zero_()
             devbuf[: dev_np.size].copy_(torch.from_numpy(dev_np))
+            torch.cuda.synchronize()
             self.comm.barrier()  # no rank polls a peer's counters before they are zeroed
         else:
             devbuf = torch.from_numpy(dev_np).cuda()
@@ -185,6 +191,18 @@ class CuteGraph:
             low.max_launches(),
         )
 
+    def _check_same_plan_everywhere(self, plan: Plan) -> None:
+        """A cross-rank wait names an event by id in the other rank's plan: every rank must
+        have bound the same dims and numbered the events it shares the same way."""
+        env = {k: v for k, v in plan.env.items() if k != "RANK"}
+        shared = [(e, plan.event_label[e], plan.event_count[e]) for e in sorted(plan.shared_events)]
+        digest = hashlib.sha256(repr((sorted(env.items()), shared)).encode()).digest()
+        if not self.comm.same_on_all_ranks(int.from_bytes(digest[:7], "little")):
+            raise CuteMKError(
+                f"rank {self.comm.rank}: the ranks built different plans (dims {env}); every "
+                "rank must call the graph with the same shapes, in the same order"
+            )
+
     def _scratch(self, v) -> torch.Tensor:
         """One buffer per intermediate, sized for the dims' maxima and shared by every token
         count (a launch at a new count takes a view): memory stays flat however many counts
@@ -195,9 +213,12 @@ class CuteGraph:
             if v.name in self.symmetric:  # reached by other ranks: symmetric memory
                 buf, ptrs = self.comm.symmetric_empty(numel, v.dtype)
                 self._peer_tables[v.name] = _cute_tensor(self.comm.peer_table(ptrs))
+                poison_(buf)
+                torch.cuda.synchronize()
+                self.comm.barrier()  # no peer writes into it before the poison has landed
             else:
-                buf = torch.empty(numel, dtype=v.dtype, device="cuda")
-            self._scratch_bufs[v.name] = poison_(buf)
+                buf = poison_(torch.empty(numel, dtype=v.dtype, device="cuda"))
+            self._scratch_bufs[v.name] = buf
         return buf
 
     # -- launching --------------------------------------------------------------------------------
@@ -207,6 +228,14 @@ class CuteGraph:
                 "watchdog=True reads the kernel's state back after every launch, "
                 "so it cannot be captured in a CUDA graph; compile without it"
             )
+        if self.spec.distributed and torch.cuda.is_current_stream_capturing():
+            raise CuteMKError(
+                "a distributed megakernel cannot be captured in a CUDA graph yet: other ranks "
+                "read its event counters, so they never wrap on the device, and the host resets "
+                "them (collectively) only between launches it sees"
+            )
+        if self._broken:
+            raise CuteMKError(self._broken)
         env, leaves = bind(self.graph, args, kwargs, device_type="cuda")
         if self.spec.distributed:
             env.update(self.comm.env())
@@ -306,8 +335,14 @@ class CuteGraph:
         dbg = b.torch_dev["debug"].cpu().tolist()
         counters = b.torch_dev["ev_counter"].cpu().numpy()
         epoch = int(state[EPOCH])  # the last CTA out stored the failed launch's epoch
-        self._reset(b)
-        raise DeadlockError(_diagnose(b.plan, dbg, counters, epoch))
+        msg = _diagnose(b.plan, dbg, counters, epoch)
+        if self.spec.distributed:
+            # the other ranks' counters are at other epochs now: resetting this rank alone
+            # would let its waits pass on stale peer counts
+            self._broken = f"this distributed graph aborted an earlier launch ({msg}); rebuild it"
+        else:
+            self._reset(b)
+        raise DeadlockError(msg)
 
     # -- profiling ------------------------------------------------------------------------------
     def profile_records(self) -> list[dict[str, Any]]:

@@ -51,6 +51,7 @@ def simulate_world(
         env, leaves = bind(graph, (), dict(inputs[r]))
         env.update(RANK=r, WORLD=world)
         plan = instantiate(graph, env)
+        plan.check_distributed(policy.mode is SchedulingMode.DYNAMIC)
         t: dict[str, torch.Tensor] = dict(leaves)
         for v in graph.values:
             if v.kind == "intermediate":

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import cutemk as mk
+from cutemk import ops
 from cutemk.errors import DeadlockError, GraphError, ShapeError
 from cutemk.scheduling import SchedulingMode, StaticSchedule
 from cutemk.tp import ag_gemm_graph, ag_gemm_reference, gemm_rs_graph, gemm_rs_reference
@@ -100,6 +101,41 @@ def test_cross_rank_wait_cycle_is_caught():
     g, inputs, _ = rs_case(2)
     with pytest.raises(DeadlockError, match=r"rank \d: task reduce_scatter0.* of rank \d"):
         simulate_world(g, 2, inputs, OwnChunkFirst(), num_sms=1)
+
+
+def test_default_static_schedule_never_deadlocks_across_ranks():
+    """Cheap GEMM tiles (small K slice) next to reduce-scatter tiles: a scheduler that orders
+    each rank by its own costs queued its reduce-scatter tiles in front of GEMM tiles the other
+    ranks wait for (a cross-rank cycle). Shared-event producers now come first everywhere."""
+    _, inputs, refs = rs_case(4, t=1024, k=32, n=512)
+    g = gemm_rs_graph(mk.sym("T", max=1024), 32, 512, 4, torch.float32, 64, 64)
+    outs, _ = simulate_world(g, 4, inputs, "static", num_sms=32)
+    for r in range(4):
+        assert rel_err(outs[r][0], refs[r]) < 1e-6
+
+
+def test_dynamic_mode_refuses_cross_rank_producers_that_wait():
+    """A popped task spins on its cross-rank waits while holding its SM, so the producers other
+    ranks wait on must all be at the front of the ready queue (tasks that wait on nothing)."""
+    g = mk.Graph("two_gemms_rs")
+    a = g.input("a", (mk.sym("T", max=256), 32))
+    w1, w2 = g.weight("w1", (32, 32)), g.weight("w2", (64, 32))
+    h = g.call(ops.gemm, a, w1, block_m=32, block_n=32)
+    partial = g.call(ops.gemm, h, w2, block_m=32, block_n=32)
+    out = g.call(ops.reduce_scatter, partial, world=2, block_m=32, block_n=32)
+    g.event(
+        (mk.cdiv(mk.sym("T", max=256), 32), 2),
+        name="gemm_done",
+        notify=[(partial, lambda i, j: (i, j))],
+        remote_wait=[
+            (out, lambda i, j, env: [(r, (env["RANK"] * env["T"] // 64 + i, j)) for r in range(2)])
+        ],
+    )
+    g.output(out, "out")
+    inputs = [{"a": torch.randn(64, 32), "w1": torch.randn(32, 32), "w2": torch.randn(64, 32)}] * 2
+    with pytest.raises(GraphError, match="cross-rank producers must wait on nothing"):
+        simulate_world(g, 2, inputs, "dynamic")
+    simulate_world(g, 2, inputs, "static")  # the static queues order it safely
 
 
 def test_bad_distributed_inputs():
