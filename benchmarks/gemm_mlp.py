@@ -42,6 +42,24 @@ def graphed(fn):
     return g.replay
 
 
+def time_rows(res, case, impls, flops, nbytes, blocks, err):
+    """Time each ``(impl, fn)`` and add its row (the megakernel's carries blocks and error)."""
+    fl = floor_us(flops, nbytes)
+    for impl, fn in impls:
+        us = time_us(fn, warmup=5, rep=50)
+        mk_row = impl == "megakernel"
+        res.add(
+            case,
+            impl,
+            us,
+            blocks="x".join(map(str, blocks)) if mk_row else "",
+            tflops=round(flops / us / 1e6, 1),
+            floor_us=round(fl, 2),
+            of_floor=round(fl / us, 3),
+            rel_err=round(err, 5) if mk_row else "",
+        )
+
+
 def gemm_case(res, name, t, n, k, blocks, dtype):
     g = mk.Graph(name)
     a = g.input("a", (mk.sym("T", max=t), k), dtype)
@@ -54,20 +72,8 @@ def gemm_case(res, name, t, n, k, blocks, dtype):
     err = ((c(x, wt).float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"{name}: rel err {err:.2e}"
     flops, nbytes = 2.0 * t * n * k, 2.0 * (t * k + n * k + t * n)
-    fl = floor_us(flops, nbytes)
-    case = f"{name} T={t} N={n} K={k}"
-    for impl, fn in (("megakernel", lambda: c(x, wt)), ("torch", lambda: x @ wt.T)):
-        us = time_us(graphed(fn), warmup=5, rep=50)
-        res.add(
-            case,
-            impl,
-            us,
-            blocks="x".join(map(str, blocks)) if impl == "megakernel" else "",
-            tflops=round(flops / us / 1e6, 1),
-            floor_us=round(fl, 2),
-            of_floor=round(fl / us, 3),
-            rel_err=round(err, 5) if impl == "megakernel" else "",
-        )
+    impls = (("megakernel", graphed(lambda: c(x, wt))), ("torch", graphed(lambda: x @ wt.T)))
+    time_rows(res, f"{name} T={t} N={n} K={k}", impls, flops, nbytes, blocks, err)
 
 
 def mlp_case(res, t, h, i, blocks, dtype):
@@ -86,24 +92,12 @@ def mlp_case(res, t, h, i, blocks, dtype):
     assert err < 2e-2, f"mlp: rel err {err:.2e}"
     flops = 2.0 * t * h * 2 * i + 2.0 * t * i * h
     nbytes = 2.0 * (t * h * 2 + 3 * h * i)
-    fl = floor_us(flops, nbytes)
-    case = f"mlp T={t} H={h} I={i}"
-    for impl, fn in (
+    impls = (
         ("megakernel", graphed(lambda: c(x, wgu, wd))),
         ("torch", graphed(torch_mlp)),
         ("torch_eager", torch_mlp),
-    ):
-        us = time_us(fn, warmup=5, rep=50)
-        res.add(
-            case,
-            impl,
-            us,
-            blocks="x".join(map(str, blocks)) if impl == "megakernel" else "",
-            tflops=round(flops / us / 1e6, 1),
-            floor_us=round(fl, 2),
-            of_floor=round(fl / us, 3),
-            rel_err=round(err, 5) if impl == "megakernel" else "",
-        )
+    )
+    time_rows(res, f"mlp T={t} H={h} I={i}", impls, flops, nbytes, blocks, err)
 
 
 def main() -> None:
