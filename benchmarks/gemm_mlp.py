@@ -25,21 +25,8 @@ import torch.nn.functional as F
 
 import cutemk as mk
 from cutemk import ops
-from cutemk.bench import Results, floor_us, time_us
+from cutemk.bench import Results, floor_us, graphed, time_us
 from cutemk.layers import mlp_graph
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (after a warm-up call); returns the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def time_rows(res, case, impls, flops, nbytes, blocks, err):

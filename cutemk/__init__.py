@@ -2,7 +2,8 @@
 
 Build a :class:`Graph` of tile operators (``cutemk.ops``) over symbolic shapes, then compile it
 for a backend. Core modules never import concrete ops or models; ``cutemk.layers`` (Qwen3 MLP
-and MoE graphs) sits on top.
+and MoE graphs) and ``cutemk.nn`` (``MegaMLP``, a drop-in for Hugging Face MLPs) sit on top;
+``cutemk.nn`` is imported on first access, so ``import cutemk`` does not import the ops.
 """
 
 from .arch import pin_arch as _pin_arch
@@ -35,6 +36,17 @@ from .symbolic import Expr, Sym, cdiv, smax, smin, sym
 from .tileop import TensorSpec, TileOp, register_op
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # PEP 562: ``cutemk.nn`` imports the concrete ops (through cutemk.layers), which the core
+    # never does; load it only when asked for, after the core is fully initialised.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CuteMKError",

@@ -8,6 +8,9 @@ Every ``benchmarks/<name>.py`` times each implementation in the same process wit
     {"gpu": ..., "versions": {...}, "commit": ..., "meta": {...},
      "rows": [{"case": ..., "impl": ..., "median_us": ..., ...}, ...]}
 
+:func:`bar_chart` draws a small PNG of the median times beside the JSON (when matplotlib is
+installed: it is an optional dependency, ``pip install -e '.[plot]'``).
+
 Floors use the H200 rates measured on the benchmark machine (``cutemk.costmodel.H200``):
 bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s.
 """
@@ -57,6 +60,21 @@ def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100) -> float:
             fn()
             samples.append(1e6 * (time.perf_counter() - t0))
     return statistics.median(samples)
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream, which also
+    compiles and autotunes outside the capture); returns the replay. Replays carry no host
+    overhead, so they time what the GPU does."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
 
 
 def environment() -> dict[str, Any]:
@@ -127,6 +145,44 @@ class Results:
         print(self.table())
         print(f"wrote {path}")
         return path
+
+
+def bar_chart(
+    res: Results, path: Path | str | None = None, key: str = "median_us", log: bool = True
+) -> Path | None:
+    """Grouped bars of ``key`` per case (groups) and impl (bars), saved as a small PNG; the
+    default path is the JSON's with ``.png``. Returns None where matplotlib is missing, so a
+    benchmark never fails for want of a chart. Log scale by default: cases span decode
+    (microseconds) to prefill (milliseconds)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    path = Path(path) if path else RESULTS_DIR / f"{res.name}.png"
+    cases = list(dict.fromkeys(r["case"] for r in res.rows))
+    impls = list(dict.fromkeys(r["impl"] for r in res.rows))
+    value = {(r["case"], r["impl"]): r.get(key) for r in res.rows}
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=80)
+    for j, impl in enumerate(impls):
+        xs = [i + (j - (len(impls) - 1) / 2) * width for i, c in enumerate(cases)]
+        ys = [value.get((c, impl)) or 0.0 for c in cases]
+        ax.bar(xs, ys, width, label=impl)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize="x-small")
+    ax.set_ylabel(key)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(res.name)
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _fmt(v: Any) -> str:

@@ -37,12 +37,20 @@ from .codegen.lower import (
     lower,
     pack_int32,
 )
-from .codegen.megakernel import DEVICE_STATE, PROF_WIDTH, PROGRAM, KernelSpec, Megakernel
+from .codegen.megakernel import (
+    DEVICE_STATE,
+    PROF_WIDTH,
+    PROGRAM,
+    KernelSpec,
+    Megakernel,
+    worker_shape,
+)
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
 from .plan import Plan, instantiate
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import upper
+from .tileop import TileOp
 
 _COMPILED: dict[KernelSpec, Any] = {}
 _LOCK = threading.Lock()
@@ -392,12 +400,17 @@ def kernel_spec(
         for n in graph.nodes
     )
     for n in graph.nodes:
-        if not hasattr(n.op, "device_tile"):
+        if n.op.ring_tile() is None and type(n.op).device_tile is TileOp.device_tile:
             raise NotImplementedError(f"op {n.op.name} has no device function yet")
+    ops_ = tuple(n.op for n in graph.nodes)
+    # a ring op loads its independent inputs before its events only where no node writes them
+    prefetch = tuple(
+        all(n.args[a].producer is None for a in n.op.independent_inputs) for n in graph.nodes
+    )
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)
     return KernelSpec(
-        tuple(n.op for n in graph.nodes),
+        ops_,
         node_tensors,
         values,
         bool(dynamic),
@@ -405,6 +418,8 @@ def kernel_spec(
         bool(profile),
         target_arch(),
         is_distributed(graph),
+        prefetch,
+        worker_shape(ops_),
     )
 
 

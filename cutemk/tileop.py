@@ -10,7 +10,15 @@ A tile op is a frozen dataclass (its config plus the specs of its inputs) that *
   (used by the interpreter's race checker);
 - whether a tile exists given such data (:meth:`exists`): a data-dependent task grid is declared
   at its maximum and tiles that do not exist are skipped, still completing their events;
-- a cost estimate in microseconds and a torch :meth:`reference` that computes one tile in place.
+- a cost estimate in microseconds and a torch :meth:`reference` that computes one tile in place;
+- its device contract, in phases, each with the threads it runs on (see :class:`RingTile`):
+  a *SIMT op* (``ring_tile() is None``) has one body, :meth:`device_tile`, run by the SIMT group
+  (``cutemk.device.config.NUM_THREADS`` consumer threads, synchronised by ``simt_sync``); a
+  *ring op* streams operands through the megakernel's shared-memory ring and splits its tile
+  into loads of operands no task of the launch writes (:meth:`device_load_independent`, issued
+  by the producer warp *before* the task's events are met), loads of operands produced in the
+  launch (:meth:`device_load_dependent`, after the acquire), and the consumers' compute with an
+  asynchronous store that has completed when it returns (:meth:`device_compute`).
 
 Ops never name events: the graph derives them from the regions (see ``cutemk.plan``). Core
 modules never import a concrete op; ops register themselves with :func:`register_op`.
@@ -35,6 +43,16 @@ Region = Union[Box, list]
 Coord = tuple[int, ...]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class RingTile:
+    """How a ring op's tile uses the megakernel's shared-memory ring (all compile-time)."""
+
+    slices: int  # ring slots one tile streams through (e.g. K / BLOCK_K)
+    tx_bytes: int  # bytes TMA lands in a slot per slice (the full barrier's transaction count)
+    slot_bytes: int  # room one slice needs (a multiple of 1024: swizzled TMA tiles)
+    epi_bytes: int  # shared memory staging the tile's output for its asynchronous store
 
 
 @dataclass(frozen=True)
@@ -140,6 +158,52 @@ class TileOp:
 
     def reference(self, coord: Coord, env: Bindings, t: Mapping[str, torch.Tensor]) -> None:
         """Compute one tile with torch, writing its outputs in place into ``t``."""
+        raise NotImplementedError
+
+    # -- device contract (CuTe DSL; see the module docstring) -------------------------------
+    exists_on_device: ClassVar[bool] = False
+    """True if :meth:`device_exists` reads data to decide whether a tile exists."""
+
+    independent_inputs: ClassVar[tuple[str, ...]] = ()
+    """Ring ops: inputs :meth:`device_load_independent` loads. The megakernel issues those loads
+    before the task's events only where no node of the graph produces these inputs."""
+
+    def ring_tile(self) -> RingTile | None:
+        """None for a SIMT op; a ring op's use of the ring."""
+        return None
+
+    def device_smem_bytes(self) -> int:
+        """Scratch shared memory of :meth:`device_tile` (SIMT ops)."""
+        return 0
+
+    def device_exists(self, tensors, coord0, coord1):
+        """Device twin of :meth:`exists` (only called where ``exists_on_device``)."""
+        raise NotImplementedError(f"{self.name}: exists_on_device without device_exists")
+
+    def device_tile(self, tensors, coord0, coord1, tidx, smem_ptr) -> None:
+        """SIMT op: one tile on the SIMT group; ``tidx`` in ``[0, NUM_THREADS)``, ``smem_ptr``
+        1024-byte aligned scratch of :meth:`device_smem_bytes`. ``tensors`` are the op's
+        ``inputs + outputs`` (+ peer tables) + ``host_args``."""
+        raise NotImplementedError(f"op {self.name} has no device function")
+
+    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        """Ring op, producer warp: slice ``kt``'s loads of ``independent_inputs`` into ring slot
+        ``idx`` completing on mbarrier ``bar`` (``ring``: the ring's base, ``stages`` slots of
+        ``slot`` bytes)."""
+        raise NotImplementedError
+
+    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        """Ring op, producer warp: slice ``kt``'s other loads (issued after the acquire and a
+        generic-to-async proxy fence)."""
+        raise NotImplementedError
+
+    def device_compute(
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid
+    ):
+        """Ring op, every consumer thread (``ctid`` in ``[0, consumer threads)``): consume ring
+        slices ``count, count + 1, ...`` (``full`` / ``empty``: the ring's mbarriers), write the
+        output (``epi``: staging shared memory) and return the ring count after the tile. The
+        output must be complete and fenced when consumer warp 0 returns: it notifies next."""
         raise NotImplementedError
 
     # -- helpers --------------------------------------------------------------------------

@@ -16,12 +16,13 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 
 from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.errors import DTypeError, ShapeError
 from cutemk.symbolic import IntLike, cdiv
 from . import gemm_sm90
 from cutemk.tileop import (
     FLOAT_DTYPES,
+    RingTile,
     TensorSpec,
     TileOp,
     block,
@@ -161,14 +162,28 @@ class GemmTile(TileOp):
         t["c"][r0:r1, c0:c1] = out.to(t["c"].dtype)
 
     # -- device -----------------------------------------------------------------------------
+    independent_inputs: ClassVar[tuple[str, ...]] = ("b",)
+
     def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
-        """The Hopper (TMA + wgmma) tile where the target arch and the parameters allow it;
-        else None and the portable mma.sync / SIMT tile below runs."""
+        """The Hopper tile (TMA + wgmma through the megakernel's ring) where the target arch and
+        the parameters allow it; else None and the portable mma.sync / SIMT tile runs."""
         if target_arch() != "sm_90a":
             return None
         return gemm_sm90.sm90_config(
-            self.a.dtype, self.block_m, self.block_n, self.k, self.epilogue == "silu_mul"
+            self.a.dtype,
+            self.out_dtype or self.a.dtype,
+            self.block_m,
+            self.block_n,
+            self.k,
+            self.n,
+            self.epilogue == "silu_mul",
         )
+
+    def ring_tile(self) -> Optional[RingTile]:
+        cfg = self.sm90()
+        if cfg is None:
+            return None
+        return RingTile(cfg.k_tiles, cfg.stage_bytes, cfg.slot_bytes, cfg.epi_bytes)
 
     def host_args(self, tensors) -> tuple:
         """TMA descriptors of the Hopper path (built by the launch, see ``TileOp.host_args``)."""
@@ -202,22 +217,31 @@ class GemmTile(TileOp):
         )
 
     def device_smem_bytes(self) -> int:
-        cfg = self.sm90()
-        if cfg is not None:
-            return cfg.smem_bytes()
+        if self.sm90() is not None:
+            return 0  # the ring and the output staging belong to the megakernel
         return self.device_plan().smem_elems() * self.a.dtype.itemsize
 
     @cute.jit
-    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Tile (coord0, coord1) of C; ``tensors`` = (mA, mB, mC) + ``host_args``.
+    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        gemm_sm90.load_weights(self.sm90(), tensors, coord1, kt, idx, bar, ring, stages, slot)
 
-        mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n). The Hopper tile
-        (``ops.gemm_sm90``) where ``sm90()`` applies, else the portable one.
-        """
-        if cutlass.const_expr(self.sm90() is not None):
-            gemm_sm90.device_tile(self.sm90(), tensors, coord0, coord1, tidx, smem_ptr)
-        else:
-            self._device_tile_mma(tensors, coord0, coord1, tidx, smem_ptr)
+    @cute.jit
+    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        gemm_sm90.load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def device_compute(
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid
+    ):
+        return gemm_sm90.compute(
+            self.sm90(), tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid
+        )
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """The portable tile (the SIMT group): tile (coord0, coord1) of C; ``tensors`` =
+        (mA, mB, mC). mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n)."""
+        self._device_tile_mma(tensors, coord0, coord1, tidx, smem_ptr)
 
     @cute.jit
     def _device_tile_mma(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -269,12 +293,12 @@ class GemmTile(TileOp):
             k0 = kt * BLOCK_K
             # The previous slice (or the previous task's use of the scratch) must be consumed
             # by every thread before it is overwritten.
-            cute.arch.sync_threads()
+            simt_sync()
             _stage_rows(sA, mA, row0, row0, m, self.block_m, k0, k, tidx)
             _stage_rows(sB, mB, col0, col0, n, self.block_n, k0, k, tidx)
             if cutlass.const_expr(fused):
                 _stage_rows(sBu, mB, n + col0, col0, n, self.block_n, k0, k, tidx)
-            cute.arch.sync_threads()
+            simt_sync()
             # A runtime loop over k-steps (SIMT has BLOCK_K of them): unrolling all 32 made the
             # fp32 128x128 fused tile take ~16 s to compile; unroll 4 keeps it near 4 s.
             for kb in cutlass.range(cute.size(tCsA, mode=[2]), unroll=plan.k_unroll):

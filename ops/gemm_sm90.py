@@ -1,24 +1,26 @@
-"""Hopper (sm_90a) device path of the GEMM tile: TMA loads into a shared-memory ring, wgmma.
+"""Hopper (sm_90a) device path of the GEMM tile: TMA through the megakernel's ring, wgmma on two
+consumer warpgroups, the output staged in shared memory and written by a TMA store.
 
-One task computes one ``(bm, bn)`` tile of ``C = A @ B^T`` with the CTA's single warpgroup
-(the megakernel's 128 threads):
+One task computes one ``(bm, bn)`` tile of ``C = A @ B^T`` (with ``silu_mul``: B stacks
+``[W_gate; W_up]`` and the tile is ``silu(A W_gate^T) * (A W_up^T)``). The megakernel owns the
+shared-memory ring (``cutemk.device.ring``); this module supplies the per-slice copies and the
+consumers' main loop and epilogue:
 
-- **Host** (``tma_args``, traced into the launch function): one TMA descriptor for A and one
-  for B (two with the ``silu_mul`` epilogue: the gate and up halves of ``[W_gate; W_up]``, so
-  each half is bounded by its own descriptor). Descriptors are built from the launch's tensors,
-  so a token count below the maximum only changes A's row extent; rows past it load as zeros.
-- **Device** (``device_tile``): warp 0 keeps ``stages`` k-slices of A and B in flight through
-  a ``PipelineTmaAsync`` ring (full barriers count TMA bytes, empty barriers count the four
-  warps' releases); the warpgroup issues ``wgmma`` on each landed slice, keeps one batch in
-  flight, releases the slice of the batch before, and warp 0 refills that slot. The fp32
-  accumulator is written to C straight from registers, masked at the tensor edges.
+- **Host** (``tma_args``, traced into the launch function): TMA descriptors for A, B (two with
+  the ``silu_mul`` epilogue: the gate and the up half of B, each bounded by its own descriptor)
+  and C (the store). Built from the launch's tensors, so rows of A past the live token count load
+  as zeros and rows of C past it are never written: no masks anywhere.
+- **Producer warp**: ``load_weights`` (B, which no task of the launch writes: issued *before*
+  the task's events are met) and ``load_activations`` (A, issued after the acquire and a
+  ``fence.proxy.async``) for one BLOCK_K slice into one ring slot.
+- **Consumers** (``compute``): both warpgroups wait for each slice, issue ``wgmma`` (128-row
+  tiles: one 64-row half per warpgroup; 64-row tiles: one column half per warpgroup), free the
+  slot of the batch before, then write the tile to shared memory, fence it into the async proxy
+  and one warp issues the TMA store, waits for it to complete and fences it back, so the
+  megakernel's notify that follows publishes finished data.
 
-Memory ordering inside the megakernel: TMA reads global memory through the async proxy, while
-the tiles that produced A wrote it with ordinary stores. Every thread therefore fences the
-generic and async proxies (``fence.proxy.async``) before the ring is set up, after the task's
-events were acquired; the megakernel also fences after each task that may feed such a reader.
-The ring's barriers are re-initialised for every task (all of its phases completed by the end
-of the previous one), so no pipeline state lives across tasks.
+A ring slot holds A, then B, then (fused) the up half of B for one k-slice; every GEMM node of a
+kernel views the same slots with its own layouts, stage stride = the kernel's slot size.
 """
 
 from __future__ import annotations
@@ -26,175 +28,234 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float16, Float32, Int32, Int64, cute
+from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import NUM_WARPS, WARP_SIZE
+from cutemk.device.config import CONSUMER_BARRIER, WARPGROUP
+from cutemk.device.ring import consumer_release, consumer_wait
 
 BLOCK_K = 64
-"""k-slice per pipeline stage: 64 bf16 = one 128-byte swizzle row."""
+"""k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
 
-SMEM_BUDGET = 200 * 1024
-"""Shared memory the ring may take (the megakernel keeps a few KB for its own state)."""
+MAX_ACC_PER_THREAD = 128
+"""fp32 accumulators per consumer thread (gate and up together): what fits beside the rest
+of the consumer's 232 registers."""
 
-MAX_STAGES = 4
-MAX_ACC_ELEMS = 128 * 128
-"""Accumulator elements per tile (all gemm outputs): 128 fp32 registers per thread."""
+CONSUMER_WARPGROUPS = 2
+CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP
 
-_CUTE_DTYPES = {torch.bfloat16: BFloat16, torch.float16: Float16}
+_CUTE_DTYPES = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 @dataclass(frozen=True)
 class Sm90GemmConfig:
     """Compile-time shape of the Hopper tile: ``bm x bn`` outputs, ``n_b`` B tiles (2 when the
-    gate and up products are fused), ``stages`` k-slices in flight."""
+    gate and up products are fused), ``k_tiles`` slices of ``BLOCK_K``."""
 
     bm: int
     bn: int
     n_b: int
-    stages: int
+    k_tiles: int
     dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    @property
+    def a_bytes(self) -> int:
+        return self.bm * BLOCK_K * self.dtype.itemsize
+
+    @property
+    def b_bytes(self) -> int:
+        return self.bn * BLOCK_K * self.dtype.itemsize
 
     @property
     def stage_bytes(self) -> int:
-        return (self.bm + self.n_b * self.bn) * BLOCK_K * self.dtype.itemsize
+        """TMA bytes that land in one slot per k-slice (the full barrier's transaction count)."""
+        return self.a_bytes + self.n_b * self.b_bytes
 
     @property
-    def ring_bytes(self) -> int:
-        return self.stages * self.stage_bytes
+    def slot_bytes(self) -> int:
+        return _round_up(self.stage_bytes, 1024)
 
-    def smem_bytes(self) -> int:
-        return self.ring_bytes + 2 * self.stages * 8  # + full/empty mbarriers
+    @property
+    def epi_bytes(self) -> int:
+        return _round_up(self.bm * self.bn * self.out_dtype.itemsize, 1024)
+
+    @property
+    def atom_layout(self) -> tuple[int, int, int]:
+        """Warpgroups over (m, n, k): 128-row tiles split rows, 64-row tiles split columns."""
+        return (2, 1, 1) if self.bm == 128 else (1, 2, 1)
+
+    @property
+    def wg_n(self) -> int:
+        return self.bn if self.bm == 128 else self.bn // 2
 
 
 def sm90_config(
-    dtype: torch.dtype, block_m: int, block_n: int, k, fused: bool
+    dtype: torch.dtype, out_dtype: torch.dtype, block_m: int, block_n: int, k, n, fused: bool
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
-    (fp32, a block shape wgmma does not tile, or a K whose rows TMA cannot address)."""
-    if dtype not in _CUTE_DTYPES:
+    (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address)."""
+    if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
-    if block_m not in (64, 128) or block_n % 16 or not 16 <= block_n <= 256:
+    if block_m not in (64, 128):
         return None
-    if block_m * block_n * n_b > MAX_ACC_ELEMS:
+    wg_n = block_n if block_m == 128 else block_n // 2
+    if block_n % 16 or not 8 <= wg_n <= 256:
         return None
-    # TMA needs 16-byte aligned row strides; K must be known to guarantee it
+    if block_m * block_n * n_b > MAX_ACC_PER_THREAD * CONSUMER_THREADS:
+        return None
+    # TMA needs 16-byte aligned row strides: K (A, B) and N (C) must be known to guarantee it
     if not isinstance(k, int) or (k * dtype.itemsize) % 16:
         return None
-    stage_bytes = (block_m + n_b * block_n) * BLOCK_K * dtype.itemsize
-    stages = min(MAX_STAGES, SMEM_BUDGET // stage_bytes)
-    if stages < 2:
+    if not isinstance(n, int) or (n * out_dtype.itemsize) % 16:
         return None
-    return Sm90GemmConfig(block_m, block_n, n_b, stages, dtype)
+    return Sm90GemmConfig(block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype)
 
 
-def _smem_layouts(cfg: Sm90GemmConfig):
+def _staged(layout, stages: int, slot_bytes: int, itemsize: int):
+    """``layout`` (one k-slice, swizzled) repeated over ``stages`` ring slots ``slot_bytes``
+    apart: the stage mode's stride is the kernel's slot size, not this operand's size."""
+    o = layout.outer
+    outer = cute.make_layout(
+        (o.shape[0], o.shape[1], (1, stages)),
+        stride=(o.stride[0], o.stride[1], (0, slot_bytes // itemsize)),
+    )
+    return cute.make_composed_layout(layout.inner, 0, outer)
+
+
+def _slice_layouts(cfg: Sm90GemmConfig):
     ab = _CUTE_DTYPES[cfg.dtype]
     tile = (cfg.bm, cfg.bn, BLOCK_K)
-    a = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, ab, cfg.stages)
-    b = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, ab, cfg.stages)
+    a = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, ab, 1)
+    b = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, ab, 1)
     return a, b
+
+
+def _epi_layout(cfg: Sm90GemmConfig):
+    out = _CUTE_DTYPES[cfg.out_dtype]
+    epi = sm90_utils.make_smem_layout_epi(out, LayoutEnum.ROW_MAJOR, (cfg.bm, cfg.bn), 1)
+    return cute.slice_(epi, (None, None, 0))
 
 
 def _tiled_mma(cfg: Sm90GemmConfig):
     ab = _CUTE_DTYPES[cfg.dtype]
     return sm90_utils.make_trivial_tiled_mma(
-        ab, ab, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(64, cfg.bn)
+        ab,
+        ab,
+        OperandMajorMode.K,
+        OperandMajorMode.K,
+        Float32,
+        cfg.atom_layout,
+        tiler_mn=(64, cfg.wg_n),
     )
 
 
 def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor) -> tuple:
-    """Host side (inside a ``@cute.jit`` launch): ``(atom_a, tma_a, atom_b, tma_b[, atom_u,
-    tma_u])``. mA: (m, k); mB: (n, k) or (2n, k) = [W_gate; W_up]; mC: (m, n)."""
-    a_layout, b_layout = _smem_layouts(cfg)
-    op = cpasync.CopyBulkTensorTileG2SOp()
-    a_one = cute.slice_(a_layout, (None, None, 0))
-    b_one = cute.slice_(b_layout, (None, None, 0))
-    atom_a, tma_a = cpasync.make_tiled_tma_atom(op, mA, a_one, (cfg.bm, BLOCK_K))
+    """Host side (inside a ``@cute.jit`` launch): ``(atom_a, tma_a, atom_b, tma_b, atom_u,
+    tma_u, atom_c, tma_c)``; without the fused epilogue the ``u`` pair repeats B's.
+    mA: (m, k); mB: (n, k) or (2n, k) = [W_gate; W_up]; mC: (m, n)."""
+    a_one, b_one = _slice_layouts(cfg)
+    a_one = cute.slice_(a_one, (None, None, 0))
+    b_one = cute.slice_(b_one, (None, None, 0))
+    load = cpasync.CopyBulkTensorTileG2SOp()
+    atom_a, tma_a = cpasync.make_tiled_tma_atom(load, mA, a_one, (cfg.bm, BLOCK_K))
     if cutlass.const_expr(cfg.n_b == 1):
-        atom_b, tma_b = cpasync.make_tiled_tma_atom(op, mB, b_one, (cfg.bn, BLOCK_K))
-        return atom_a, tma_a, atom_b, tma_b
-    n = mC.shape[1]
-    half = cute.make_layout((n, mB.shape[1]), stride=mB.stride)
-    gate = cute.make_tensor(mB.iterator, half)
-    up = cute.make_tensor(mB.iterator + n * mB.stride[0], half)
-    atom_b, tma_b = cpasync.make_tiled_tma_atom(op, gate, b_one, (cfg.bn, BLOCK_K))
-    atom_u, tma_u = cpasync.make_tiled_tma_atom(op, up, b_one, (cfg.bn, BLOCK_K))
-    return atom_a, tma_a, atom_b, tma_b, atom_u, tma_u
+        atom_b, tma_b = cpasync.make_tiled_tma_atom(load, mB, b_one, (cfg.bn, BLOCK_K))
+        atom_u, tma_u = atom_b, tma_b
+    else:
+        n = mC.shape[1]
+        half = cute.make_layout((n, mB.shape[1]), stride=mB.stride)
+        gate = cute.make_tensor(mB.iterator, half)
+        up = cute.make_tensor(mB.iterator + n * mB.stride[0], half)
+        atom_b, tma_b = cpasync.make_tiled_tma_atom(load, gate, b_one, (cfg.bn, BLOCK_K))
+        atom_u, tma_u = cpasync.make_tiled_tma_atom(load, up, b_one, (cfg.bn, BLOCK_K))
+    store = cpasync.CopyBulkTensorTileS2GOp()
+    atom_c, tma_c = cpasync.make_tiled_tma_atom(store, mC, _epi_layout(cfg), (cfg.bm, cfg.bn))
+    return atom_a, tma_a, atom_b, tma_b, atom_u, tma_u, atom_c, tma_c
+
+
+def _ring_views(cfg: Sm90GemmConfig, ring_ptr, stages: int, slot_bytes: int):
+    """This op's (rows, BLOCK_K, slot) views of the kernel's ring: A, B and the up half."""
+    ab = _CUTE_DTYPES[cfg.dtype]
+    es = cfg.dtype.itemsize
+    a_one, b_one = _slice_layouts(cfg)
+    a_l = _staged(a_one, stages, slot_bytes, es)
+    b_l = _staged(b_one, stages, slot_bytes, es)
+    sA = cute.make_tensor(cute.recast_ptr(ring_ptr, a_l.inner, dtype=ab), a_l.outer)
+    sB = cute.make_tensor(cute.recast_ptr(ring_ptr + cfg.a_bytes, b_l.inner, dtype=ab), b_l.outer)
+    sU = cute.make_tensor(
+        cute.recast_ptr(ring_ptr + cfg.a_bytes + cfg.b_bytes, b_l.inner, dtype=ab), b_l.outer
+    )
+    return sA, sB, sU
 
 
 @cute.jit
-def device_tile(
+def _copy_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32, idx: Int32, bar):
+    """TMA one (rows, BLOCK_K) slice ``kt`` of row block ``coord`` into ring slot ``idx``."""
+    g = cute.local_tile(tma, (rows, BLOCK_K), (coord, None))
+    ts, tg = cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+    )
+    cute.copy(atom, tg[(None, kt)], ts[(None, idx)], tma_bar_ptr=bar)
+
+
+@cute.jit
+def load_weights(
+    cfg: cutlass.Constexpr, tensors, coord1: Int32, kt: Int32, idx: Int32, bar, ring, stages, slot
+):
+    """Producer warp: B (and the up half) of slice ``kt`` into slot ``idx``."""
+    _, sB, sU = _ring_views(cfg, ring, stages, slot)
+    _copy_slice(tensors[5], tensors[6], sB, coord1, cfg.bn, kt, idx, bar)
+    if cutlass.const_expr(cfg.n_b == 2):
+        _copy_slice(tensors[7], tensors[8], sU, coord1, cfg.bn, kt, idx, bar)
+
+
+@cute.jit
+def load_activations(
+    cfg: cutlass.Constexpr, tensors, coord0: Int32, kt: Int32, idx: Int32, bar, ring, stages, slot
+):
+    """Producer warp: A of slice ``kt`` into slot ``idx`` (after the task's events)."""
+    sA, _, _ = _ring_views(cfg, ring, stages, slot)
+    _copy_slice(tensors[3], tensors[4], sA, coord0, cfg.bm, kt, idx, bar)
+
+
+@cute.jit
+def compute(
     cfg: cutlass.Constexpr,
     tensors,
     coord0: Int32,
     coord1: Int32,
-    tidx: Int32,
-    smem_ptr,
-):
-    """Tile (coord0, coord1) of C. ``tensors`` = (mA, mB, mC) + ``tma_args(...)``;
-    ``smem_ptr`` is 1024-byte aligned scratch of ``cfg.smem_bytes()``."""
+    full,
+    empty,
+    count: Int32,
+    ring,
+    stages: cutlass.Constexpr,
+    slot: cutlass.Constexpr,
+    epi_ptr,
+    ctid: Int32,
+) -> Int32:
+    """Consumer warpgroups: the tile's main loop over ring slices ``count ..`` and its
+    epilogue; returns the ring count after the tile. When it returns, C is in global memory
+    and fenced for the notify (the TMA store was waited on by consumer warp 0)."""
     fused = cfg.n_b == 2
-    mC = tensors[2]
-    atom_a, tma_a, atom_b, tma_b = tensors[3], tensors[4], tensors[5], tensors[6]
-    ab = _CUTE_DTYPES[cfg.dtype]
-    a_layout, b_layout = _smem_layouts(cfg)
-    a_bytes = cfg.stages * cfg.bm * BLOCK_K * cfg.dtype.itemsize
-    b_bytes = cfg.stages * cfg.bn * BLOCK_K * cfg.dtype.itemsize
-    sA = cute.make_tensor(cute.recast_ptr(smem_ptr, a_layout.inner, dtype=ab), a_layout.outer)
-    sB = cute.make_tensor(
-        cute.recast_ptr(smem_ptr + a_bytes, b_layout.inner, dtype=ab), b_layout.outer
-    )
-    sU = sB  # the up tiles; an alias of sB (never read) without the fused epilogue
-    if cutlass.const_expr(fused):
-        sU = cute.make_tensor(
-            cute.recast_ptr(smem_ptr + a_bytes + b_bytes, b_layout.inner, dtype=ab),
-            b_layout.outer,
-        )
-    bars = cute.recast_ptr(smem_ptr + cfg.ring_bytes, dtype=Int64)
-
-    # A's producers wrote with generic stores (and this scratch may hold another op's generic
-    # writes): order both before the async-proxy TMA writes and wgmma reads below.
-    cute.arch.fence_proxy("async")
-    ring = pipeline.PipelineTmaAsync.create(
-        num_stages=cfg.stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WARPS),
-        tx_count=cfg.stage_bytes,
-        barrier_storage=bars,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-    )
-
-    # (bm, BLOCK_K, k_tiles) and (bn, BLOCK_K, k_tiles) coordinate tiles of this task
-    gA = cute.local_tile(tma_a, (cfg.bm, BLOCK_K), (coord0, None))
-    gB = cute.local_tile(tma_b, (cfg.bn, BLOCK_K), (coord1, None))
-    one = cute.make_layout(1)
-    tAsA, tAgA = cpasync.tma_partition(
-        atom_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-    )
-    tBsB, tBgB = cpasync.tma_partition(
-        atom_b, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-    )
-    tUsU, tUgU = tBsB, tBgB
-    atom_u = atom_b
-    if cutlass.const_expr(fused):
-        atom_u = tensors[7]
-        gU = cute.local_tile(tensors[8], (cfg.bn, BLOCK_K), (coord1, None))
-        tUsU, tUgU = cpasync.tma_partition(
-            atom_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
-        )
-
+    sA, sB, sU = _ring_views(cfg, ring, stages, slot)
     tiled_mma = _tiled_mma(cfg)
-    wg_mma = tiled_mma.get_slice(0)  # one warpgroup: its smem descriptors
+    wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
+    lane = ctid % 32
+    wg_mma = tiled_mma.get_slice(wg * WARPGROUP)  # this warpgroup's smem descriptors
     tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
     tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
     tCrU = tiled_mma.make_fragment_B(wg_mma.partition_B(sU))
-    tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((cfg.bm, cfg.bn)))
+    thr_mma = tiled_mma.get_slice(ctid)
+    tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.bm, cfg.bn)))
     acc = cute.make_rmem_tensor(tCcC.shape, Float32)
     acc_up = cute.make_rmem_tensor(tCcC.shape, Float32)
     acc.fill(0.0)
@@ -202,63 +263,48 @@ def device_tile(
         acc_up.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-    k_tiles = cute.size(gA, mode=[2])
-    warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
-    load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-    free = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-
-    if warp == 0:
-        for _ in cutlass.range(cute.min(cfg.stages, k_tiles), unroll=1):
-            _load_slice(
-                ring, load, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused
-            )
-            load.advance()
-
-    for kt in cutlass.range(k_tiles, unroll=1):
-        ring.consumer_wait(read)
+    for kt in cutlass.range(cfg.k_tiles, unroll=1):
+        idx = consumer_wait(full, count + kt, stages)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            slot = (None, None, kb, read.index)
-            cute.gemm(tiled_mma, acc, tCrA[slot], tCrB[slot], acc)
+            s = (None, None, kb, idx)
+            cute.gemm(tiled_mma, acc, tCrA[s], tCrB[s], acc)
             if cutlass.const_expr(fused):
-                cute.gemm(tiled_mma, acc_up, tCrA[slot], tCrU[slot], acc_up)
+                cute.gemm(tiled_mma, acc_up, tCrA[s], tCrU[s], acc_up)
         warpgroup.commit_group()
-        warpgroup.wait_group(1)  # the batch before this one has read its slot
-        read.advance()
+        warpgroup.wait_group(1)  # the batch before this one has read its slot: free it
         if kt > 0:
-            # every warp frees slice kt-1, then warp 0 refills that slot: a refill is only
-            # issued after its release (waiting for one before it would deadlock warp 0
-            # against the other warps, which need warp 0 for the next warpgroup-wide wgmma)
-            ring.consumer_release(free)
-            free.advance()
-            if warp == 0 and load.count < k_tiles:
-                _load_slice(
-                    ring, load, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused
-                )
-                load.advance()
+            consumer_release(empty, count + kt - 1, stages, lane)
     warpgroup.wait_group(0)
+    consumer_release(empty, count + cfg.k_tiles - 1, stages, lane)
 
-    m = mC.shape[0]
-    n = mC.shape[1]
-    row0 = coord0 * cfg.bm
-    col0 = coord1 * cfg.bn
-    for i in cutlass.range(cute.size(acc), unroll_full=True):
-        r, c = tCcC[i]
-        if row0 + r < m and col0 + c < n:
-            v = acc[i]
-            if cutlass.const_expr(fused):
-                v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[i]
-            mC[row0 + r, col0 + c] = v.to(mC.element_type)
-
-
-def _load_slice(ring, state, atom_a, tAgA, tAsA, atom_b, tBgB, tBsB, atom_u, tUgU, tUsU, fused):
-    """Warp 0: wait for the slot to be free, arm its full barrier, issue the TMA copies of one
-    k-slice (A, B and, fused, the up half of B)."""
-    ring.producer_acquire(state)
-    bar = ring.producer_get_barrier(state)
-    k, s = state.count, state.index
-    cute.copy(atom_a, tAgA[(None, k)], tAsA[(None, s)], tma_bar_ptr=bar)
-    cute.copy(atom_b, tBgB[(None, k)], tBsB[(None, s)], tma_bar_ptr=bar)
-    if fused:
-        cute.copy(atom_u, tUgU[(None, k)], tUsU[(None, s)], tma_bar_ptr=bar)
+    # epilogue: registers -> shared memory (swizzled) -> one TMA store of the whole tile
+    out = _CUTE_DTYPES[cfg.out_dtype]
+    epi = _epi_layout(cfg)
+    sC = cute.make_tensor(cute.recast_ptr(epi_ptr, epi.inner, dtype=out), epi.outer)
+    tCsC = thr_mma.partition_C(sC)
+    # the previous tile's TMA store has read sC (consumer warp 0 waited for it before this)
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        v = acc[i]
+        if cutlass.const_expr(fused):
+            v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[i]
+        tCsC[i] = v.to(out)
+    # generic-proxy shared-memory writes -> the TMA engine's reads
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    if ctid < 32:
+        gC = cute.local_tile(tensors[10], (cfg.bm, cfg.bn), (coord0, coord1))
+        tsC, tgC = cpasync.tma_partition(
+            tensors[9],
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sC, 0, 2),
+            cute.group_modes(gC, 0, 2),
+        )
+        cute.copy(tensors[9], tsC, tgC)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0)
+        # the store's async-proxy writes before the generic release that notifies them
+        cute.arch.fence_proxy("async.global")
+    return count + cfg.k_tiles

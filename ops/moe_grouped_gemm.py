@@ -20,7 +20,7 @@ import torch
 from cutlass import Boolean, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -147,6 +147,8 @@ class MoeGroupedGemmTile(TileOp):
         # then the block_m source rows (int32)
         return 4 * ((self.block_m + self.block_n) * (self.block_k + 1) + self.block_m)
 
+    exists_on_device: ClassVar[bool] = True
+
     @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
         """Device twin of :meth:`exists`: row tile ``coord0`` has an expert at this routing."""
@@ -197,7 +199,7 @@ class MoeGroupedGemmTile(TileOp):
             per_thread = (bm * bn + NUM_THREADS - 1) // NUM_THREADS
             acc = cute.make_rmem_tensor((per_thread,), Float32)
             acc.fill(0.0)
-            cute.arch.sync_threads()
+            simt_sync()
             for k0 in range(0, kdim, bk):
                 for idx in range(tidx, bm * bk, NUM_THREADS):
                     m = idx // bk
@@ -214,7 +216,7 @@ class MoeGroupedGemmTile(TileOp):
                     if n < ndim and kk < kdim:
                         b = mW[expert, n, kk].to(Float32)
                     sB[idx // bk, idx % bk] = b
-                cute.arch.sync_threads()
+                simt_sync()
                 for q in cutlass.range_constexpr(per_thread):
                     idx = tidx + q * NUM_THREADS
                     if idx < bm * bn:
@@ -225,7 +227,7 @@ class MoeGroupedGemmTile(TileOp):
                             s = s + sA[m, kk] * sB[n, kk]
                         acc[q] = s
                 # the next slice overwrites sA/sB: everyone must be done reading this one
-                cute.arch.sync_threads()
+                simt_sync()
 
             for q in cutlass.range_constexpr(per_thread):
                 idx = tidx + q * NUM_THREADS

@@ -25,7 +25,7 @@ import torch
 from cutlass import Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.symbolic import IntLike, smin
 from cutemk.tileop import TensorSpec, TileOp, expect_dtype, expect_ndim, full_box, register_op
 
@@ -168,7 +168,7 @@ class MoeRouteTile(TileOp):
                 e = mIds[tok, j]
                 if e >= 0 and e < num_e:
                     sCnt[tidx, e] = sCnt[tidx, e] + 1
-        cute.arch.sync_threads()
+        simt_sync()
 
         for e in range(tidx, num_e, NUM_THREADS):
             run = Int32(0)
@@ -177,7 +177,7 @@ class MoeRouteTile(TileOp):
                 sCnt[c, e] = run
                 run = run + n
             sCount[e] = run
-        cute.arch.sync_threads()
+        simt_sync()
 
         if tidx == 0:
             tiles = Int32(0)
@@ -190,7 +190,7 @@ class MoeRouteTile(TileOp):
                 tiles = tiles + (n + bm - 1) // bm
             sTileStart[num_e] = tiles
             mIndptr[num_e] = rows
-        cute.arch.sync_threads()
+        simt_sync()
 
         for e in range(tidx, num_e, NUM_THREADS):
             n = sCount[e]

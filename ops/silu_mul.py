@@ -114,6 +114,8 @@ class SiluMulTile(TileOp):
     def device_smem_bytes(self) -> int:
         return 0  # purely elementwise
 
+    exists_on_device: ClassVar[bool] = True
+
     @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> cutlass.Boolean:
         """Grouped layout: row tile ``coord0`` exists iff ``tile_info[coord0, 0] >= 0``."""

@@ -1,6 +1,8 @@
 import json
 
-from cutemk.bench import Results, floor_us, time_us
+import pytest
+
+from cutemk.bench import Results, bar_chart, floor_us, time_us
 
 
 def test_results_json_convention(tmp_path, capsys):
@@ -27,3 +29,13 @@ def test_floor_and_timer():
     calls = []
     assert time_us(lambda: calls.append(1), warmup=2, rep=5) >= 0
     assert len(calls) == 7
+
+
+def test_bar_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    r = Results("unit")
+    for case in ("T=1", "T=8192"):
+        r.add(case, "torch", 2.0)
+        r.add(case, "cutemk", 1.0)
+    path = bar_chart(r, tmp_path / "unit.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,103 +1,177 @@
-"""The Hopper GEMM tile (TMA + wgmma, ``ops/gemm_sm90.py``): when it applies, what it compiles
-to, and its results against an fp32 torch reference, alone and inside the megakernel."""
+"""The Hopper GEMM tile (TMA through the megakernel's ring + wgmma on two consumer warpgroups +
+TMA store, ``ops/gemm_sm90.py``): when it applies, what the megakernel compiles to, and its
+results against an fp32 torch reference inside the megakernel."""
 
 import os
+import re
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import pytest
 import torch
-from cutemk.ops import GemmTile
-from cutemk.ops.gemm_sm90 import sm90_config
 
 import cutemk as mk
-from cutemk.device.harness import compile_tile, concrete_grid
+from cutemk import ops
+from cutemk.codegen.megakernel import worker_shape
+from cutemk.errors import GraphError
 from cutemk.layers import mlp_graph, mlp_reference
+from cutemk.ops import GemmTile
+from cutemk.runtime import compile_offline
 from cutemk.tileop import TensorSpec
 
-from test_device_ops import fake_tensors, run_and_check
-
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-T, N = mk.sym("T", 4096), mk.sym("N", 8192)
+
+T = mk.sym("T", 8192)
 
 
-def op_for(dtype, k, block, epilogue=None) -> GemmTile:
-    rows_b = 2 * N if epilogue == "silu_mul" else N
-    return GemmTile(TensorSpec((T, k), dtype), TensorSpec((rows_b, k), dtype), *block, epilogue)
+def op_for(dtype, k, n, block, epilogue=None, out_dtype=None) -> GemmTile:
+    rows_b = 2 * n if epilogue == "silu_mul" else n
+    return GemmTile(
+        TensorSpec((T, k), dtype), TensorSpec((rows_b, k), dtype), *block, epilogue, out_dtype
+    )
+
+
+def gemm_graph(dtype, k, n, block, epilogue=None, out_dtype=None, max_t=8192):
+    g = mk.Graph("gemm")
+    x = g.input("x", (mk.sym("T", max_t), k), dtype)
+    w = g.weight("w", (2 * n if epilogue else n, k), dtype)
+    y = g.call(
+        ops.gemm, x, w, block_m=block[0], block_n=block[1], epilogue=epilogue, out_dtype=out_dtype
+    )
+    g.output(y, "y")
+    return g
 
 
 # -- CPU ------------------------------------------------------------------------------------
 def test_hopper_path_applies_only_where_it_can():
     bf = torch.bfloat16
-    assert op_for(bf, 4096, (128, 128)).sm90() is not None
-    assert op_for(torch.float16, 64, (64, 64), "silu_mul").sm90() is not None
-    assert op_for(bf, 4096, (128, 128), "silu_mul").sm90() is None  # 2x128x128 accumulators
-    assert op_for(torch.float32, 4096, (128, 128)).sm90() is None  # fp32 keeps SIMT FMA
-    assert op_for(bf, 4100, (128, 128)).sm90() is None  # rows not 16-byte aligned for TMA
-    assert op_for(bf, mk.sym("K", 4096), (128, 128)).sm90() is None  # alignment unknowable
-    assert op_for(bf, 4096, (16, 32)).sm90() is None  # below wgmma's 64-row atom
-    cfg = sm90_config(bf, 128, 128, 4096, False)
-    assert cfg.stages >= 3 and cfg.smem_bytes() <= 227 * 1024
+    assert op_for(bf, 4096, 4096, (128, 256)).sm90() is not None
+    assert op_for(bf, 4096, 4096, (128, 128), "silu_mul").sm90() is not None
+    assert op_for(bf, 4096, 4096, (64, 32), "silu_mul").sm90() is not None
+    assert op_for(torch.float16, 64, 64, (64, 64), "silu_mul").sm90() is not None
+    assert op_for(bf, 4096, 4096, (128, 256), "silu_mul").sm90() is None  # 2x128x256 acc
+    assert op_for(torch.float32, 4096, 4096, (128, 128)).sm90() is None  # fp32 keeps SIMT FMA
+    assert op_for(bf, 4100, 4096, (128, 128)).sm90() is None  # rows not 16-byte aligned
+    assert op_for(bf, 4096, 4100, (128, 128)).sm90() is None  # C rows not 16-byte aligned
+    assert op_for(bf, mk.sym("K", 4096), 4096, (128, 128)).sm90() is None  # unknowable
+    assert op_for(bf, 4096, mk.sym("N", 4096), (128, 128)).sm90() is None
+    assert op_for(bf, 4096, 4096, (16, 32)).sm90() is None  # below wgmma's 64-row atom
+    assert op_for(bf, 4096, 4096, (64, 8)).sm90() is None  # 4 columns a warpgroup
+    cfg = op_for(bf, 4096, 4096, (128, 256)).sm90()
+    assert cfg.k_tiles == 64 and cfg.stage_bytes == (128 + 256) * 64 * 2
+
+
+def test_worker_shape_fits_shared_memory_and_counts_agree():
+    bf = torch.bfloat16
+    big = op_for(bf, 4096, 4096, (128, 256))
+    w = worker_shape((big, op_for(bf, 4096, 4096, (128, 128), "silu_mul")))
+    assert w.ring_stages >= 3 and w.slot_bytes == 48 * 1024 and w.epi_bytes == 64 * 1024
+    assert w.ring_bytes + w.epi_bytes + w.scratch_bytes <= 227 * 1024
+    assert w.threads == 384 and w.consumer_warps == 8
+    decode = worker_shape((op_for(bf, 4096, 4096, (64, 32), "silu_mul"),))
+    assert decode.ring_stages >= 8  # >= 64 KB of weight loads in flight per SM
+    # a SIMT op whose scratch leaves no room for two ring slots is refused by name
+    huge = op_for(bf, 4096, 4096, (128, 256))
+    with pytest.raises(GraphError, match="fewer than 2 slots"):
+        worker_shape((huge, _FatScratch()))
+
+
+class _FatScratch:
+    """Stand-in for a SIMT op with a large scratch (only the methods worker_shape reads)."""
+
+    name = "fat"
+
+    def ring_tile(self):
+        return None
+
+    def device_smem_bytes(self):
+        return 120 * 1024
 
 
 @pytest.mark.parametrize(
-    "dtype,block,epilogue",
-    [
-        (torch.bfloat16, (128, 128), None),
-        (torch.bfloat16, (128, 64), "silu_mul"),
-        (torch.float16, (64, 256), None),
-    ],
-    ids=["bf16-128x128", "bf16-128x64-silu_mul", "fp16-64x256"],
+    "block,epilogue,scheduler",
+    [((128, 256), None, "static"), ((64, 32), "silu_mul", "dynamic")],
+    ids=["128x256-static", "64x32-silu-dynamic"],
 )
-def test_hopper_tile_compiles_to_tma_and_wgmma(dtype, block, epilogue):
-    op = op_for(dtype, 2048, block, epilogue)
+def test_megakernel_compiles_to_the_warp_specialized_hopper_worker(block, epilogue, scheduler):
+    g = gemm_graph(torch.bfloat16, 1024, 2048, block, epilogue)
     with tempfile.TemporaryDirectory() as dump:
-        compiled = compile_tile(op, fake_tensors(op), options=f"--keep-ptx --dump-dir={dump}")
-        ptx = compiled.ptx if "\n" in (compiled.ptx or "") else open(compiled.ptx).read()
-    cfg = op.sm90()
-    k_steps = 64 // 16
-    assert ptx.count("wgmma.mma_async") == k_steps * (cfg.bm // 64) * cfg.n_b
-    assert "cp.async.bulk.tensor.2d" in ptx
-    assert "mbarrier.try_wait" in ptx
-    assert "fence.proxy.async" in ptx
+        fn = compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={dump}")
+        ptx = fn.__ptx__ if "\n" in (fn.__ptx__ or "") else open(fn.__ptx__).read()
+    nb = 2 if epilogue else 1
+    assert ptx.count("wgmma.mma_async") == (64 // 16) * nb  # one k-slice, unrolled
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx  # TMA loads into the ring
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # TMA store of the tile
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)  # store done before notify
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
+    assert "fence.proxy.async.global" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
+    assert "ld.acquire.gpu" in ptx
+    assert "red.release.gpu" in ptx if scheduler == "static" else "atom.global.acq_rel" in ptx
+    # named barriers of the consumer threads only; the whole CTA meets only at entry and exit
+    assert re.search(r"bar\.sync\s+2, 256;", ptx)
 
 
 # -- GPU ------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize(
-    "dtype,block,epilogue",
-    [
-        (torch.bfloat16, (128, 128), None),
-        (torch.bfloat16, (64, 64), None),
-        (torch.bfloat16, (128, 64), "silu_mul"),
-        (torch.float16, (64, 128), "silu_mul"),
-        (torch.bfloat16, (64, 256), None),
-    ],
-    ids=["bf16-128x128", "bf16-64x64", "bf16-128x64-silu", "fp16-64x128-silu", "bf16-64x256"],
-)
-@pytest.mark.parametrize("k", [64, 520, 4096])
-def test_hopper_tile_matches_reference(dtype, block, epilogue, k):
-    torch.manual_seed(k)
-    op = op_for(dtype, k, block, epilogue)
-    assert op.sm90() is not None
-    nb = 2 if epilogue == "silu_mul" else 1
-    for m, n in ((1, 200), (100, 1024), (300, 136)):
-        a = torch.randn(m, k, device="cuda").to(dtype)
-        b = (torch.randn(nb * n, k, device="cuda") / k**0.5).to(dtype)
-        run_and_check(op, {"T": m, "N": n}, {"a": a, "b": b}, dtype)
+SHAPES = [  # (T, N, K)
+    (1, 256, 4096),
+    (7, 512, 520),
+    (129, 384, 1024),
+    (1000, 1024, 64),
+    (300, 136 * 2, 2048),
+]
+CONFIGS = [  # (block, epilogue, out dtype)
+    ((128, 256), None, None),
+    ((128, 128), None, None),
+    ((128, 128), "silu_mul", None),
+    ((64, 32), "silu_mul", None),
+    ((64, 128), None, None),
+    ((64, 256), None, torch.float32),
+]
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-def test_megakernel_mlp_with_hopper_tiles(scheduler, fuse):
-    """A Qwen3-1.7B-sized MLP: TMA tiles read the activations other SMs wrote in the same launch."""
+@pytest.mark.parametrize(
+    "block,epilogue,out_dtype",
+    CONFIGS,
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_hopper_gemm_matches_reference(block, epilogue, out_dtype, scheduler):
+    """Every tile shape and epilogue over shapes incl. T = 1, 7, 129, 1000 (odd T, K not a
+    multiple of the slice, N not a multiple of the tile), outputs NaN-poisoned."""
+    torch.manual_seed(sum(block))
+    for t, n, k in SHAPES:
+        if out_dtype is torch.float32 and n % 4:
+            continue
+        g = gemm_graph(torch.bfloat16, k, n, block, epilogue, out_dtype, max_t=1024)
+        c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+        nb = 2 if epilogue else 1
+        x = torch.randn(t, k, device="cuda").bfloat16()
+        w = (torch.randn(nb * n, k, device="cuda") / k**0.5).bfloat16()
+        y = c(x, w)
+        ref = x.float() @ w.float().T
+        if epilogue:
+            ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+        assert y.dtype == (out_dtype or torch.bfloat16)
+        assert not torch.isnan(y).any(), f"T={t} N={n} K={k}: unwritten output"
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"T={t} N={n} K={k}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("blocks", [(128, 128), (64, 32)], ids=["prefill", "decode"])
+def test_megakernel_mlp_with_hopper_tiles(scheduler, blocks):
+    """A Qwen3-1.7B-sized MLP: TMA tiles read the activations other SMs wrote (TMA stores) in
+    the same launch; the down GEMM's weights load before its events."""
     torch.manual_seed(1)
     H, I = 2048, 6144
-    g = mlp_graph(mk.sym("T", max=1024), H, I, torch.bfloat16, 128, 64 if fuse else 128, fuse)
+    g = mlp_graph(mk.sym("T", max=1024), H, I, torch.bfloat16, *blocks, fuse_silu=True)
     assert all(n.op.sm90() is not None for n in g.nodes if isinstance(n.op, GemmTile))
     c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
     wgu = (torch.randn(2 * I, H, device="cuda") / H**0.5).bfloat16()
@@ -109,8 +183,3 @@ def test_megakernel_mlp_with_hopper_tiles(scheduler, fuse):
         assert not torch.isnan(y).any()
         err = ((y.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"T={t}: rel err {err:.2e}"
-
-
-def test_concrete_grid_of_hopper_op():  # the harness grid follows block_m/block_n
-    op = op_for(torch.bfloat16, 512, (128, 64))
-    assert concrete_grid(op, {"T": 300, "N": 1000}) == (3, 16)

@@ -1,31 +1,33 @@
-"""The megakernel: one persistent ``@cute.kernel`` that runs a whole graph's tasks.
+"""The megakernel: one persistent, warp-specialized ``@cute.kernel`` that runs a graph's tasks.
 
-Each CTA loops: fetch a task -> (static mode) wait on its events -> dispatch on the task's node
-to that op's ``device_tile`` -> notify. The graph structure (which ops, which tensors each reads)
-is compile-time; the task list, events and queues of one token count are runtime int32 arrays
-(``cutemk.codegen.lower``), so one compiled kernel serves every token count.
+One CTA per SM, shaped by :class:`~cutemk.device.config.WorkerShape`:
 
-The program arrays arrive packed in one int32 buffer and the device state in another (one kernel
-argument each: arguments cost host time at every launch); views are rebuilt from their headers.
+- **Producer** (warp 0; warps 1-3 of its warpgroup give their registers up and idle): fetches
+  tasks (static: this CTA's queue, streamed as fixed-width records; dynamic: a ticket into the
+  on-GPU ready ring, ``cutemk.codegen.dynamic``), and for each task, in order:
+  (1) a ring op's loads of operands no node of the graph writes (weights) into free ring slots,
+  *before* the task's events are met; (2) the event waits (``cutemk.codegen.waits``; a popped
+  dynamic task is ready by construction); (3) ``fence.proxy.async`` and the loads of operands
+  produced in this launch for those slots; (4) the task record into the task queue; (5) the
+  tile's remaining slices, as ring slots free up. Then it moves on to the next task, so task
+  i+1's loads are in flight while the consumers compute task i.
+- **Consumers** (the other warpgroups): take records from the task queue; a ring op's tile is
+  computed by every consumer thread (``TileOp.device_compute``: wgmma, epilogue, TMA store); a
+  SIMT op's body runs on the first consumer warpgroup (the SIMT group) with its own named
+  barrier. Consumer warp 0 then notifies (static: release adds; dynamic: completes the events
+  and pushes the consumers they made ready).
 
-Protocol (see ``cutemk.device.sync`` for the memory-ordering rules):
+The ring's and the task queue's states are running counts held by each role across tasks
+(``cutemk.device.ring``). The graph structure is compile-time; the task list, events and queues
+of one token count are runtime int32 arrays (``cutemk.codegen.lower``), so one compiled kernel
+serves every token count.
 
-- Static: CTA g runs the records ``queue_rec[queue_ptr[g]:queue_ptr[g+1]]`` in order; before a task one
-  thread acquires each event the task waits on (counter >= count * epoch), ``bar.sync``, the CTA
-  runs the tile, ``bar.sync``, one thread release-adds 1 to each event the task notifies.
-- Dynamic: a ring of task ids (slot value ``epoch * num_tasks + task``, so one acquire load says
-  both that the slot is filled in this launch and what it holds). CTAs push the tasks that wait
-  on nothing, then pop: take a ticket (atomic on HEAD; the next one is taken while the current
-  task runs) and spin until that slot is filled, or until DONE says every task has finished. After a
-  task, one thread acq_rel-adds to each notified event; the thread that completes an event adds
-  to each consumer's pending count, and the one that completes a consumer's last event pushes it.
-  A consumer whose data says it does not exist is never pushed: the pusher completes its notifies
-  itself (a small shared-memory work list), so only existing tiles reach the queue.
 - Epochs: ``epoch = state[EPOCH] + 1`` per launch; the last CTA to exit stores it and resets the
   per-launch queue counters, so no host reset is needed between launches or graph replays.
 - Watchdog (compile-time flag): waits give up after ``timeout_ns``; the first CTA to give up
-  records (task, event, expected, seen, SM) in ``debug`` and raises ``state[ABORT]``; every CTA
-  stops at its next task. The host turns that into an error naming the event.
+  records (task, event, expected, seen, SM) in ``debug`` and raises ``state[ABORT]``; producers
+  stop at their next task (still completing the ring slots they armed) and send the consumers
+  a stop record. The host turns that into an error naming the event.
 """
 
 from __future__ import annotations
@@ -35,27 +37,19 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Boolean, Int32, Int64, cute
-from cutlass.experimental import primitives as prims
 
-from ..device.config import NUM_THREADS, WARP_SIZE as WARP
-from ..device.sync import notify_event, wait_event, wait_event_or_abort
+from ..device.config import NUM_THREADS, WARP_SIZE as WARP, WARPGROUP, WorkerShape, simt_sync
+from ..device.ring import init_barriers, producer_acquire, queue_get, queue_put
+from ..device.sync import notify_event
+from ..errors import GraphError
 from ..tileop import TileOp
+from .dynamic import WORK_CAP, DynamicQueue
+from .layout import D, DEVICE_STATE, P, PROF_WIDTH, PROGRAM
 from .lower import (
-    ABORT,
-    BARRIER,
-    DBG_EVENT,
-    DBG_EXPECTED,
-    DBG_KIND,
-    DBG_SEEN,
-    DBG_SM,
-    DBG_TASK,
     DONE,
     EPOCH,
     EXITED,
     HEAD,
-    KIND_EVENT_WAIT,
-    KIND_QUEUE_IDLE,
-    KIND_REMOTE_WAIT,
     R_C0,
     R_C1,
     R_NHI,
@@ -67,31 +61,39 @@ from .lower import (
     REC_WIDTH,
     TAIL,
 )
+from .waits import EventWaits
+
+__all__ = ["DEVICE_STATE", "PROF_WIDTH", "PROGRAM", "KernelSpec", "Megakernel", "worker_shape"]
 
 SMEM_ALIGN = 1024  # 128-byte swizzled TMA tiles need 1024-byte aligned shared memory
-WORK_CAP = 64  # skipped-task work list of the dynamic pusher; beyond it, tasks are pushed as is
-CHUNK = NUM_THREADS // REC_WIDTH  # static queue records fetched per coalesced load
-PROGRAM = (
-    "task_rec",
-    "wait_ev",
-    "wait_target",
-    "notify_ev",
-    "ev_count",
-    "queue_ptr",
-    "queue_rec",
-    "cons_ptr",
-    "cons_task",
-    "task_nwait",
-    "init_tasks",
-    "rwait_ptr",
-    "rwait_ev",
-    "rwait_rank",
-    "rwait_target",
-)
-DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")
-P = {name: i for i, name in enumerate(PROGRAM)}
-D = {name: i for i, name in enumerate(DEVICE_STATE)}
-PROF_WIDTH = 4  # per task: SM, start ns, end ns, node (int64)
+SMEM_LIMIT = 232448  # Hopper: shared memory one CTA may use
+SMEM_RESERVED = 4096  # the kernel's own state, barriers and alignment padding
+MAX_RING_STAGES = 16
+CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
+
+
+def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
+    """The CTA shape and shared-memory plan for a kernel running ``ops``; raises GraphError
+    naming the ops when they cannot fit one SM's shared memory."""
+    rings = [op.ring_tile() for op in ops if op.ring_tile() is not None]
+    scratch = max([16] + [int(op.device_smem_bytes()) for op in ops if op.ring_tile() is None])
+    scratch = -(-scratch // SMEM_ALIGN) * SMEM_ALIGN
+    slot = max([r.slot_bytes for r in rings], default=0)
+    epi = max([r.epi_bytes for r in rings], default=0)
+    stages = 0
+    if rings:
+        free = SMEM_LIMIT - SMEM_RESERVED - epi - scratch
+        stages = min(MAX_RING_STAGES, free // slot)
+        if stages < 2:
+            names = ", ".join(f"{op.name}" for op in ops)
+            raise GraphError(
+                f"megakernel shared memory: ops ({names}) need ring slots of {slot} B, "
+                f"{epi} B of output staging and {scratch} B of scratch; fewer than 2 slots fit "
+                f"in {SMEM_LIMIT} B"
+            )
+    shape = WorkerShape(ring_stages=stages, slot_bytes=slot, epi_bytes=epi, scratch_bytes=scratch)
+    shape.check()
+    return shape
 
 
 @dataclass(frozen=True)
@@ -106,29 +108,28 @@ class KernelSpec:
     profile: bool
     arch: str
     distributed: bool = False  # cross-rank waits, sys-scope notifies, a barrier per launch
-
-    @property
-    def scratch_bytes(self) -> int:
-        need = [int(op.device_smem_bytes()) for op in self.ops]
-        return max([16] + need)
+    prefetch: tuple[bool, ...] = ()  # per node: its independent loads may precede its waits
+    worker: WorkerShape = WorkerShape()
 
 
-class Megakernel:
+class Megakernel(EventWaits, DynamicQueue):
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
+        self.w = spec.worker
         self.num_nodes = len(spec.ops)
-        self.has_exists = tuple(hasattr(op, "device_exists") for op in spec.ops)
+        self.ring_of = tuple(op.ring_tile() for op in spec.ops)
+        self.has_exists = tuple(op.exists_on_device for op in spec.ops)
+        for k, op in enumerate(spec.ops):
+            # the producer streams every slice of a ring op's tile; a tile that might not exist
+            # would leave them unconsumed
+            assert not (self.ring_of[k] and op.exists_on_device), op.name
         # some tile reads global memory through the async proxy (TMA): every task's stores
         # are fenced into it before they are notified
         self.fence_async = any(op.reads_async_proxy() for op in spec.ops)
         # events other GPUs read are released at system scope
         self.scope = "sys" if spec.distributed else "gpu"
 
-    # -- device helpers (inlined) -------------------------------------------------------------
-    def _rec(self, sRec, k):
-        """The k-th record in shared memory, as a tuple of values."""
-        return tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
-
+    # -- helpers (inlined) --------------------------------------------------------------------
     def _views(self, buf, n: int):
         """Views of the arrays packed in ``buf`` behind its (offset, size) header."""
         return tuple(
@@ -154,334 +155,270 @@ class Megakernel:
                     ok = self.spec.ops[k].device_exists(tensors[k], c0, c1)
         return ok
 
+    # -- producer -----------------------------------------------------------------------------
     @cute.jit
-    def _dispatch(self, tensors, node: Int32, c0: Int32, c1: Int32, tidx: Int32, scratch):
-        for k in cutlass.range_constexpr(self.num_nodes):
-            if node == k:
-                self.spec.ops[k].device_tile(tensors[k], c0, c1, tidx, scratch)
+    def _issue(self, tensors, k: int, c0, c1, j, idx, bar, ring, independent: bool, dependent):
+        op = self.spec.ops[k]
+        stages, slot = self.w.ring_stages, self.w.slot_bytes
+        if cutlass.const_expr(independent):
+            op.device_load_independent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
+        if cutlass.const_expr(dependent):
+            op.device_load_dependent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
 
     @cute.jit
-    def _abort(
-        self, state, debug, task: Int32, event: Int32, expected: Int32, seen: Int32, kind: Int32
-    ):
-        old = cute.arch.atomic_cas(
-            state.iterator + ABORT, cmp=Int32(0), val=Int32(1), sem="acq_rel", scope="gpu"
-        )
-        if old == 0:
-            debug[DBG_TASK] = task
-            debug[DBG_EVENT] = event
-            debug[DBG_EXPECTED] = expected
-            debug[DBG_SEEN] = seen
-            debug[DBG_SM] = cute.arch.smid()
-            debug[DBG_KIND] = kind
-
-    @cute.jit
-    def _wait_all(
-        self,
-        prog,
-        dev,
-        t: Int32,
-        w_lo: Int32,
-        w_hi: Int32,
-        epoch: Int32,
-        lane: Int32,
-        timeout_ns: Int64,
-    ) -> Boolean:
-        """Warp 0: lane l waits for events w_lo + l, w_lo + l + 32, ... of task t, so a task
-        with fan-in k pays one acquire round trip, not k. False if the watchdog fired."""
-        wait_ev, wait_target = prog[P["wait_ev"]], prog[P["wait_target"]]
-        state, debug, ev_counter = dev[D["state"]], dev[D["debug"]], dev[D["ev_counter"]]
-        ok = Boolean(True)
-        if cutlass.const_expr(self.spec.watchdog):
-            ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
-        j = w_lo + lane
-        going = ok and j < w_hi
-        while going:
-            e = wait_ev[j]
-            target = wait_target[j] * epoch
-            if cutlass.const_expr(self.spec.watchdog):
-                timed_out, seen = wait_event_or_abort(
-                    ev_counter.iterator + e, target, timeout_ns, state.iterator + ABORT
-                )
-                if timed_out:
-                    self._abort(state, debug, t, e, target, seen, Int32(KIND_EVENT_WAIT))
-                    ok = Boolean(False)
-            else:
-                wait_event(ev_counter.iterator + e, target)
-            j = j + WARP
-            going = ok and j < w_hi
-        return ok
-
-    @cute.jit
-    def _wait_remote(
-        self,
-        prog,
-        dev,
-        peers,
-        ev_off: Int32,
-        t: Int32,
-        epoch: Int32,
-        lane: Int32,
-        timeout_ns: Int64,
-    ) -> Boolean:
-        """Warp 0: wait for task t's events on other ranks. ``peers[r]`` is rank r's device-state
-        buffer (symmetric memory mapped into this GPU); its counters start at word ``ev_off``,
-        the same on every rank. Acquire loads at system scope, over NVLink."""
-        rwait_ptr, rwait_ev = prog[P["rwait_ptr"]], prog[P["rwait_ev"]]
-        rwait_rank, rwait_target = prog[P["rwait_rank"]], prog[P["rwait_target"]]
-        state, debug = dev[D["state"]], dev[D["debug"]]
-        ok = Boolean(True)
-        if cutlass.const_expr(self.spec.watchdog):
-            ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
-        j = rwait_ptr[t] + lane
-        hi = rwait_ptr[t + 1]
-        going = ok and j < hi
-        while going:
-            e = rwait_ev[j]
-            target = rwait_target[j] * epoch
-            addr = peers[rwait_rank[j]] + Int64(ev_off + e) * 4
-            ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
-            if cutlass.const_expr(self.spec.watchdog):
-                timed_out, seen = wait_event_or_abort(
-                    ptr, target, timeout_ns, state.iterator + ABORT, "sys"
-                )
-                if timed_out:
-                    self._abort(state, debug, t, e, target, seen, Int32(KIND_REMOTE_WAIT))
-                    ok = Boolean(False)
-            else:
-                wait_event(ptr, target, "sys")
-            j = j + WARP
-            going = ok and j < hi
-        return ok
-
-    @cute.jit
-    def _push(self, dev, t: Int32, stamp: Int32, num_init: Int32):
-        """Publish task t: ring slots hold ``stamp + t`` with ``stamp = epoch * num_tasks``, so
-        one acquire load tells a popper both that the slot is filled in this launch and what
-        it holds (values of earlier launches are below the stamp)."""
-        state, ring = dev[D["state"]], dev[D["ring"]]
-        slot = num_init + cute.arch.atomic_add(
-            state.iterator + TAIL, Int32(1), sem="relaxed", scope="gpu"
-        )
-        cute.arch.store(ring.iterator + slot, stamp + t, sem="release", scope="gpu")
-
-    @cute.jit
-    def _complete_dynamic(
+    def _produce(
         self,
         tensors,
         prog,
         dev,
-        t: Int32,
-        epoch: Int32,
-        stamp: Int32,
-        num_init: Int32,
-        lane: Int32,
-        sWork,
+        peers,
+        ev_off,
+        rec,
+        epoch,
+        lane,
+        timeout_ns,
+        bars,
+        sQueue,
+        ring,
+        qcount: Int32,
+        rcount: Int32,
     ):
-        """Warp 0: notify for task t, push the consumers made ready, complete skipped ones.
-
-        Lane 0 adds to each notified event; when it completes the event, the 32 lanes take its
-        consumers 32 at a time (pending-count atomics, existence checks and pushes in parallel:
-        a fan-out of k costs k/32 round trips, not k). ``bar.warp.sync`` orders lane 0's
-        acquire before the other lanes' reads and release stores. Ready consumers whose data
-        says they do not exist go on a work list (lane 0 appends, in lane order) and are
-        completed the same way, never queued.
-        """
-        task_rec, notify_ev, ev_count = (
-            prog[P["task_rec"]],
-            prog[P["notify_ev"]],
-            prog[P["ev_count"]],
-        )
-        cons_ptr, cons_task, task_nwait = (
-            prog[P["cons_ptr"]],
-            prog[P["cons_task"]],
-            prog[P["task_nwait"]],
-        )
-        state, ev_counter, task_pending = (
-            dev[D["state"]],
-            dev[D["ev_counter"]],
-            dev[D["task_pending"]],
-        )
-        if lane == 0:
-            sWork[0] = t
-        n = Int32(1)  # work-list length, the same in every lane
-        while n > 0:
-            cute.arch.sync_warp()
-            u = sWork[n - 1]
-            n = n - 1
-            for j in range(task_rec[u * REC_WIDTH + R_NLO], task_rec[u * REC_WIDTH + R_NHI]):
-                e = notify_ev[j]
-                done = Int32(0)
-                if lane == 0:
-                    old = cute.arch.atomic_add(
-                        ev_counter.iterator + e, Int32(1), sem="acq_rel", scope=self.scope
-                    )
-                    if old + 1 == ev_count[e] * epoch:
-                        done = Int32(1)
-                done = cute.arch.shuffle_sync(done, 0)
-                cute.arch.sync_warp()
-                if done != 0:
-                    lo = cons_ptr[e]
-                    hi = cons_ptr[e + 1]
-                    for base in range(lo, hi, WARP):
-                        i = base + lane
-                        skip = Int32(-1)
-                        if i < hi:
-                            c = cons_task[i]
-                            ready = c < 0  # -(c+1): waits on this event alone, ready now
-                            if ready:
-                                c = -c - 1
-                            else:
-                                p = cute.arch.atomic_add(
-                                    task_pending.iterator + c, Int32(1), sem="acq_rel", scope="gpu"
-                                )
-                                ready = p + 1 == task_nwait[c] * epoch
-                            if ready:
-                                node = task_rec[c * REC_WIDTH + R_NODE]
-                                c0 = task_rec[c * REC_WIDTH + R_C0]
-                                c1 = task_rec[c * REC_WIDTH + R_C1]
-                                if self._exists(tensors, node, c0, c1):
-                                    self._push(dev, c, stamp, num_init)
-                                else:
-                                    skip = c
-                        # rare: gather the skipped consumers into the work list, in lane order
-                        if cute.arch.vote_any_sync(skip >= 0):
-                            for src in cutlass.range_constexpr(WARP):
-                                v = cute.arch.shuffle_sync(skip, src)
-                                if v >= 0:
-                                    if n < WORK_CAP:
-                                        if lane == 0:
-                                            sWork[n] = v
-                                        n = n + 1
-                                    elif lane == 0:  # list full: queue it, the popper skips it
-                                        self._push(dev, v, stamp, num_init)
-                            cute.arch.sync_warp()
-            if lane == 0:
-                # relaxed: DONE guards no data (it only tells idle CTAs to stop polling; a task
-                # is counted after it was popped, so DONE == num_tasks implies every pushed slot
-                # was taken), and a release here would stall the lane on every task
-                cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
+        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
+        w = self.w
+        t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+        q_full, q_empty, r_full, r_empty = bars
+        # (1) weights of the first slices, before the events
+        for k in cutlass.range_constexpr(self.num_nodes):
+            r = self.ring_of[k]
+            if cutlass.const_expr(r is not None and self.spec.prefetch[k]):
+                if node == k:
+                    for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
+                        idx = producer_acquire(
+                            r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes
+                        )
+                        self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False)
+        # (2) events
+        ok = Boolean(True)
+        if cutlass.const_expr(not self.spec.dynamic):
+            ok = self._wait_all(prog, dev, t, rec[R_WLO], rec[R_WHI], epoch, lane, timeout_ns)
+        if cutlass.const_expr(self.spec.distributed):
+            if ok:
+                ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, lane, timeout_ns)
+        # (3) loads of data produced in this launch (even after an abort: the armed slots must
+        # complete, their data is never read)
+        if cutlass.const_expr(self.fence_async):
+            cute.arch.fence_proxy("async.global")
+        for k in cutlass.range_constexpr(self.num_nodes):
+            r = self.ring_of[k]
+            if cutlass.const_expr(r is not None):
+                if node == k:
+                    pre = min(r.slices, w.ring_stages)
+                    for j in cutlass.range_constexpr(pre):
+                        if cutlass.const_expr(self.spec.prefetch[k]):
+                            idx = (rcount + j) % w.ring_stages
+                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, False, True)
+                        else:
+                            idx = producer_acquire(
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes
+                            )
+                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
+        # (4) hand the task over
+        stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
+        if ok:
+            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, rec, lane)
+        else:
+            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane)
+        qcount = qcount + 1
+        # (5) the remaining slices
+        if ok:
+            for k in cutlass.range_constexpr(self.num_nodes):
+                r = self.ring_of[k]
+                if cutlass.const_expr(r is not None):
+                    if node == k:
+                        for j in cutlass.range(min(r.slices, w.ring_stages), r.slices, unroll=1):
+                            idx = producer_acquire(
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes
+                            )
+                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
+                        rcount = rcount + r.slices
+        return ok, qcount, rcount
 
     @cute.jit
-    def _run_task(
+    def _producer(
+        self,
+        tensors,
+        prog,
+        dev,
+        peers,
+        ev_off,
+        epoch,
+        stamp,
+        num_tasks,
+        lane,
+        timeout_ns,
+        bars,
+        sQueue,
+        sRec,
+        ring,
+    ):
+        """Producer warp: every task of this CTA, then a stop record for the consumers."""
+        w = self.w
+        bidx, _, _ = cute.arch.block_idx()
+        qcount = Int32(0)
+        rcount = Int32(0)
+        if cutlass.const_expr(self.spec.dynamic):
+            task_rec = prog[P["task_rec"]]
+            ticket = Int32(0)
+            if lane == 0:
+                ticket = self._take_ticket(dev)
+            alive = Boolean(True)
+            while alive:
+                t = Int32(-1)
+                if lane == 0:
+                    t = self._pop(dev, ticket, num_tasks, stamp, timeout_ns)
+                    if t >= 0:  # the next ticket's round trip overlaps this task
+                        ticket = self._take_ticket(dev)
+                t = cute.arch.shuffle_sync(t, 0)
+                alive = t >= 0
+                if alive:
+                    rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
+                    alive, qcount, rcount = self._produce(
+                        tensors,
+                        prog,
+                        dev,
+                        peers,
+                        ev_off,
+                        rec,
+                        epoch,
+                        lane,
+                        timeout_ns,
+                        bars,
+                        sQueue,
+                        ring,
+                        qcount,
+                        rcount,
+                    )
+        else:
+            queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
+            i = queue_ptr[bidx]
+            i_end = queue_ptr[bidx + 1]
+            alive = i < i_end
+            while alive:
+                # CHUNK records a coalesced load, one word a lane
+                if i * REC_WIDTH + lane < i_end * REC_WIDTH:
+                    sRec[lane] = queue_rec[i * REC_WIDTH + lane]
+                cute.arch.sync_warp()
+                n = cute.min(CHUNK, i_end - i)
+                ok = Boolean(True)
+                for k in range(n):
+                    if ok:
+                        rec = tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
+                        ok, qcount, rcount = self._produce(
+                            tensors,
+                            prog,
+                            dev,
+                            peers,
+                            ev_off,
+                            rec,
+                            epoch,
+                            lane,
+                            timeout_ns,
+                            bars,
+                            sQueue,
+                            ring,
+                            qcount,
+                            rcount,
+                        )
+                cute.arch.sync_warp()
+                i = i + CHUNK
+                alive = ok and i < i_end
+        q_full, q_empty, _, _ = bars
+        stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
+        queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane)
+
+    # -- consumers ----------------------------------------------------------------------------
+    @cute.jit
+    def _consumer(
         self,
         tensors,
         prog,
         dev,
         mProf,
-        peers,
-        ev_off: Int32,
-        rec,
-        epoch: Int32,
-        stamp: Int32,
-        num_init: Int32,
-        tidx: Int32,
-        timeout_ns: Int64,
-        sCtl,
+        epoch,
+        stamp,
+        num_init,
+        ctid,
+        bars,
+        sQueue,
         sWork,
+        ring,
+        epi,
         scratch,
-    ) -> Boolean:
-        """Run one task with the whole CTA; returns False when the watchdog stopped the launch.
-
-        ``rec`` is the task's record (``REC_WIDTH`` values); every thread reads it into registers
-        before the first barrier, so the caller may overwrite its storage after the task.
-        """
-        t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
-        w_lo, w_hi, n_lo, n_hi = rec[R_WLO], rec[R_WHI], rec[R_NLO], rec[R_NHI]
-        notify_ev, ev_counter, prof = prog[P["notify_ev"]], dev[D["ev_counter"]], mProf
-        # a popped (dynamic) task is ready by construction, except for its waits on other ranks
+    ):
+        """Consumer warpgroups: run the tasks the producer hands over until a stop record."""
+        w = self.w
+        q_full, q_empty, r_full, r_empty = bars
+        notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
+        lane = ctid % WARP
+        qcount = Int32(0)
+        rcount = Int32(0)
         alive = Boolean(True)
-        if cutlass.const_expr(not self.spec.dynamic or self.spec.distributed):
-            if tidx < WARP:
-                if tidx == 0:
-                    sCtl[0] = Int32(1)
-                cute.arch.sync_warp()
-                ok = Boolean(True)
-                if cutlass.const_expr(not self.spec.dynamic):
-                    ok = self._wait_all(prog, dev, t, w_lo, w_hi, epoch, tidx, timeout_ns)
-                if cutlass.const_expr(self.spec.distributed):
-                    if ok:
-                        ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, tidx, timeout_ns)
-                if not ok:
-                    sCtl[0] = Int32(0)  # only ever lowered: no lane order needed
-            cute.arch.sync_threads()
-            alive = sCtl[0] != 0
-        if alive:
-            start = Int64(0)
-            if cutlass.const_expr(self.spec.profile):
-                start = cute.arch.globaltimer()
-            if self._exists(tensors, node, c0, c1):
-                self._dispatch(tensors, node, c0, c1, tidx, scratch)
-                if cutlass.const_expr(self.fence_async):
-                    cute.arch.fence_proxy("async.global")
-            cute.arch.sync_threads()
-            if tidx == 0:
+        while alive:
+            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane)
+            qcount = qcount + 1
+            t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+            alive = t >= 0
+            if alive:
+                start = Int64(0)
                 if cutlass.const_expr(self.spec.profile):
-                    base = t * PROF_WIDTH
-                    prof[base] = Int64(cute.arch.smid())
-                    prof[base + 1] = start
-                    prof[base + 2] = cute.arch.globaltimer()
-                    prof[base + 3] = Int64(node)
-                if cutlass.const_expr(not self.spec.dynamic):
-                    for j in range(n_lo, n_hi):
-                        notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
-            if cutlass.const_expr(self.spec.dynamic):
-                if tidx < WARP:
-                    self._complete_dynamic(
-                        tensors, prog, dev, t, epoch, stamp, num_init, tidx, sWork
-                    )
-        return alive
-
-    @cute.jit
-    def _take_ticket(self, dev) -> Int32:
-        return cute.arch.atomic_add(
-            dev[D["state"]].iterator + HEAD, Int32(1), sem="relaxed", scope="gpu"
-        )
-
-    @cute.jit
-    def _pop(self, dev, ticket: Int32, num_tasks: Int32, stamp: Int32, timeout_ns: Int64) -> Int32:
-        """One thread: the task in ring slot ``ticket``, or -1 once every task is done."""
-        state, debug, ring = dev[D["state"]], dev[D["debug"]], dev[D["ring"]]
-        task = Int32(-1)
-        if ticket < num_tasks:
-            spinning = Boolean(True)
-            backoff = Int32(32)
-            t0 = Int64(0)
-            if cutlass.const_expr(self.spec.watchdog):
-                t0 = cute.arch.globaltimer()
-            while spinning:
-                v = cute.arch.load(ring.iterator + ticket, Int32, sem="acquire", scope="gpu")
-                if v >= stamp:
-                    task = v - stamp
-                    spinning = Boolean(False)
-                else:
-                    done = cute.arch.load(state.iterator + DONE, Int32, sem="acquire", scope="gpu")
-                    if done >= num_tasks:
-                        spinning = Boolean(False)
-                    else:
-                        prims.nanosleep(backoff)
-                        if backoff < 256:  # a ready queue is polled tighter than an event
-                            backoff = backoff * 2
-                        if cutlass.const_expr(self.spec.watchdog):
-                            if (
-                                cute.arch.load(
-                                    state.iterator + ABORT, Int32, sem="relaxed", scope="gpu"
+                    start = cute.arch.globaltimer()
+                is_ring = Boolean(False)
+                for k in cutlass.range_constexpr(self.num_nodes):
+                    if cutlass.const_expr(self.ring_of[k] is not None):
+                        if node == k:
+                            is_ring = Boolean(True)
+                            rcount = self.spec.ops[k].device_compute(
+                                tensors[k],
+                                c0,
+                                c1,
+                                r_full,
+                                r_empty,
+                                rcount,
+                                ring,
+                                w.ring_stages,
+                                w.slot_bytes,
+                                epi,
+                                ctid,
+                            )
+                if not is_ring:
+                    if ctid < NUM_THREADS:  # the SIMT group
+                        if self._exists(tensors, node, c0, c1):
+                            for k in cutlass.range_constexpr(self.num_nodes):
+                                if cutlass.const_expr(self.ring_of[k] is None):
+                                    if node == k:
+                                        self.spec.ops[k].device_tile(
+                                            tensors[k], c0, c1, ctid, scratch
+                                        )
+                            if cutlass.const_expr(self.fence_async):
+                                cute.arch.fence_proxy("async.global")
+                        simt_sync()
+                if ctid < WARP:  # consumer warp 0 publishes
+                    if ctid == 0:
+                        if cutlass.const_expr(self.spec.profile):
+                            base = t * PROF_WIDTH
+                            mProf[base] = Int64(cute.arch.smid())
+                            mProf[base + 1] = start
+                            mProf[base + 2] = cute.arch.globaltimer()
+                            mProf[base + 3] = Int64(node)
+                        if cutlass.const_expr(not self.spec.dynamic):
+                            for j in range(rec[R_NLO], rec[R_NHI]):
+                                notify_event(
+                                    ev_counter.iterator + notify_ev[j], Int32(1), self.scope
                                 )
-                                != 0
-                            ):
-                                spinning = Boolean(False)
-                            elif cute.arch.globaltimer() - t0 > timeout_ns:
-                                self._abort(
-                                    state,
-                                    debug,
-                                    Int32(-1),
-                                    Int32(-1),
-                                    num_tasks,
-                                    done,
-                                    Int32(KIND_QUEUE_IDLE),
-                                )
-                                spinning = Boolean(False)
-        return task
+                    if cutlass.const_expr(self.spec.dynamic):
+                        self._complete_dynamic(
+                            tensors, prog, dev, t, epoch, stamp, num_init, lane, sWork
+                        )
 
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel
@@ -498,6 +435,7 @@ class Megakernel:
         max_epoch: Int32,
         timeout_ns: Int64,
     ):
+        w = self.w
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -508,98 +446,83 @@ class Megakernel:
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         sWork = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
-        sRec = smem.allocate_tensor(Int32, cute.make_layout(NUM_THREADS), byte_alignment=16)
-        scratch = smem.allocate_array(
-            cutlass.Uint8, self.spec.scratch_bytes, byte_alignment=SMEM_ALIGN
+        sRec = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
+        sQueue = smem.allocate_tensor(
+            Int32, cute.make_layout(w.task_slots * REC_WIDTH), byte_alignment=16
         )
+        n_bars = 2 * w.task_slots + 2 * max(w.ring_stages, 1)
+        bar_mem = smem.allocate_tensor(Int64, cute.make_layout(n_bars), byte_alignment=8)
+        q_full = bar_mem.iterator
+        q_empty = q_full + w.task_slots
+        r_full = q_empty + w.task_slots
+        r_empty = r_full + max(w.ring_stages, 1)
+        ring = None
+        epi = None
+        if cutlass.const_expr(w.ring_stages > 0):
+            ring = smem.allocate_array(cutlass.Uint8, w.ring_bytes, byte_alignment=SMEM_ALIGN)
+            epi = smem.allocate_array(cutlass.Uint8, w.epi_bytes, byte_alignment=SMEM_ALIGN)
+        scratch = smem.allocate_array(cutlass.Uint8, w.scratch_bytes, byte_alignment=SMEM_ALIGN)
+        if tidx == 0:
+            init_barriers(q_full, w.task_slots, 1)
+            init_barriers(q_empty, w.task_slots, w.consumer_warps)
+            if cutlass.const_expr(w.ring_stages > 0):
+                init_barriers(r_full, w.ring_stages, 1)
+                init_barriers(r_empty, w.ring_stages, w.consumer_warps)
+        cute.arch.mbarrier_init_fence()
+
         prog = self._views(mProg, len(PROGRAM))
         dev = self._views(mDev, len(DEVICE_STATE))
-        task_rec, queue_ptr, queue_rec = (
-            prog[P["task_rec"]],
-            prog[P["queue_ptr"]],
-            prog[P["queue_rec"]],
-        )
-        init_tasks = prog[P["init_tasks"]]
         state = dev[D["state"]]
         ev_off = mDev[2 * D["ev_counter"]]  # header: word offset of the counters
         epoch = state[EPOCH] + 1
         stamp = epoch * num_tasks
-
         if cutlass.const_expr(self.spec.dynamic):
             # tasks that wait on nothing fill ring slots [0, num_init) directly: every thread of
             # the grid stores a few, no atomics (later pushes go after them)
-            ring = dev[D["ring"]]
-            for j in range(bidx * NUM_THREADS + tidx, num_init, gdim * NUM_THREADS):
-                cute.arch.store(
-                    ring.iterator + j, stamp + init_tasks[j], sem="relaxed", scope="gpu"
+            init_tasks, rq = prog[P["init_tasks"]], dev[D["ring"]]
+            for j in range(bidx * w.threads + tidx, num_init, gdim * w.threads):
+                cute.arch.store(rq.iterator + j, stamp + init_tasks[j], sem="relaxed", scope="gpu")
+        cute.arch.sync_threads()
+
+        bars = (q_full, q_empty, r_full, r_empty)
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        if warp < WARPGROUP // WARP:
+            cute.arch.setmaxregister_decrease(w.producer_regs)
+            if warp == 0:
+                self._producer(
+                    tensors,
+                    prog,
+                    dev,
+                    mPeers,
+                    ev_off,
+                    epoch,
+                    stamp,
+                    num_tasks,
+                    tidx,
+                    timeout_ns,
+                    bars,
+                    sQueue,
+                    sRec,
+                    ring,
                 )
-            ticket = Int32(0)
-            if tidx == 0:
-                ticket = self._take_ticket(dev)
-            alive = Boolean(True)
-            while alive:
-                if tidx == 0:
-                    t = self._pop(dev, ticket, num_tasks, stamp, timeout_ns)
-                    # take the next ticket now: its round trip overlaps this task
-                    if t >= 0:
-                        ticket = self._take_ticket(dev)
-                    sCtl[1] = t
-                cute.arch.sync_threads()
-                t = sCtl[1]
-                alive = t >= 0
-                if alive:
-                    if tidx < REC_WIDTH:  # the popped task's record, one word a thread
-                        sRec[tidx] = task_rec[t * REC_WIDTH + tidx]
-                    cute.arch.sync_threads()
-                    alive = self._run_task(
-                        tensors,
-                        prog,
-                        dev,
-                        mProf,
-                        mPeers,
-                        ev_off,
-                        self._rec(sRec, 0),
-                        epoch,
-                        stamp,
-                        num_init,
-                        tidx,
-                        timeout_ns,
-                        sCtl,
-                        sWork,
-                        scratch,
-                    )
         else:
-            # stream this CTA's queue CHUNK records at a time: one coalesced word per thread
-            i = queue_ptr[bidx]
-            i_end = queue_ptr[bidx + 1]
-            alive = i < i_end
-            while alive:
-                if i * REC_WIDTH + tidx < i_end * REC_WIDTH:
-                    sRec[tidx] = queue_rec[i * REC_WIDTH + tidx]
-                cute.arch.sync_threads()
-                n = cute.min(CHUNK, i_end - i)
-                ok = Boolean(True)
-                for k in range(n):
-                    if ok:
-                        ok = self._run_task(
-                            tensors,
-                            prog,
-                            dev,
-                            mProf,
-                            mPeers,
-                            ev_off,
-                            self._rec(sRec, k),
-                            epoch,
-                            stamp,
-                            num_init,
-                            tidx,
-                            timeout_ns,
-                            sCtl,
-                            sWork,
-                            scratch,
-                        )
-                i = i + CHUNK
-                alive = ok and i < i_end
+            cute.arch.setmaxregister_increase(w.consumer_regs)
+            self._consumer(
+                tensors,
+                prog,
+                dev,
+                mProf,
+                epoch,
+                stamp,
+                num_init,
+                tidx - WARPGROUP,
+                bars,
+                sQueue,
+                sWork,
+                ring,
+                epi,
+                scratch,
+            )
 
         # last CTA out closes the launch: next epoch, queue counters back to zero; once the
         # counter targets (count * epoch, epoch * num_tasks) would pass int32, it zeroes every
@@ -619,7 +542,7 @@ class Megakernel:
             if wrap:
                 for k in cutlass.range_constexpr(2, len(DEVICE_STATE)):  # past state, debug
                     arr = dev[k]
-                    for j in range(tidx, cute.size(arr), NUM_THREADS):
+                    for j in range(tidx, cute.size(arr), w.threads):
                         arr[j] = Int32(0)
             cute.arch.sync_threads()
             if tidx == 0:
@@ -628,20 +551,6 @@ class Megakernel:
                 state[DONE] = 0
                 state[EXITED] = 0
                 state[EPOCH] = Int32(0) if wrap else epoch
-
-    @cute.jit
-    def _rank_barrier(self, mDev, mPeers, epoch: Int32):
-        """Last CTA out, one thread: tell every rank this one has finished launch ``epoch``,
-        then wait until all have. No rank starts its next launch (which rewrites buffers the
-        others read or write remotely) before every rank is done with this one; and no counter
-        is remote-read across a reset, since distributed launches never wrap on the device."""
-        world = cute.size(mPeers)
-        state_off = mDev[2 * D["state"]]
-        for p in range(world):
-            addr = mPeers[p] + Int64(state_off + BARRIER) * 4
-            ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
-            notify_event(ptr, Int32(1), "sys")
-        wait_event(mDev.iterator + (state_off + BARRIER), world * epoch, "sys")
 
     @cute.jit
     def launch(
@@ -659,11 +568,18 @@ class Megakernel:
         stream: cuda.CUstream,
     ):
         # shared memory is sized by the DSL from the kernel's SmemAllocator requests; cooperative
-        # launch makes a grid that cannot be co-resident fail at launch instead of hanging
+        # launch makes a grid that cannot be co-resident fail at launch instead of hanging;
+        # min_blocks_per_mp=1 caps registers at entry, which setmaxnreg needs to take effect
         extras = self._host_args(tensors)
         self.kernel(
             tensors, extras, mProg, mDev, mProf, mPeers, num_tasks, num_init, max_epoch, timeout_ns
-        ).launch(grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), stream=stream, cooperative=True)
+        ).launch(
+            grid=(grid, 1, 1),
+            block=(self.w.threads, 1, 1),
+            stream=stream,
+            cooperative=True,
+            min_blocks_per_mp=1,
+        )
 
 
 # CuTe DSL prefixes generated symbols with "cutlass_"; name the kernel after cutemk instead.

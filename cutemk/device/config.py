@@ -1,11 +1,86 @@
 """Compile-time facts shared by every device function of the megakernel.
 
-Every tile op's ``device_tile`` is traced into the same ``@cute.kernel`` and called by all
-threads of the CTA, so the CTA shape is one constant for the whole kernel, not a per-op knob.
+The megakernel's CTA is warp-specialized (see :class:`WorkerShape`): one producer warpgroup
+(task fetch, event waits, TMA loads) and consumer warpgroups (wgmma, SIMT tile bodies,
+epilogues). A SIMT tile body (``TileOp.device_tile``) runs on one group of ``NUM_THREADS``
+threads, the *SIMT group*, and synchronises with :func:`simt_sync` (a named barrier of exactly
+those threads), never with a whole-CTA barrier: the producer warps do not take part. The op
+test harness (``cutemk.device.harness``) runs the same bodies on CTAs of ``NUM_THREADS``.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cutlass import cute
+
 NUM_THREADS: int = 128
-"""Threads per CTA (4 warps): the block size of the megakernel and of the op test harness."""
+"""Threads of the SIMT group (one warpgroup): the thread count every ``device_tile`` sees."""
 
 WARP_SIZE: int = 32
 NUM_WARPS: int = NUM_THREADS // WARP_SIZE
+WARPGROUP: int = 128
+
+# Named barrier ids (0 is the whole CTA, used only at kernel entry and exit).
+SIMT_BARRIER = 1
+"""The SIMT group's barrier (``NUM_THREADS`` threads)."""
+CONSUMER_BARRIER = 2
+"""Every consumer thread (epilogues of tiles computed by all consumer warpgroups)."""
+
+REGISTER_FILE = 65536
+"""32-bit registers per SM (Hopper)."""
+
+
+def simt_sync() -> None:
+    """Barrier of the SIMT group: what ``sync_threads`` was for a tile body."""
+    cute.arch.barrier(barrier_id=SIMT_BARRIER, number_of_threads=NUM_THREADS)
+
+
+@dataclass(frozen=True)
+class WorkerShape:
+    """Shape of the megakernel's CTA: warpgroup 0 produces, the others consume.
+
+    ``producer_regs`` / ``consumer_regs`` are the per-thread register counts each role moves to
+    with ``setmaxnreg`` (the producer gives registers up so the consumers' accumulators fit).
+    ``ring_stages`` shared-memory slots of ``slot_bytes`` each carry TMA loads across tasks;
+    ``epi_bytes`` stage a tile's output for its TMA store; ``scratch_bytes`` belong to SIMT
+    bodies; ``task_slots`` task records are in flight from the producer to the consumers.
+    Every barrier's arrive count is derived here and checked by :meth:`check`.
+    """
+
+    consumer_warpgroups: int = 2
+    producer_regs: int = 40
+    consumer_regs: int = 232
+    ring_stages: int = 0
+    slot_bytes: int = 0
+    epi_bytes: int = 0
+    scratch_bytes: int = 16
+    task_slots: int = 4
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * (1 + self.consumer_warpgroups)
+
+    @property
+    def consumer_threads(self) -> int:
+        return WARPGROUP * self.consumer_warpgroups
+
+    @property
+    def consumer_warps(self) -> int:
+        """Arrivals that free a ring slot or a task slot: one elected lane per consumer warp."""
+        return self.consumer_threads // WARP_SIZE
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_stages * self.slot_bytes
+
+    def check(self) -> None:
+        """Host-side invariants; a violation here would be a hang or a bad launch on the GPU."""
+        assert self.consumer_warpgroups >= 1
+        assert NUM_THREADS == WARPGROUP, "the SIMT group is one consumer warpgroup"
+        regs = WARPGROUP * self.producer_regs + self.consumer_threads * self.consumer_regs
+        assert regs <= REGISTER_FILE, f"setmaxnreg split needs {regs} > {REGISTER_FILE} registers"
+        assert self.producer_regs % 8 == 0 and self.consumer_regs % 8 == 0  # setmaxnreg unit
+        assert 24 <= self.producer_regs <= 256 and 24 <= self.consumer_regs <= 256
+        assert self.ring_stages == 0 or (self.ring_stages >= 2 and self.slot_bytes % 1024 == 0)
+        assert self.epi_bytes % 1024 == 0 and self.task_slots >= 2

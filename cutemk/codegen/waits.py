@@ -1,0 +1,137 @@
+"""Event waits of the megakernel's producer warp, the watchdog's abort record, and the rank
+barrier that closes a distributed launch (see ``cutemk.device.sync`` for the ordering rules).
+
+A mixin of :class:`cutemk.codegen.megakernel.Megakernel`: it reads ``self.spec`` and
+``self.scope``; ``prog`` / ``dev`` are the views of the packed program and device state.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Boolean, Int32, Int64, cute
+
+from ..device.config import WARP_SIZE as WARP
+from ..device.sync import notify_event, wait_event, wait_event_or_abort
+from .lower import (
+    ABORT,
+    BARRIER,
+    DBG_EVENT,
+    DBG_EXPECTED,
+    DBG_KIND,
+    DBG_SEEN,
+    DBG_SM,
+    DBG_TASK,
+    KIND_EVENT_WAIT,
+    KIND_REMOTE_WAIT,
+)
+from .layout import D, P
+
+
+class EventWaits:
+    @cute.jit
+    def _abort(
+        self, state, debug, task: Int32, event: Int32, expected: Int32, seen: Int32, kind: Int32
+    ):
+        old = cute.arch.atomic_cas(
+            state.iterator + ABORT, cmp=Int32(0), val=Int32(1), sem="acq_rel", scope="gpu"
+        )
+        if old == 0:
+            debug[DBG_TASK] = task
+            debug[DBG_EVENT] = event
+            debug[DBG_EXPECTED] = expected
+            debug[DBG_SEEN] = seen
+            debug[DBG_SM] = cute.arch.smid()
+            debug[DBG_KIND] = kind
+
+    @cute.jit
+    def _wait_all(
+        self,
+        prog,
+        dev,
+        t: Int32,
+        w_lo: Int32,
+        w_hi: Int32,
+        epoch: Int32,
+        lane: Int32,
+        timeout_ns: Int64,
+    ) -> Boolean:
+        """Warp 0: lane l waits for events w_lo + l, w_lo + l + 32, ... of task t, so a task
+        with fan-in k pays one acquire round trip, not k. False if the watchdog fired."""
+        wait_ev, wait_target = prog[P["wait_ev"]], prog[P["wait_target"]]
+        state, debug, ev_counter = dev[D["state"]], dev[D["debug"]], dev[D["ev_counter"]]
+        ok = Boolean(True)
+        if cutlass.const_expr(self.spec.watchdog):
+            ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
+        j = w_lo + lane
+        going = ok and j < w_hi
+        while going:
+            e = wait_ev[j]
+            target = wait_target[j] * epoch
+            if cutlass.const_expr(self.spec.watchdog):
+                timed_out, seen = wait_event_or_abort(
+                    ev_counter.iterator + e, target, timeout_ns, state.iterator + ABORT
+                )
+                if timed_out:
+                    self._abort(state, debug, t, e, target, seen, Int32(KIND_EVENT_WAIT))
+                    ok = Boolean(False)
+            else:
+                wait_event(ev_counter.iterator + e, target)
+            j = j + WARP
+            going = ok and j < w_hi
+        return ok
+
+    @cute.jit
+    def _wait_remote(
+        self,
+        prog,
+        dev,
+        peers,
+        ev_off: Int32,
+        t: Int32,
+        epoch: Int32,
+        lane: Int32,
+        timeout_ns: Int64,
+    ) -> Boolean:
+        """Warp 0: wait for task t's events on other ranks. ``peers[r]`` is rank r's device-state
+        buffer (symmetric memory mapped into this GPU); its counters start at word ``ev_off``,
+        the same on every rank. Acquire loads at system scope, over NVLink."""
+        rwait_ptr, rwait_ev = prog[P["rwait_ptr"]], prog[P["rwait_ev"]]
+        rwait_rank, rwait_target = prog[P["rwait_rank"]], prog[P["rwait_target"]]
+        state, debug = dev[D["state"]], dev[D["debug"]]
+        ok = Boolean(True)
+        if cutlass.const_expr(self.spec.watchdog):
+            ok = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") == 0
+        j = rwait_ptr[t] + lane
+        hi = rwait_ptr[t + 1]
+        going = ok and j < hi
+        while going:
+            e = rwait_ev[j]
+            target = rwait_target[j] * epoch
+            addr = peers[rwait_rank[j]] + Int64(ev_off + e) * 4
+            ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+            if cutlass.const_expr(self.spec.watchdog):
+                timed_out, seen = wait_event_or_abort(
+                    ptr, target, timeout_ns, state.iterator + ABORT, "sys"
+                )
+                if timed_out:
+                    self._abort(state, debug, t, e, target, seen, Int32(KIND_REMOTE_WAIT))
+                    ok = Boolean(False)
+            else:
+                wait_event(ptr, target, "sys")
+            j = j + WARP
+            going = ok and j < hi
+        return ok
+
+    @cute.jit
+    def _rank_barrier(self, mDev, mPeers, epoch: Int32):
+        """Last CTA out, one thread: tell every rank this one has finished launch ``epoch``,
+        then wait until all have. No rank starts its next launch (which rewrites buffers the
+        others read or write remotely) before every rank is done with this one; and no counter
+        is remote-read across a reset, since distributed launches never wrap on the device."""
+        world = cute.size(mPeers)
+        state_off = mDev[2 * D["state"]]
+        for p in range(world):
+            addr = mPeers[p] + Int64(state_off + BARRIER) * 4
+            ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+            notify_event(ptr, Int32(1), "sys")
+        wait_event(mDev.iterator + (state_off + BARRIER), world * epoch, "sys")

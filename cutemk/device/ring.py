@@ -1,0 +1,82 @@
+"""mbarrier pipelines of the warp-specialized megakernel, with state that outlives a task.
+
+Two pipelines connect the producer warp to the consumer warps:
+
+- the **ring**: ``stages`` shared-memory slots that TMA fills (full barrier: one arrive plus
+  the slot's transaction bytes) and the consumers free (empty barrier: one arrive per
+  consumer warp);
+- the **task queue**: task records handed from the producer (full: one arrive, by the lane
+  that wrote the record) to the consumers (empty: one arrive per consumer warp).
+
+Each side's state is a running count of the slots it has used since the launch began:
+slot ``count % stages``, parity ``(count // stages) & 1``. One Int32 per side carries across
+tasks (a tile may take any number of slices), so task i+1's loads are issued while task i
+computes. The producer waits for the opposite parity on the empty barrier (a fresh barrier
+counts as having completed the phase before 0, so the first lap never blocks).
+
+mbarrier arrive / wait are release / acquire at CTA scope: what the producer did before an
+arrive (event acquires included) is visible to a consumer after its wait.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Int32, cute
+
+
+@cute.jit
+def init_barriers(bars, n: int, count: int):
+    """One thread: ``n`` mbarriers at ``bars`` expecting ``count`` arrivals each."""
+    for i in cutlass.range_constexpr(n):
+        cute.arch.mbarrier_init(bars + i, count)
+
+
+@cute.jit
+def producer_acquire(full, empty, count: Int32, stages: int, tx_bytes: int) -> Int32:
+    """A whole warp: wait until slot ``count`` is free, arm its full barrier for ``tx_bytes``
+    (one elected lane), and return the slot index."""
+    idx = count % stages
+    cute.arch.mbarrier_wait(empty + idx, ((count // stages) & 1) ^ 1)
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(full + idx, tx_bytes)
+    return idx
+
+
+@cute.jit
+def consumer_wait(full, count: Int32, stages: int) -> Int32:
+    """Wait until slot ``count`` is filled; returns the slot index."""
+    idx = count % stages
+    cute.arch.mbarrier_wait(full + idx, (count // stages) & 1)
+    return idx
+
+
+@cute.jit
+def consumer_release(empty, count: Int32, stages: int, lane: Int32):
+    """Each consumer warp, after every lane is done with slot ``count``: one arrive."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive(empty + count % stages)
+
+
+@cute.jit
+def queue_put(full, empty, sQueue, count: Int32, slots: int, width: int, rec, lane: Int32):
+    """Producer warp: write record ``rec`` (``width`` Int32 values) into queue slot ``count``."""
+    idx = count % slots
+    cute.arch.mbarrier_wait(empty + idx, ((count // slots) & 1) ^ 1)
+    if lane == 0:
+        for f in cutlass.range_constexpr(width):
+            sQueue[idx * width + f] = rec[f]
+        cute.arch.mbarrier_arrive(full + idx)
+    cute.arch.sync_warp()
+
+
+@cute.jit
+def queue_get(full, empty, sQueue, count: Int32, slots: int, width: int, lane: Int32):
+    """Every consumer thread: the record in queue slot ``count`` (a tuple of Int32); the slot is
+    released (one arrive per warp) once the whole warp has read it."""
+    idx = count % slots
+    cute.arch.mbarrier_wait(full + idx, (count // slots) & 1)
+    rec = tuple(sQueue[idx * width + f] for f in range(width))
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(empty + idx)
+    return rec

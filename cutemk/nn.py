@@ -1,0 +1,266 @@
+"""torch.nn drop-ins backed by cutemk graphs.
+
+:class:`MegaMLP` replaces a Hugging Face gated-SiLU MLP (``Qwen3MLP``, ``LlamaMLP``,
+``MistralMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with bias-free ``nn.Linear``
+layers) by the fused MLP graph of :func:`cutemk.layers.mlp_graph`: one megakernel launch in
+which each down-projection tile waits only for the gate/up tiles it reads.
+
+One compiled graph serves every token count up to its declared maximum, but one tile shape does
+not suit every token count: 128-row tiles leave most of 132 SMs idle at decode sizes, and small
+tiles waste bandwidth on re-reads of the weights at prefill sizes. So the module keeps two
+*regimes*, each one graph compiled lazily on first use: ``decode`` for T <= 128 and ``prefill``
+above. Their tile shapes live in :data:`MLP_TILES` (read through :func:`mlp_tiles`), the one
+place to tune them.
+
+Inference only: the megakernel has no backward, so :meth:`MegaMLP.forward` runs under
+``torch.no_grad`` and its output never requires grad.
+
+This module sits above the core (it imports :mod:`cutemk.layers`, which imports ops); ``import
+cutemk`` reaches it lazily as ``cutemk.nn``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import DeviceError, DTypeError, ShapeError
+from .layers import mlp_graph
+from .symbolic import sym
+
+DECODE_MAX_TOKENS = 128
+"""Largest token count the decode regime serves; larger ones go to the prefill graph."""
+
+MLP_TILES: dict[tuple[str, str], tuple[int, int]] = {
+    # (backend, regime): (block_m, block_n). On the GPU, decode uses 64-row tiles (the smallest
+    # wgmma tile) and narrow 32-column tiles so that even T=1 yields enough tiles for every SM;
+    # prefill uses 128x128 tiles, which read each weight tile once per 128 tokens. The fused
+    # gate/up tile then holds two 128x128 accumulators: the Hopper (wgmma) tile runs only where
+    # its accumulator budget (ops/gemm_sm90.py) allows that, else the portable tile runs, so
+    # retune here with benchmarks/mlp.py when that budget changes.
+    ("cute", "decode"): (64, 32),
+    ("cute", "prefill"): (128, 128),
+    # The interpreter runs torch references on the CPU: small tiles exercise many events
+    # (and races, deadlocks) at test sizes; speed does not matter there.
+    ("interpret", "decode"): (16, 32),
+    ("interpret", "prefill"): (16, 32),
+}
+
+REGIMES = ("decode", "prefill")
+_SILU_NAMES = ("silu", "swish")
+
+
+def mlp_tiles(regime: str, backend: str = "cute") -> tuple[int, int]:
+    """``(block_m, block_n)`` of the MLP graph for a regime ('decode' | 'prefill')."""
+    try:
+        return MLP_TILES[(backend, regime)]
+    except KeyError:
+        raise ValueError(
+            f"no MLP tiles for backend={backend!r}, regime={regime!r}; known: {sorted(MLP_TILES)}"
+        ) from None
+
+
+class MegaMLP(nn.Module):
+    """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` as a cutemk megakernel, for x of shape
+    (..., H) with at most ``max_tokens`` rows once flattened.
+
+    Weights are kept as buffers (not parameters: nothing trains them): ``w_gate_up`` (2I, H) =
+    cat(gate, up), the layout the fused gate/up GEMM reads, and ``w_down`` (H, I). ``.to()``
+    moves or casts them; the graphs for a new device or dtype compile on the next call.
+
+    ``backend`` None picks 'cute' when the weights are on a CUDA device at call time, else
+    'interpret' (the CPU reference). ``scheduler`` and ``num_sms`` go to ``Graph.compile``.
+    """
+
+    def __init__(
+        self,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
+        max_tokens: int = 8192,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if backend not in (None, "cute", "interpret"):
+            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        _check_weights(w_gate, w_up, w_down)
+        inter, hidden = w_gate.shape
+        self.hidden, self.intermediate, self.max_tokens = int(hidden), int(inter), max_tokens
+        self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        w_gate_up = torch.cat([w_gate.detach(), w_up.detach()]).contiguous()
+        self.register_buffer("w_gate_up", w_gate_up)
+        self.register_buffer("w_down", w_down.detach().contiguous())
+        self._compiled: dict[tuple, Any] = {}
+
+    @classmethod
+    def from_hf(
+        cls,
+        mlp: nn.Module,
+        max_tokens: int = 8192,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+    ) -> MegaMLP:
+        """Build from a Hugging Face gated MLP (gate_proj/up_proj/down_proj, SiLU, no biases).
+        Raises ValueError naming what does not fit instead of computing something else."""
+        layers = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp, name, None)
+            if not isinstance(getattr(lin, "weight", None), torch.Tensor):
+                raise ValueError(f"{type(mlp).__name__} has no {name} layer with a weight tensor")
+            if getattr(lin, "bias", None) is not None:
+                raise ValueError(
+                    f"{type(mlp).__name__}.{name} has a bias; MegaMLP computes bias-free "
+                    "projections (e.g. LLaMA with mlp_bias=True is not supported)"
+                )
+            layers[name] = lin.weight
+        _check_silu(mlp)
+        return cls(
+            layers["gate_proj"],
+            layers["up_proj"],
+            layers["down_proj"],
+            max_tokens=max_tokens,
+            backend=backend,
+            scheduler=scheduler,
+            num_sms=num_sms,
+        )
+
+    # -- graphs -----------------------------------------------------------------------------
+    def regime(self, tokens: int) -> str:
+        """The regime whose graph runs ``tokens`` rows."""
+        return "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
+
+    def regimes(self) -> tuple[str, ...]:
+        """The regimes this module can run: only decode when max_tokens <= 128."""
+        return REGIMES if self.max_tokens > DECODE_MAX_TOKENS else ("decode",)
+
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        cuda = torch.cuda.is_available() and self.w_down.is_cuda
+        return "cute" if cuda else "interpret"
+
+    def compiled(self, regime: str) -> Any:
+        """The compiled graph of a regime for the weights' current dtype and device (compiled
+        on first use, then cached: every token count of the regime reuses it)."""
+        if regime not in self.regimes():
+            raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
+        backend = self.resolved_backend()
+        key = (backend, regime, self.w_down.dtype, self.w_down.device)
+        fn = self._compiled.get(key)
+        if fn is None:
+            limit = min(self.max_tokens, DECODE_MAX_TOKENS) if regime == "decode" else None
+            block_m, block_n = mlp_tiles(regime, backend)
+            g = mlp_graph(
+                sym("T", max=limit or self.max_tokens),
+                self.hidden,
+                self.intermediate,
+                self.w_down.dtype,
+                block_m,
+                block_n,
+                fuse_silu=True,
+            )
+            options: dict[str, Any] = {"scheduler": self.scheduler}
+            if self.num_sms is not None:
+                options["num_sms"] = self.num_sms
+            fn = self._compiled[key] = g.compile(backend, **options)
+        return fn
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MegaMLP input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ShapeError(
+                f"MegaMLP input must have shape (..., {self.hidden}), got {tuple(x.shape)}"
+            )
+        if x.dtype != self.w_down.dtype:
+            raise DTypeError(
+                f"MegaMLP input has dtype {x.dtype} but its weights are {self.w_down.dtype}; "
+                "cast the input or the module (.to(dtype))"
+            )
+        if x.device != self.w_down.device:
+            raise DeviceError(
+                f"MegaMLP input is on {x.device} but its weights are on {self.w_down.device}"
+            )
+        lead = x.shape[:-1]
+        tokens = x.numel() // self.hidden
+        if tokens == 0:
+            return x.detach().new_empty(x.shape)
+        if tokens > self.max_tokens:
+            raise ShapeError(
+                f"MegaMLP got {tokens} tokens (input shape {tuple(x.shape)}), more than "
+                f"max_tokens={self.max_tokens}; build it with a larger max_tokens or split "
+                "the batch"
+            )
+        with torch.no_grad():
+            x2 = x.detach().reshape(tokens, self.hidden).contiguous()
+            if x2.data_ptr() % 16:  # the GPU kernel's loads need 16-byte aligned rows
+                x2 = x2.clone()
+            y = self.compiled(self.regime(tokens))(x2, self.w_gate_up, self.w_down)
+        return y.reshape(*lead, self.hidden)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden}, intermediate={self.intermediate}, "
+            f"max_tokens={self.max_tokens}, backend={self.backend or 'auto'}, "
+            f"scheduler={getattr(self.scheduler, 'name', self.scheduler)}"
+        )
+
+
+def _check_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ShapeError(f"{name} must be a 2-D tensor, got {got}")
+    inter, hidden = w_gate.shape
+    if tuple(w_up.shape) != (inter, hidden):
+        raise ShapeError(
+            f"w_up must match w_gate's (I, H) = {(inter, hidden)}, got {tuple(w_up.shape)}"
+        )
+    if tuple(w_down.shape) != (hidden, inter):
+        raise ShapeError(f"w_down must be (H, I) = {(hidden, inter)}, got {tuple(w_down.shape)}")
+    dtypes = {w.dtype for w in (w_gate, w_up, w_down)}
+    if len(dtypes) != 1:
+        raise DTypeError(f"gate, up and down weights must share one dtype, got {dtypes}")
+    if w_gate.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise DTypeError(f"MegaMLP weights must be fp32, bf16 or fp16, got {w_gate.dtype}")
+    devices = {w.device for w in (w_gate, w_up, w_down)}
+    if len(devices) != 1:
+        raise DeviceError(f"gate, up and down weights must be on one device, got {devices}")
+
+
+def _check_silu(mlp: nn.Module) -> None:
+    """The module's activation must be SiLU. ``act_fn`` is what HF's forward calls, so it
+    decides; it is recognised by type, else by its values on a probe (HF ships its own
+    ``SiLUActivation`` class); without ``act_fn``, the config's ``hidden_act`` decides."""
+    act = getattr(mlp, "act_fn", None)
+    if act is None:
+        hidden_act = getattr(getattr(mlp, "config", None), "hidden_act", None)
+        if hidden_act in _SILU_NAMES:
+            return
+        raise ValueError(
+            f"{type(mlp).__name__} has no act_fn and its config.hidden_act is {hidden_act!r}; "
+            f"MegaMLP computes SiLU (hidden_act in {_SILU_NAMES})"
+        )
+    if act is F.silu or isinstance(act, nn.SiLU):
+        return
+    probe = torch.linspace(-8.0, 8.0, 65)
+    try:
+        with torch.no_grad():
+            ok = torch.allclose(act(probe), F.silu(probe), rtol=1e-5, atol=1e-6)
+    except Exception:  # an activation that cannot run on a CPU probe is not recognised
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{type(mlp).__name__}.act_fn is {act!r}, not SiLU; MegaMLP computes "
+            "down(silu(gate) * up) only"
+        )

@@ -1,0 +1,197 @@
+"""cutemk.nn.MegaMLP as a drop-in for Hugging Face gated MLPs.
+
+CPU tests run the interpreter backend against the module it replaces (in fp32); the GPU test
+runs the megakernel against transformers' Qwen3MLP and checks that every token count up to
+max_tokens is served by at most two compiled kernels (the decode and prefill regimes).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cutemk as mk
+from cutemk.nn import DECODE_MAX_TOKENS, MegaMLP, mlp_tiles
+
+H, I = 64, 96
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+class HFLikeMLP(nn.Module):
+    """The layout of Qwen3MLP / LlamaMLP / MistralMLP, without depending on transformers."""
+
+    def __init__(self, hidden=H, inter=I, bias=False, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in the output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def fp32_reference(mlp, x):
+    with torch.no_grad():
+        return copy.deepcopy(mlp).float()(x.float())
+
+
+@pytest.fixture
+def hf_mlp():
+    torch.manual_seed(0)
+    return HFLikeMLP()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_mlp(hf_mlp, dtype):
+    mlp = hf_mlp.to(dtype)
+    mega = MegaMLP.from_hf(mlp, max_tokens=512)
+    for t in (1, 5, 64, 300):
+        x = torch.randn(t, H).to(dtype)
+        y = mega(x)
+        assert y.shape == (t, H) and y.dtype == dtype
+        assert rel_err(y, fp32_reference(mlp, x)) < TOL[dtype], f"T={t}"
+    # both regimes served, each compiled once for all four token counts
+    assert {k[1] for k in mega._compiled} == {"decode", "prefill"}
+    assert len(mega._compiled) == 2
+
+
+def test_leading_dims_and_empty(hf_mlp):
+    mega = MegaMLP.from_hf(hf_mlp, max_tokens=512)
+    x = torch.randn(2, 3, H)
+    y = mega(x)
+    assert y.shape == (2, 3, H)
+    assert rel_err(y, fp32_reference(hf_mlp, x)) < 1e-5
+    assert mega(torch.randn(0, H)).shape == (0, H)
+    assert mega(torch.randn(2, 0, H)).shape == (2, 0, H)
+    # a non-contiguous view (every other token) is accepted and gives the same rows
+    xs = torch.randn(8, H)[::2]
+    assert rel_err(mega(xs), fp32_reference(hf_mlp, xs)) < 1e-5
+
+
+def test_requires_grad_input_runs_without_grad(hf_mlp):
+    mega = MegaMLP.from_hf(hf_mlp, max_tokens=64)
+    x = torch.randn(4, H, requires_grad=True)
+    y = mega(x)
+    assert not y.requires_grad
+    assert rel_err(y, fp32_reference(hf_mlp, x.detach())) < 1e-5
+
+
+def test_regimes_and_tiles(hf_mlp):
+    small = MegaMLP.from_hf(hf_mlp, max_tokens=DECODE_MAX_TOKENS)
+    assert small.regimes() == ("decode",)
+    small(torch.randn(DECODE_MAX_TOKENS, H))
+    with pytest.raises(ValueError, match="regime"):
+        small.compiled("prefill")
+    big = MegaMLP.from_hf(hf_mlp, max_tokens=512)
+    assert big.regime(1) == big.regime(DECODE_MAX_TOKENS) == "decode"
+    assert big.regime(DECODE_MAX_TOKENS + 1) == "prefill"
+    assert mlp_tiles("decode") == (64, 32) and mlp_tiles("prefill") == (128, 128)
+    with pytest.raises(ValueError, match="no MLP tiles"):
+        mlp_tiles("warmup")
+
+
+def test_state_dict_and_to(hf_mlp):
+    mega = MegaMLP.from_hf(hf_mlp, max_tokens=64)
+    sd = mega.state_dict()
+    assert set(sd) == {"w_gate_up", "w_down"}
+    assert sd["w_gate_up"].shape == (2 * I, H) and sd["w_down"].shape == (H, I)
+    torch.testing.assert_close(sd["w_gate_up"][:I], hf_mlp.gate_proj.weight.detach())
+    other = MegaMLP(torch.zeros(I, H), torch.zeros(I, H), torch.zeros(H, I), max_tokens=64)
+    other.load_state_dict(sd)
+    x = torch.randn(3, H)
+    torch.testing.assert_close(other(x), mega(x))
+    # casting the module recompiles for the new dtype on the next call
+    mega.to(torch.bfloat16)
+    y = mega(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, fp32_reference(hf_mlp, x)) < 2e-2
+
+
+def test_constructor_from_tensors(hf_mlp):
+    w = [hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight, hf_mlp.down_proj.weight]
+    mega = MegaMLP(*w, max_tokens=32, scheduler="dynamic", num_sms=4, backend="interpret")
+    x = torch.randn(20, H)
+    assert rel_err(mega(x), fp32_reference(hf_mlp, x)) < 1e-5
+    assert mega.compiled("decode").num_sms == 4
+
+
+def test_refuses_what_it_cannot_compute(hf_mlp):
+    with pytest.raises(ValueError, match="bias"):
+        MegaMLP.from_hf(HFLikeMLP(bias=True))
+    with pytest.raises(ValueError, match="not SiLU"):
+        MegaMLP.from_hf(HFLikeMLP(act=nn.GELU()))
+    no_act = HFLikeMLP()
+    del no_act.act_fn
+    with pytest.raises(ValueError, match="hidden_act"):
+        MegaMLP.from_hf(no_act)
+    no_act.config = type("Cfg", (), {"hidden_act": "swish"})()
+    MegaMLP.from_hf(no_act)  # a SiLU config is enough without act_fn
+    del no_act.gate_proj
+    with pytest.raises(ValueError, match="gate_proj"):
+        MegaMLP.from_hf(no_act)
+    with pytest.raises(mk.ShapeError, match="w_down"):
+        MegaMLP(torch.randn(I, H), torch.randn(I, H), torch.randn(H, I + 1))
+    with pytest.raises(mk.ShapeError, match="w_up"):
+        MegaMLP(torch.randn(I, H), torch.randn(I, H + 1), torch.randn(H, I))
+    with pytest.raises(mk.DTypeError, match="one dtype"):
+        MegaMLP(torch.randn(I, H), torch.randn(I, H).bfloat16(), torch.randn(H, I))
+    with pytest.raises(ValueError, match="max_tokens"):
+        MegaMLP.from_hf(hf_mlp, max_tokens=0)
+
+
+def test_bad_inputs(hf_mlp):
+    mega = MegaMLP.from_hf(hf_mlp, max_tokens=16)
+    with pytest.raises(mk.ShapeError, match="max_tokens=16"):
+        mega(torch.randn(17, H))
+    with pytest.raises(mk.ShapeError, match="max_tokens=16"):
+        mega(torch.randn(3, 6, H))  # 18 tokens once flattened
+    with pytest.raises(mk.DTypeError, match="bfloat16"):
+        mega(torch.randn(4, H).bfloat16())
+    with pytest.raises(mk.ShapeError, match=f"\\(\\.\\.\\., {H}\\)"):
+        mega(torch.randn(4, H + 1))
+    with pytest.raises(TypeError):
+        mega([[0.0] * H])
+
+
+def test_transformers_qwen3_mlp_cpu():
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from transformers import Qwen3Config
+
+    torch.manual_seed(0)
+    mlp = qwen3.Qwen3MLP(Qwen3Config(hidden_size=H, intermediate_size=I)).to(torch.bfloat16)
+    mega = MegaMLP.from_hf(mlp, max_tokens=512)
+    for t in (1, 5, 64, 300):
+        x = torch.randn(t, H).bfloat16()
+        assert rel_err(mega(x), fp32_reference(mlp, x)) < 2e-2, f"T={t}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_qwen3_mlp_megakernel(scheduler):
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from transformers import Qwen3Config
+
+    from cutemk import runtime
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072)
+    mlp = qwen3.Qwen3MLP(cfg).to("cuda", torch.bfloat16)
+    ref_mlp = copy.deepcopy(mlp).float()
+    mega = MegaMLP.from_hf(mlp, max_tokens=8192, scheduler=scheduler)
+    assert mega.resolved_backend() == "cute"
+    before = runtime.compile_count
+    for t in (1, 5, 64, 128, 129, 300, 8192):
+        x = torch.randn(t, 1024, device="cuda").bfloat16()
+        with torch.no_grad():
+            ref = ref_mlp(x.float())
+        assert rel_err(mega(x), ref) <= 2e-2, f"T={t}"
+    assert runtime.compile_count - before <= 2  # decode + prefill, for every token count
+    with pytest.raises(mk.ShapeError, match="max_tokens=8192"):
+        mega(torch.randn(8193, 1024, device="cuda").bfloat16())
