@@ -29,6 +29,7 @@ from .codegen.lower import (
     DBG_TASK,
     DEBUG_SIZE,
     EPOCH,
+    KIND_BARRIER_WAIT,
     KIND_EVENT_WAIT,
     KIND_REMOTE_WAIT,
     MAX_EPOCH_COUNT,
@@ -51,6 +52,7 @@ from .plan import Plan, instantiate
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import upper
 from .tileop import TileOp
+from .device.ring import WAIT_NAMES
 
 _COMPILED: dict[KernelSpec, Any] = {}
 _LOCK = threading.Lock()
@@ -500,6 +502,9 @@ def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int) -> s
             f"{plan.event_label[e]}{where}: expected count {count}, seen "
             f"{dbg[DBG_SEEN] - (epoch - 1) * count} (timed out in launch {epoch})"
         )
+    elif dbg[DBG_KIND] == KIND_BARRIER_WAIT:
+        what = WAIT_NAMES.get(dbg[DBG_EVENT], f"pipeline wait {dbg[DBG_EVENT]}")
+        lines.append(f"on SM {dbg[DBG_SM]}, {what} and timed out (launch {epoch})")
     else:
         lines.append(
             f"the ready queue stayed empty on SM {dbg[DBG_SM]} with "

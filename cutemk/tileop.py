@@ -198,10 +198,11 @@ class TileOp:
         raise NotImplementedError
 
     def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
     ):
         """Ring op, every consumer thread (``ctid`` in ``[0, consumer threads)``): consume ring
-        slices ``count, count + 1, ...`` (``full`` / ``empty``: the ring's mbarriers), write the
+        slices ``count, count + 1, ...`` (``full`` / ``empty``: the ring's mbarriers, waited on
+        through ``wait``, see ``cutemk.device.ring``), write the
         output (``epi``: staging shared memory) and return the ring count after the tile. The
         output must be complete and fenced when consumer warp 0 returns: it notifies next."""
         raise NotImplementedError

@@ -231,10 +231,22 @@ class GemmTile(TileOp):
 
     @cute.jit
     def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
     ):
         return gemm_sm90.compute(
-            self.sm90(), tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid
+            self.sm90(),
+            tensors,
+            coord0,
+            coord1,
+            full,
+            empty,
+            count,
+            ring,
+            stages,
+            slot,
+            epi,
+            ctid,
+            wait,
         )
 
     @cute.jit

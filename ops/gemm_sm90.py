@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cutemk.device.config import CONSUMER_BARRIER, WARPGROUP
-from cutemk.device.ring import consumer_release, consumer_wait
+from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
@@ -241,6 +241,7 @@ def compute(
     slot: cutlass.Constexpr,
     epi_ptr,
     ctid: Int32,
+    wait=plain_wait,
 ) -> Int32:
     """Consumer warpgroups: the tile's main loop over ring slices ``count ..`` and its
     epilogue; returns the ring count after the tile. When it returns, C is in global memory
@@ -264,7 +265,7 @@ def compute(
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
     for kt in cutlass.range(cfg.k_tiles, unroll=1):
-        idx = consumer_wait(full, count + kt, stages)
+        idx = consumer_wait(full, count + kt, stages, wait)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             s = (None, None, kb, idx)

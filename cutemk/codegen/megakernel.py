@@ -46,6 +46,7 @@ from ..tileop import TileOp
 from .dynamic import WORK_CAP, DynamicQueue
 from .layout import D, DEVICE_STATE, P, PROF_WIDTH, PROGRAM
 from .lower import (
+    ABORT,
     DONE,
     EPOCH,
     EXITED,
@@ -185,6 +186,7 @@ class Megakernel(EventWaits, DynamicQueue):
     ):
         """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
         w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         q_full, q_empty, r_full, r_empty = bars
         # (1) weights of the first slices, before the events
@@ -194,7 +196,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 if node == k:
                     for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
                         idx = producer_acquire(
-                            r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes
+                            r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                         )
                         self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False)
         # (2) events
@@ -219,15 +221,15 @@ class Megakernel(EventWaits, DynamicQueue):
                             self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, False, True)
                         else:
                             idx = producer_acquire(
-                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
                             self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
         # (4) hand the task over
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
         if ok:
-            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, rec, lane)
+            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, rec, lane, pwait)
         else:
-            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane)
+            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
         qcount = qcount + 1
         # (5) the remaining slices
         if ok:
@@ -237,7 +239,7 @@ class Megakernel(EventWaits, DynamicQueue):
                     if node == k:
                         for j in cutlass.range(min(r.slices, w.ring_stages), r.slices, unroll=1):
                             idx = producer_acquire(
-                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
                             self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
                         rcount = rcount + r.slices
@@ -263,6 +265,7 @@ class Megakernel(EventWaits, DynamicQueue):
     ):
         """Producer warp: every task of this CTA, then a stop record for the consumers."""
         w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
         bidx, _, _ = cute.arch.block_idx()
         qcount = Int32(0)
         rcount = Int32(0)
@@ -334,7 +337,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 alive = ok and i < i_end
         q_full, q_empty, _, _ = bars
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
-        queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane)
+        queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
 
     # -- consumers ----------------------------------------------------------------------------
     @cute.jit
@@ -354,9 +357,12 @@ class Megakernel(EventWaits, DynamicQueue):
         ring,
         epi,
         scratch,
+        timeout_ns: Int64,
     ):
         """Consumer warpgroups: run the tasks the producer hands over until a stop record."""
         w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
+        state = dev[D["state"]]
         q_full, q_empty, r_full, r_empty = bars
         notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
         lane = ctid % WARP
@@ -364,10 +370,13 @@ class Megakernel(EventWaits, DynamicQueue):
         rcount = Int32(0)
         alive = Boolean(True)
         while alive:
-            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane)
+            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane, pwait)
             qcount = qcount + 1
             t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
             alive = t >= 0
+            if cutlass.const_expr(self.spec.watchdog):  # a gave-up wait may have read a stale slot
+                if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                    alive = Boolean(False)
             if alive:
                 start = Int64(0)
                 if cutlass.const_expr(self.spec.profile):
@@ -389,6 +398,7 @@ class Megakernel(EventWaits, DynamicQueue):
                                 w.slot_bytes,
                                 epi,
                                 ctid,
+                                pwait,
                             )
                 if not is_ring:
                     if ctid < NUM_THREADS:  # the SIMT group
@@ -522,6 +532,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 ring,
                 epi,
                 scratch,
+                timeout_ns,
             )
 
         # last CTA out closes the launch: next epoch, queue counters back to zero; once the

@@ -11,6 +11,7 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 
 from ..device.config import WARP_SIZE as WARP
+from ..device.ring import plain_wait
 from ..device.sync import notify_event, wait_event, wait_event_or_abort
 from .lower import (
     ABORT,
@@ -21,6 +22,7 @@ from .lower import (
     DBG_SEEN,
     DBG_SM,
     DBG_TASK,
+    KIND_BARRIER_WAIT,
     KIND_EVENT_WAIT,
     KIND_REMOTE_WAIT,
 )
@@ -42,6 +44,38 @@ class EventWaits:
             debug[DBG_SEEN] = seen
             debug[DBG_SM] = cute.arch.smid()
             debug[DBG_KIND] = kind
+
+    def _pipeline_wait(self, dev, timeout_ns: Int64):
+        """The mbarrier wait the worker's pipelines use (``cutemk.device.ring``): unbounded, or
+        with the watchdog bounded by ``timeout_ns``: it gives up when the launch is aborting
+        and aborts it itself on a timeout, so a broken pipeline is an error, not a hang."""
+        if not self.spec.watchdog:
+            return plain_wait
+        state, debug = dev[D["state"]], dev[D["debug"]]
+        return lambda bar, parity, code: self._bounded_wait(
+            state, debug, timeout_ns, bar, parity, code
+        )
+
+    @cute.jit
+    def _bounded_wait(self, state, debug, timeout_ns: Int64, bar, parity, code: int):
+        done = cute.arch.mbarrier_try_wait(bar, parity)
+        t0 = cute.arch.globaltimer()
+        while not done:
+            if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                done = Boolean(True)
+            elif cute.arch.globaltimer() - t0 > timeout_ns:
+                self._abort(
+                    state,
+                    debug,
+                    Int32(-1),
+                    Int32(code),
+                    parity,
+                    Int32(-1),
+                    Int32(KIND_BARRIER_WAIT),
+                )
+                done = Boolean(True)
+            else:
+                done = cute.arch.mbarrier_try_wait(bar, parity)
 
     @cute.jit
     def _wait_all(

@@ -16,12 +16,29 @@ counts as having completed the phase before 0, so the first lap never blocks).
 
 mbarrier arrive / wait are release / acquire at CTA scope: what the producer did before an
 arrive (event acquires included) is visible to a consumer after its wait.
+
+Every wait goes through ``wait(bar, parity, code)`` (default: an unbounded ``mbarrier_wait``);
+the megakernel's watchdog passes a bounded wait instead, which gives up and aborts the launch
+(``code`` names the pipeline and side in the error: one of the ``WAIT_*`` values below).
 """
 
 from __future__ import annotations
 
 import cutlass
 from cutlass import Int32, cute
+
+
+WAIT_RING_FULL, WAIT_RING_EMPTY, WAIT_QUEUE_FULL, WAIT_QUEUE_EMPTY = 1, 2, 3, 4
+WAIT_NAMES = {
+    WAIT_RING_FULL: "consumers waited for a ring slot's loads",
+    WAIT_RING_EMPTY: "the producer waited for a ring slot to be freed",
+    WAIT_QUEUE_FULL: "consumers waited for a task record",
+    WAIT_QUEUE_EMPTY: "the producer waited for a task slot to be freed",
+}
+
+
+def plain_wait(bar, parity, code: int) -> None:
+    cute.arch.mbarrier_wait(bar, parity)
 
 
 @cute.jit
@@ -32,21 +49,23 @@ def init_barriers(bars, n: int, count: int):
 
 
 @cute.jit
-def producer_acquire(full, empty, count: Int32, stages: int, tx_bytes: int) -> Int32:
+def producer_acquire(
+    full, empty, count: Int32, stages: int, tx_bytes: int, wait=plain_wait
+) -> Int32:
     """A whole warp: wait until slot ``count`` is free, arm its full barrier for ``tx_bytes``
     (one elected lane), and return the slot index."""
     idx = count % stages
-    cute.arch.mbarrier_wait(empty + idx, ((count // stages) & 1) ^ 1)
+    wait(empty + idx, ((count // stages) & 1) ^ 1, WAIT_RING_EMPTY)
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(full + idx, tx_bytes)
     return idx
 
 
 @cute.jit
-def consumer_wait(full, count: Int32, stages: int) -> Int32:
+def consumer_wait(full, count: Int32, stages: int, wait=plain_wait) -> Int32:
     """Wait until slot ``count`` is filled; returns the slot index."""
     idx = count % stages
-    cute.arch.mbarrier_wait(full + idx, (count // stages) & 1)
+    wait(full + idx, (count // stages) & 1, WAIT_RING_FULL)
     return idx
 
 
@@ -58,10 +77,12 @@ def consumer_release(empty, count: Int32, stages: int, lane: Int32):
 
 
 @cute.jit
-def queue_put(full, empty, sQueue, count: Int32, slots: int, width: int, rec, lane: Int32):
+def queue_put(
+    full, empty, sQueue, count: Int32, slots: int, width: int, rec, lane: Int32, wait=plain_wait
+):
     """Producer warp: write record ``rec`` (``width`` Int32 values) into queue slot ``count``."""
     idx = count % slots
-    cute.arch.mbarrier_wait(empty + idx, ((count // slots) & 1) ^ 1)
+    wait(empty + idx, ((count // slots) & 1) ^ 1, WAIT_QUEUE_EMPTY)
     if lane == 0:
         for f in cutlass.range_constexpr(width):
             sQueue[idx * width + f] = rec[f]
@@ -70,11 +91,13 @@ def queue_put(full, empty, sQueue, count: Int32, slots: int, width: int, rec, la
 
 
 @cute.jit
-def queue_get(full, empty, sQueue, count: Int32, slots: int, width: int, lane: Int32):
+def queue_get(
+    full, empty, sQueue, count: Int32, slots: int, width: int, lane: Int32, wait=plain_wait
+):
     """Every consumer thread: the record in queue slot ``count`` (a tuple of Int32); the slot is
     released (one arrive per warp) once the whole warp has read it."""
     idx = count % slots
-    cute.arch.mbarrier_wait(full + idx, (count // slots) & 1)
+    wait(full + idx, (count // slots) & 1, WAIT_QUEUE_FULL)
     rec = tuple(sQueue[idx * width + f] for f in range(width))
     cute.arch.sync_warp()
     if lane == 0:
