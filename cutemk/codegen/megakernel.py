@@ -206,6 +206,10 @@ class Megakernel(EventWaits, DynamicQueue):
         if cutlass.const_expr(self.spec.distributed):
             if ok:
                 ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, lane, timeout_ns)
+        # every lane acquired its own events: the warp barrier orders them all before the
+        # elected lane's loads, and the verdict must be the warp's (the hand-over is warp-wide)
+        ok = cute.arch.vote_all_sync(ok)
+        cute.arch.sync_warp()
         # (3) loads of data produced in this launch (even after an abort: the armed slots must
         # complete, their data is never read)
         if cutlass.const_expr(self.fence_async):
