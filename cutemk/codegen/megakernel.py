@@ -32,6 +32,7 @@ serves every token count.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -84,7 +85,8 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
     stages = 0
     if rings:
         free = SMEM_LIMIT - SMEM_RESERVED - epi - scratch
-        stages = min(MAX_RING_STAGES, free // slot)
+        cap = int(os.environ.get("CUTEMK_RING_STAGES", MAX_RING_STAGES))  # tuning sweeps
+        stages = min(cap, MAX_RING_STAGES, free // slot)
         if stages < 2:
             names = ", ".join(f"{op.name}" for op in ops)
             raise GraphError(
