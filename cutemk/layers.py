@@ -39,8 +39,13 @@ def mlp_graph(
     block_m: int = 16,
     block_n: int = 32,
     fuse_silu: bool = False,
+    down_block: tuple[int, int] | None = None,
 ) -> Graph:
-    """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down."""
+    """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down.
+
+    ``down_block`` = (block_m, block_n) of the down projection (default: the gate/up blocks):
+    the fused gate/up tile holds two accumulators, so it is half as wide as the down tile can
+    be at the same register budget."""
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
     w_gu = g.weight("w_gate_up", (2 * intermediate, hidden), dtype)
@@ -50,7 +55,8 @@ def mlp_graph(
     else:
         h = g.call(ops.gemm, x, w_gu, block_m=block_m, block_n=block_n)
         act = g.call(ops.silu_mul, h, block_m=block_m)
-    y = g.call(ops.gemm, act, w_down, block_m=block_m, block_n=block_n)
+    dm, dn = down_block or (block_m, block_n)
+    y = g.call(ops.gemm, act, w_down, block_m=dm, block_n=dn)
     g.output(y, "y")
     return g
 

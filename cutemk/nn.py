@@ -34,27 +34,31 @@ from .symbolic import sym
 DECODE_MAX_TOKENS = 128
 """Largest token count the decode regime serves; larger ones go to the prefill graph."""
 
-MLP_TILES: dict[tuple[str, str], tuple[int, int]] = {
-    # (backend, regime): (block_m, block_n). On the GPU, decode uses 64-row tiles (the smallest
-    # wgmma tile) and narrow 32-column tiles so that even T=1 yields enough tiles for every SM;
-    # prefill uses 128x128 tiles, which read each weight tile once per 128 tokens. The fused
-    # gate/up tile then holds two 128x128 accumulators: the Hopper (wgmma) tile runs only where
-    # its accumulator budget (ops/gemm_sm90.py) allows that, else the portable tile runs, so
-    # retune here with benchmarks/mlp.py when that budget changes.
-    ("cute", "decode"): (64, 32),
-    ("cute", "prefill"): (128, 128),
+Tiles = tuple[tuple[int, int], tuple[int, int]]
+
+MLP_TILES: dict[tuple[str, str], Tiles] = {
+    # (backend, regime): ((block_m, block_n) of the fused gate/up GEMM, the same of the down
+    # GEMM). The fused gate/up tile holds two accumulators, so at one register budget it is half
+    # as wide as the down tile. Measured on the H200 (benchmarks/gemm_sweep.py, mlp.py): at
+    # decode sizes each SM's weight stream runs faster with wide B boxes than with many tiles
+    # (64x32 reached 1.5 TB/s, 64x256 3.4 TB/s), so decode uses 64-row tiles about 128 to 256
+    # weight rows wide; prefill uses 128-row tiles, which read each weight tile once per 128
+    # tokens.
+    ("cute", "decode"): ((64, 128), (64, 64)),
+    ("cute", "prefill"): ((128, 128), (128, 256)),
     # The interpreter runs torch references on the CPU: small tiles exercise many events
     # (and races, deadlocks) at test sizes; speed does not matter there.
-    ("interpret", "decode"): (16, 32),
-    ("interpret", "prefill"): (16, 32),
+    ("interpret", "decode"): ((16, 32), (16, 32)),
+    ("interpret", "prefill"): ((16, 32), (16, 32)),
 }
 
 REGIMES = ("decode", "prefill")
 _SILU_NAMES = ("silu", "swish")
 
 
-def mlp_tiles(regime: str, backend: str = "cute") -> tuple[int, int]:
-    """``(block_m, block_n)`` of the MLP graph for a regime ('decode' | 'prefill')."""
+def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
+    """``((block_m, block_n) of gate/up, (block_m, block_n) of down)`` for a regime
+    ('decode' | 'prefill')."""
     try:
         return MLP_TILES[(backend, regime)]
     except KeyError:
@@ -157,7 +161,7 @@ class MegaMLP(nn.Module):
         fn = self._compiled.get(key)
         if fn is None:
             limit = min(self.max_tokens, DECODE_MAX_TOKENS) if regime == "decode" else None
-            block_m, block_n = mlp_tiles(regime, backend)
+            (block_m, block_n), down = mlp_tiles(regime, backend)
             g = mlp_graph(
                 sym("T", max=limit or self.max_tokens),
                 self.hidden,
@@ -166,6 +170,7 @@ class MegaMLP(nn.Module):
                 block_m,
                 block_n,
                 fuse_silu=True,
+                down_block=down,
             )
             options: dict[str, Any] = {"scheduler": self.scheduler}
             if self.num_sms is not None:

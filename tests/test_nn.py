@@ -92,7 +92,8 @@ def test_regimes_and_tiles(hf_mlp):
     big = MegaMLP.from_hf(hf_mlp, max_tokens=512)
     assert big.regime(1) == big.regime(DECODE_MAX_TOKENS) == "decode"
     assert big.regime(DECODE_MAX_TOKENS + 1) == "prefill"
-    assert mlp_tiles("decode") == (64, 32) and mlp_tiles("prefill") == (128, 128)
+    assert mlp_tiles("decode")[0][0] == 64 and mlp_tiles("prefill")[0][0] == 128
+    assert mlp_tiles("decode", "interpret") == ((16, 32), (16, 32))
     with pytest.raises(ValueError, match="no MLP tiles"):
         mlp_tiles("warmup")
 
