@@ -32,7 +32,11 @@ from .layers import mlp_graph
 from .symbolic import sym
 
 DECODE_MAX_TOKENS = 128
-"""Largest token count the decode regime serves; larger ones go to the prefill graph."""
+"""Largest token count the decode regimes serve; larger ones go to the prefill graph."""
+
+REGIME_LIMITS: dict[str, int | None] = {"gemv": 16, "decode": DECODE_MAX_TOKENS, "prefill": None}
+"""Regimes in order with the most tokens each serves. 'gemv' is 'decode' compiled for at most
+16 rows: its A loads are 16 rows, not 64 (out-of-bounds rows still cost the copy engine)."""
 
 Tiles = tuple[tuple[int, int], tuple[int, int]]
 
@@ -44,15 +48,17 @@ MLP_TILES: dict[tuple[str, str], Tiles] = {
     # (64x32 reached 1.5 TB/s, 64x256 3.4 TB/s), so decode uses 64-row tiles about 128 to 256
     # weight rows wide; prefill uses 128-row tiles, which read each weight tile once per 128
     # tokens.
+    ("cute", "gemv"): ((64, 128), (64, 64)),
     ("cute", "decode"): ((64, 128), (64, 64)),
     ("cute", "prefill"): ((128, 128), (128, 256)),
     # The interpreter runs torch references on the CPU: small tiles exercise many events
     # (and races, deadlocks) at test sizes; speed does not matter there.
+    ("interpret", "gemv"): ((16, 32), (16, 32)),
     ("interpret", "decode"): ((16, 32), (16, 32)),
     ("interpret", "prefill"): ((16, 32), (16, 32)),
 }
 
-REGIMES = ("decode", "prefill")
+REGIMES = tuple(REGIME_LIMITS)
 _SILU_NAMES = ("silu", "swish")
 
 
@@ -139,11 +145,19 @@ class MegaMLP(nn.Module):
     # -- graphs -----------------------------------------------------------------------------
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
-        return "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
+        for name, limit in REGIME_LIMITS.items():
+            if limit is None or tokens <= limit:
+                return name
+        raise AssertionError("the last regime has no limit")
 
     def regimes(self) -> tuple[str, ...]:
-        """The regimes this module can run: only decode when max_tokens <= 128."""
-        return REGIMES if self.max_tokens > DECODE_MAX_TOKENS else ("decode",)
+        """The regimes this module can run: those starting below ``max_tokens``."""
+        out, lower = [], 0
+        for name, limit in REGIME_LIMITS.items():
+            if lower < self.max_tokens:
+                out.append(name)
+            lower = limit if limit is not None else lower
+        return tuple(out)
 
     def resolved_backend(self) -> str:
         if self.backend is not None:
@@ -160,10 +174,11 @@ class MegaMLP(nn.Module):
         key = (backend, regime, self.w_down.dtype, self.w_down.device)
         fn = self._compiled.get(key)
         if fn is None:
-            limit = min(self.max_tokens, DECODE_MAX_TOKENS) if regime == "decode" else None
+            limit = REGIME_LIMITS[regime]
+            limit = self.max_tokens if limit is None else min(self.max_tokens, limit)
             (block_m, block_n), down = mlp_tiles(regime, backend)
             g = mlp_graph(
-                sym("T", max=limit or self.max_tokens),
+                sym("T", max=limit),
                 self.hidden,
                 self.intermediate,
                 self.w_down.dtype,

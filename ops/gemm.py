@@ -18,7 +18,7 @@ from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.errors import DTypeError, ShapeError
-from cutemk.symbolic import IntLike, cdiv
+from cutemk.symbolic import IntLike, cdiv, upper
 from . import gemm_sm90
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -177,6 +177,7 @@ class GemmTile(TileOp):
             self.k,
             self.n,
             self.epilogue == "silu_mul",
+            upper(self.m),
         )
 
     def ring_tile(self) -> Optional[RingTile]:

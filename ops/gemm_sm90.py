@@ -65,9 +65,12 @@ class Sm90GemmConfig:
     k_tiles: int
     dtype: torch.dtype
     out_dtype: torch.dtype
+    a_rows: int  # rows of A each slice loads: bm, or the most rows A can have when fewer
 
     @property
     def a_bytes(self) -> int:
+        """Room of A in a slot (wgmma reads bm rows; rows past ``a_rows`` hold stale data that
+        only reaches output rows past the tensor, which the TMA store never writes)."""
         return self.bm * BLOCK_K * self.dtype.itemsize
 
     @property
@@ -77,7 +80,7 @@ class Sm90GemmConfig:
     @property
     def stage_bytes(self) -> int:
         """TMA bytes that land in one slot per k-slice (the full barrier's transaction count)."""
-        return self.a_bytes + self.n_b * self.b_bytes
+        return self.a_rows * BLOCK_K * self.dtype.itemsize + self.n_b * self.b_bytes
 
     @property
     def slot_bytes(self) -> int:
@@ -98,10 +101,21 @@ class Sm90GemmConfig:
 
 
 def sm90_config(
-    dtype: torch.dtype, out_dtype: torch.dtype, block_m: int, block_n: int, k, n, fused: bool
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    block_m: int,
+    block_n: int,
+    k,
+    n,
+    fused: bool,
+    m_max: int | None = None,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
-    (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address)."""
+    (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
+
+    ``m_max``, the most rows A can have: below ``block_m`` the A loads shrink to it (rounded up
+    to the 8-row swizzle atom). At decode sizes a 64-row box of mostly out-of-bounds rows
+    measured ~1.5x slower than a box of rows that exist (zero fill is not free)."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -117,7 +131,8 @@ def sm90_config(
         return None
     if not isinstance(n, int) or (n * out_dtype.itemsize) % 16:
         return None
-    return Sm90GemmConfig(block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype)
+    a_rows = block_m if m_max is None else min(block_m, _round_up(max(m_max, 1), 8))
+    return Sm90GemmConfig(block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype, a_rows)
 
 
 def _staged(layout, stages: int, slot_bytes: int, itemsize: int):
@@ -131,9 +146,10 @@ def _staged(layout, stages: int, slot_bytes: int, itemsize: int):
     return cute.make_composed_layout(layout.inner, 0, outer)
 
 
-def _slice_layouts(cfg: Sm90GemmConfig):
+def _slice_layouts(cfg: Sm90GemmConfig, a_rows: int | None = None):
+    """One k-slice of A (``a_rows`` rows, default bm) and of B, swizzled."""
     ab = _CUTE_DTYPES[cfg.dtype]
-    tile = (cfg.bm, cfg.bn, BLOCK_K)
+    tile = (a_rows or cfg.bm, cfg.bn, BLOCK_K)
     a = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, ab, 1)
     b = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, ab, 1)
     return a, b
@@ -162,11 +178,11 @@ def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Ten
     """Host side (inside a ``@cute.jit`` launch): ``(atom_a, tma_a, atom_b, tma_b, atom_u,
     tma_u, atom_c, tma_c)``; without the fused epilogue the ``u`` pair repeats B's.
     mA: (m, k); mB: (n, k) or (2n, k) = [W_gate; W_up]; mC: (m, n)."""
-    a_one, b_one = _slice_layouts(cfg)
+    a_one, b_one = _slice_layouts(cfg, cfg.a_rows)
     a_one = cute.slice_(a_one, (None, None, 0))
     b_one = cute.slice_(b_one, (None, None, 0))
     load = cpasync.CopyBulkTensorTileG2SOp()
-    atom_a, tma_a = cpasync.make_tiled_tma_atom(load, mA, a_one, (cfg.bm, BLOCK_K))
+    atom_a, tma_a = cpasync.make_tiled_tma_atom(load, mA, a_one, (cfg.a_rows, BLOCK_K))
     if cutlass.const_expr(cfg.n_b == 1):
         atom_b, tma_b = cpasync.make_tiled_tma_atom(load, mB, b_one, (cfg.bn, BLOCK_K))
         atom_u, tma_u = atom_b, tma_b
@@ -182,11 +198,14 @@ def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Ten
     return atom_a, tma_a, atom_b, tma_b, atom_u, tma_u, atom_c, tma_c
 
 
-def _ring_views(cfg: Sm90GemmConfig, ring_ptr, stages: int, slot_bytes: int):
-    """This op's (rows, BLOCK_K, slot) views of the kernel's ring: A, B and the up half."""
+def _ring_views(
+    cfg: Sm90GemmConfig, ring_ptr, stages: int, slot_bytes: int, a_rows: int | None = None
+):
+    """This op's (rows, BLOCK_K, slot) views of the kernel's ring: A (its first ``a_rows``
+    rows, default all), B and the up half."""
     ab = _CUTE_DTYPES[cfg.dtype]
     es = cfg.dtype.itemsize
-    a_one, b_one = _slice_layouts(cfg)
+    a_one, b_one = _slice_layouts(cfg, a_rows)
     a_l = _staged(a_one, stages, slot_bytes, es)
     b_l = _staged(b_one, stages, slot_bytes, es)
     sA = cute.make_tensor(cute.recast_ptr(ring_ptr, a_l.inner, dtype=ab), a_l.outer)
@@ -223,8 +242,9 @@ def load_activations(
     cfg: cutlass.Constexpr, tensors, coord0: Int32, kt: Int32, idx: Int32, bar, ring, stages, slot
 ):
     """Producer warp: A of slice ``kt`` into slot ``idx`` (after the task's events)."""
-    sA, _, _ = _ring_views(cfg, ring, stages, slot)
-    _copy_slice(tensors[3], tensors[4], sA, coord0, cfg.bm, kt, idx, bar)
+    # a_rows < bm only where A has a single row block (coord0 == 0)
+    sA, _, _ = _ring_views(cfg, ring, stages, slot, cfg.a_rows)
+    _copy_slice(tensors[3], tensors[4], sA, coord0, cfg.a_rows, kt, idx, bar)
 
 
 @cute.jit

@@ -57,9 +57,9 @@ def test_matches_torch_mlp(hf_mlp, dtype):
         y = mega(x)
         assert y.shape == (t, H) and y.dtype == dtype
         assert rel_err(y, fp32_reference(mlp, x)) < TOL[dtype], f"T={t}"
-    # both regimes served, each compiled once for all four token counts
-    assert {k[1] for k in mega._compiled} == {"decode", "prefill"}
-    assert len(mega._compiled) == 2
+    # all three regimes served, each compiled once for all four token counts
+    assert {k[1] for k in mega._compiled} == {"gemv", "decode", "prefill"}
+    assert len(mega._compiled) == 3
 
 
 def test_leading_dims_and_empty(hf_mlp):
@@ -85,12 +85,14 @@ def test_requires_grad_input_runs_without_grad(hf_mlp):
 
 def test_regimes_and_tiles(hf_mlp):
     small = MegaMLP.from_hf(hf_mlp, max_tokens=DECODE_MAX_TOKENS)
-    assert small.regimes() == ("decode",)
+    assert small.regimes() == ("gemv", "decode")
+    assert MegaMLP.from_hf(hf_mlp, max_tokens=16).regimes() == ("gemv",)
     small(torch.randn(DECODE_MAX_TOKENS, H))
     with pytest.raises(ValueError, match="regime"):
         small.compiled("prefill")
     big = MegaMLP.from_hf(hf_mlp, max_tokens=512)
-    assert big.regime(1) == big.regime(DECODE_MAX_TOKENS) == "decode"
+    assert big.regime(1) == big.regime(16) == "gemv"
+    assert big.regime(17) == big.regime(DECODE_MAX_TOKENS) == "decode"
     assert big.regime(DECODE_MAX_TOKENS + 1) == "prefill"
     assert mlp_tiles("decode")[0][0] == 64 and mlp_tiles("prefill")[0][0] == 128
     assert mlp_tiles("decode", "interpret") == ((16, 32), (16, 32))
@@ -193,6 +195,6 @@ def test_qwen3_mlp_megakernel(scheduler):
         with torch.no_grad():
             ref = ref_mlp(x.float())
         assert rel_err(mega(x), ref) <= 2e-2, f"T={t}"
-    assert runtime.compile_count - before <= 2  # decode + prefill, for every token count
+    assert runtime.compile_count - before <= 3  # gemv, decode, prefill: every token count
     with pytest.raises(mk.ShapeError, match="max_tokens=8192"):
         mega(torch.randn(8193, 1024, device="cuda").bfloat16())
