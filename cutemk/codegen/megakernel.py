@@ -2,7 +2,7 @@
 
 One CTA per SM, shaped by :class:`~cutemk.device.config.WorkerShape`:
 
-- **Producer** (warp 0; warps 1-3 of its warpgroup give their registers up and idle): fetches
+- **Producer** (warp 0; the other warps of its warpgroup give their registers up): fetches
   tasks (static: this CTA's queue, streamed as fixed-width records; dynamic: a ticket into the
   on-GPU ready ring, ``cutemk.codegen.dynamic``), and for each task, in order:
   (1) a ring op's loads of operands no node of the graph writes (weights) into free ring slots,
@@ -14,8 +14,9 @@ One CTA per SM, shaped by :class:`~cutemk.device.config.WorkerShape`:
 - **Consumers** (the other warpgroups): take records from the task queue; a ring op's tile is
   computed by every consumer thread (``TileOp.device_compute``: wgmma, epilogue, TMA store); a
   SIMT op's body runs on the first consumer warpgroup (the SIMT group) with its own named
-  barrier. Consumer warp 0 then notifies (static: release adds; dynamic: completes the events
-  and pushes the consumers they made ready).
+  barrier. Consumer warp 0 then notifies (static: release adds) or, dynamic, hands the task to
+- the **completer** (dynamic mode, warp 1 of the producer warpgroup), which completes its events
+  and pushes the consumers they made ready, while the consumers already run their next task.
 
 The ring's and the task queue's states are running counts held by each role across tasks
 (``cutemk.device.ring``). The graph structure is compile-time; the task list, events and queues
@@ -190,7 +191,7 @@ class Megakernel(EventWaits, DynamicQueue):
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
-        q_full, q_empty, r_full, r_empty = bars
+        q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
         # (1) weights of the first slices, before the events
         for k in cutlass.range_constexpr(self.num_nodes):
             r = self.ring_of[k]
@@ -341,7 +342,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 cute.arch.sync_warp()
                 i = i + CHUNK
                 alive = ok and i < i_end
-        q_full, q_empty, _, _ = bars
+        q_full, q_empty = bars[0], bars[1]
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
         queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
 
@@ -359,21 +360,23 @@ class Megakernel(EventWaits, DynamicQueue):
         ctid,
         bars,
         sQueue,
-        sWork,
+        sDone,
         ring,
         epi,
         scratch,
         timeout_ns: Int64,
     ):
-        """Consumer warpgroups: run the tasks the producer hands over until a stop record."""
+        """Consumer warpgroups: run the tasks the producer hands over until a stop record.
+        Dynamic mode: consumer warp 0 hands each finished task to the completer warp."""
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         state = dev[D["state"]]
-        q_full, q_empty, r_full, r_empty = bars
+        q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
         notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
         lane = ctid % WARP
         qcount = Int32(0)
         rcount = Int32(0)
+        dcount = Int32(0)
         alive = Boolean(True)
         while alive:
             rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane, pwait)
@@ -432,9 +435,46 @@ class Megakernel(EventWaits, DynamicQueue):
                                     ev_counter.iterator + notify_ev[j], Int32(1), self.scope
                                 )
                     if cutlass.const_expr(self.spec.dynamic):
-                        self._complete_dynamic(
-                            tensors, prog, dev, t, epoch, stamp, num_init, lane, sWork
+                        queue_put(
+                            d_full, d_empty, sDone, dcount, w.task_slots, 1, (t,), lane, pwait
                         )
+                        dcount = dcount + 1
+        if cutlass.const_expr(self.spec.dynamic):
+            if ctid < WARP:
+                queue_put(
+                    d_full, d_empty, sDone, dcount, w.task_slots, 1, (Int32(-1),), lane, pwait
+                )
+
+    @cute.jit
+    def _completer(
+        self,
+        tensors,
+        prog,
+        dev,
+        epoch,
+        stamp,
+        num_init,
+        lane,
+        bars,
+        sDone,
+        sWork,
+        timeout_ns: Int64,
+    ):
+        """Dynamic mode, producer warpgroup's warp 1: complete each task the consumers finished
+        (events, ready consumers pushed), so the consumers go straight to their next task."""
+        w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
+        _, _, _, _, d_full, d_empty = bars
+        dcount = Int32(0)
+        alive = Boolean(True)
+        while alive:
+            rec = queue_get(d_full, d_empty, sDone, dcount, w.task_slots, 1, lane, pwait)
+            dcount = dcount + 1
+            alive = rec[0] >= 0
+            if alive:
+                self._complete_dynamic(
+                    tensors, prog, dev, rec[0], epoch, stamp, num_init, lane, sWork
+                )
 
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel
@@ -466,12 +506,15 @@ class Megakernel(EventWaits, DynamicQueue):
         sQueue = smem.allocate_tensor(
             Int32, cute.make_layout(w.task_slots * REC_WIDTH), byte_alignment=16
         )
-        n_bars = 2 * w.task_slots + 2 * max(w.ring_stages, 1)
+        sDone = smem.allocate_tensor(Int32, cute.make_layout(w.task_slots), byte_alignment=16)
+        n_bars = 4 * w.task_slots + 2 * max(w.ring_stages, 1)
         bar_mem = smem.allocate_tensor(Int64, cute.make_layout(n_bars), byte_alignment=8)
         q_full = bar_mem.iterator
         q_empty = q_full + w.task_slots
         r_full = q_empty + w.task_slots
         r_empty = r_full + max(w.ring_stages, 1)
+        d_full = r_empty + max(w.ring_stages, 1)
+        d_empty = d_full + w.task_slots
         ring = None
         epi = None
         if cutlass.const_expr(w.ring_stages > 0):
@@ -481,6 +524,8 @@ class Megakernel(EventWaits, DynamicQueue):
         if tidx == 0:
             init_barriers(q_full, w.task_slots, 1)
             init_barriers(q_empty, w.task_slots, w.consumer_warps)
+            init_barriers(d_full, w.task_slots, 1)
+            init_barriers(d_empty, w.task_slots, 1)
             if cutlass.const_expr(w.ring_stages > 0):
                 init_barriers(r_full, w.ring_stages, 1)
                 init_barriers(r_empty, w.ring_stages, w.consumer_warps)
@@ -500,7 +545,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 cute.arch.store(rq.iterator + j, stamp + init_tasks[j], sem="relaxed", scope="gpu")
         cute.arch.sync_threads()
 
-        bars = (q_full, q_empty, r_full, r_empty)
+        bars = (q_full, q_empty, r_full, r_empty, d_full, d_empty)
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         if warp < WARPGROUP // WARP:
             cute.arch.setmaxregister_decrease(w.producer_regs)
@@ -521,6 +566,21 @@ class Megakernel(EventWaits, DynamicQueue):
                     sRec,
                     ring,
                 )
+            if cutlass.const_expr(self.spec.dynamic):
+                if warp == 1:
+                    self._completer(
+                        tensors,
+                        prog,
+                        dev,
+                        epoch,
+                        stamp,
+                        num_init,
+                        tidx - WARP,
+                        bars,
+                        sDone,
+                        sWork,
+                        timeout_ns,
+                    )
         else:
             cute.arch.setmaxregister_increase(w.consumer_regs)
             self._consumer(
@@ -534,7 +594,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 tidx - WARPGROUP,
                 bars,
                 sQueue,
-                sWork,
+                sDone,
                 ring,
                 epi,
                 scratch,
