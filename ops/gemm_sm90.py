@@ -84,7 +84,8 @@ class Sm90GemmConfig:
 
     @property
     def slot_bytes(self) -> int:
-        return _round_up(self.stage_bytes, 1024)
+        """Room one slice takes in a slot: all bm rows of A (wgmma reads them), then B."""
+        return _round_up(self.a_bytes + self.n_b * self.b_bytes, 1024)
 
     @property
     def epi_bytes(self) -> int:

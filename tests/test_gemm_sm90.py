@@ -59,7 +59,13 @@ def test_hopper_path_applies_only_where_it_can():
     assert op_for(bf, 4096, 4096, (16, 32)).sm90() is None  # below wgmma's 64-row atom
     assert op_for(bf, 4096, 4096, (64, 8)).sm90() is None  # 4 columns a warpgroup
     cfg = op_for(bf, 4096, 4096, (128, 256)).sm90()
-    assert cfg.k_tiles == 64 and cfg.stage_bytes == (128 + 256) * 64 * 2
+    assert cfg.k_tiles == 64 and cfg.stage_bytes == (128 + 256) * 64 * 2 == cfg.slot_bytes
+    # a graph of at most 5 rows loads 8-row A boxes, but a slot keeps room for all 64
+    small = GemmTile(
+        TensorSpec((mk.sym("S", 5), 4096), bf), TensorSpec((4096, 4096), bf), 64, 32
+    ).sm90()
+    assert small.a_rows == 8 and small.stage_bytes == (8 + 32) * 128
+    assert small.slot_bytes == (64 + 32) * 128
 
 
 def test_worker_shape_fits_shared_memory_and_counts_agree():

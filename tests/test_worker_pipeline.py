@@ -65,3 +65,24 @@ def test_two_chained_gemms_of_different_shapes(scheduler):
     b2 = (torch.randn(256, 512, device="cuda") / 22).bfloat16()
     ref = (a.float() @ b1.float().T).bfloat16().float() @ b2.float().T
     _check(c(a, b1, b2), ref, "chain")
+
+
+@pytest.mark.parametrize("block,epilogue", [((64, 32), "silu_mul"), ((64, 128), None)])
+def test_gemm_with_few_rows_loads_short_a_boxes(block, epilogue):
+    """A graph of at most 12 rows loads 16-row A boxes into 64-row slots (the rest of each slot
+    holds stale data that only reaches output rows the TMA store never writes)."""
+    torch.manual_seed(5)
+    g = mk.Graph("few_rows")
+    k, n = 1024, 256
+    x = g.input("x", (mk.sym("T", 12), k), torch.bfloat16)
+    w = g.weight("w", (2 * n if epilogue else n, k), torch.bfloat16)
+    g.output(g.call(ops.gemm, x, w, block_m=block[0], block_n=block[1], epilogue=epilogue), "y")
+    assert g.nodes[0].op.sm90().a_rows == 16
+    c = g.compile("cute", scheduler="static", watchdog=True, timeout_s=5.0, poison_outputs=True)
+    b = (torch.randn(2 * n if epilogue else n, k, device="cuda") / k**0.5).bfloat16()
+    for t in (1, 5, 12):
+        a = torch.randn(t, k, device="cuda").bfloat16()
+        ref = a.float() @ b.float().T
+        if epilogue:
+            ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+        _check(c(a, b), ref, f"T={t}")
