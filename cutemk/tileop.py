@@ -17,8 +17,9 @@ A tile op is a frozen dataclass (its config plus the specs of its inputs) that *
   *ring op* streams operands through the megakernel's shared-memory ring and splits its tile
   into loads of operands no task of the launch writes (:meth:`device_load_independent`, issued
   by the producer warp *before* the task's events are met), loads of operands produced in the
-  launch (:meth:`device_load_dependent`, after the acquire), and the consumers' compute with an
-  asynchronous store that has completed when it returns (:meth:`device_compute`).
+  launch (:meth:`device_load_dependent`, after the acquire), the consumers' compute into a
+  shared-memory staging buffer (:meth:`device_compute`), and the asynchronous store the storer
+  warp issues from it (:meth:`device_store`), whose completion precedes the notify.
 
 Ops never name events: the graph derives them from the regions (see ``cutemk.plan``). Core
 modules never import a concrete op; ops register themselves with :func:`register_op`.
@@ -202,9 +203,14 @@ class TileOp:
     ):
         """Ring op, every consumer thread (``ctid`` in ``[0, consumer threads)``): consume ring
         slices ``count, count + 1, ...`` (``full`` / ``empty``: the ring's mbarriers, waited on
-        through ``wait``, see ``cutemk.device.ring``), write the
-        output (``epi``: staging shared memory) and return the ring count after the tile. The
-        output must be complete and fenced when consumer warp 0 returns: it notifies next."""
+        through ``wait``, see ``cutemk.device.ring``), stage the output in ``epi`` (after
+        ``EPI_EMPTY_BARRIER``: the previous tile's store has read it) fenced into the async
+        proxy, and return the ring count after the tile."""
+        raise NotImplementedError
+
+    def device_store(self, tensors, coord0, coord1, epi) -> None:
+        """Ring op, the storer warp: issue the asynchronous store of the tile staged in ``epi``
+        (the megakernel commits it, waits for it and then notifies)."""
         raise NotImplementedError
 
     # -- helpers --------------------------------------------------------------------------

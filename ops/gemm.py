@@ -251,6 +251,10 @@ class GemmTile(TileOp):
         )
 
     @cute.jit
+    def device_store(self, tensors, coord0, coord1, epi):
+        gemm_sm90.store(self.sm90(), tensors, coord0, coord1, epi)
+
+    @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """The portable tile (the SIMT group): tile (coord0, coord1) of C; ``tensors`` =
         (mA, mB, mC). mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n)."""

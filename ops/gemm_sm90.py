@@ -15,9 +15,10 @@ consumers' main loop and epilogue:
   ``fence.proxy.async``) for one BLOCK_K slice into one ring slot.
 - **Consumers** (``compute``): both warpgroups wait for each slice, issue ``wgmma`` (128-row
   tiles: one 64-row half per warpgroup; 64-row tiles: one column half per warpgroup), free the
-  slot of the batch before, then write the tile to shared memory, fence it into the async proxy
-  and one warp issues the TMA store, waits for it to complete and fences it back, so the
-  megakernel's notify that follows publishes finished data.
+  slot of the batch before, then write the tile to shared memory (once the storer has read the
+  previous one) and fence it into the async proxy.
+- **Storer warp** (``store``): issues the TMA store of the staged tile; the megakernel waits
+  for it and fences it back before the notify, while the consumers run their next tile.
 
 A ring slot holds A, then B, then (fused) the up half of B for one k-slice; every GEMM node of a
 kernel views the same slots with its own layouts, stage stride = the kernel's slot size.
@@ -34,7 +35,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import CONSUMER_BARRIER, WARPGROUP
+from cutemk.device.config import EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
 BLOCK_K = 64
@@ -46,6 +47,7 @@ of the consumer's 232 registers."""
 
 CONSUMER_WARPGROUPS = 2
 CONSUMER_THREADS = CONSUMER_WARPGROUPS * WARPGROUP
+STORE_THREADS = CONSUMER_THREADS + WARP_SIZE  # the epilogue barriers: consumers + storer warp
 
 _CUTE_DTYPES = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
 
@@ -218,6 +220,20 @@ def _ring_views(
 
 
 @cute.jit
+def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr):
+    """Storer warp: TMA-store the staged tile (coord0, coord1) of C (rows and columns past C's
+    extent are clipped by the copy engine)."""
+    out = _CUTE_DTYPES[cfg.out_dtype]
+    epi = _epi_layout(cfg)
+    sC = cute.make_tensor(cute.recast_ptr(epi_ptr, epi.inner, dtype=out), epi.outer)
+    gC = cute.local_tile(tensors[10], (cfg.bm, cfg.bn), (coord0, coord1))
+    tsC, tgC = cpasync.tma_partition(
+        tensors[9], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC, 0, 2)
+    )
+    cute.copy(tensors[9], tsC, tgC)
+
+
+@cute.jit
 def _copy_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32, idx: Int32, bar):
     """TMA one (rows, BLOCK_K) slice ``kt`` of row block ``coord`` into ring slot ``idx``."""
     g = cute.local_tile(tma, (rows, BLOCK_K), (coord, None))
@@ -264,9 +280,8 @@ def compute(
     ctid: Int32,
     wait=plain_wait,
 ) -> Int32:
-    """Consumer warpgroups: the tile's main loop over ring slices ``count ..`` and its
-    epilogue; returns the ring count after the tile. When it returns, C is in global memory
-    and fenced for the notify (the TMA store was waited on by consumer warp 0)."""
+    """Consumer warpgroups: the tile's main loop over ring slices ``count ..`` and its output
+    staged in shared memory (``store`` writes it out); returns the ring count after the tile."""
     fused = cfg.n_b == 2
     sA, sB, sU = _ring_views(cfg, ring, stages, slot)
     tiled_mma = _tiled_mma(cfg)
@@ -300,13 +315,13 @@ def compute(
     warpgroup.wait_group(0)
     consumer_release(empty, count + cfg.k_tiles - 1, stages, lane)
 
-    # epilogue: registers -> shared memory (swizzled) -> one TMA store of the whole tile
+    # epilogue: registers -> shared memory (swizzled); the storer warp issues the TMA store
     out = _CUTE_DTYPES[cfg.out_dtype]
     epi = _epi_layout(cfg)
     sC = cute.make_tensor(cute.recast_ptr(epi_ptr, epi.inner, dtype=out), epi.outer)
     tCsC = thr_mma.partition_C(sC)
-    # the previous tile's TMA store has read sC (consumer warp 0 waited for it before this)
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    # the previous tile's TMA store has read sC
+    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
     for i in cutlass.range_constexpr(cute.size(acc)):
         v = acc[i]
         if cutlass.const_expr(fused):
@@ -314,19 +329,4 @@ def compute(
         tCsC[i] = v.to(out)
     # generic-proxy shared-memory writes -> the TMA engine's reads
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-    if ctid < 32:
-        gC = cute.local_tile(tensors[10], (cfg.bm, cfg.bn), (coord0, coord1))
-        tsC, tgC = cpasync.tma_partition(
-            tensors[9],
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sC, 0, 2),
-            cute.group_modes(gC, 0, 2),
-        )
-        cute.copy(tensors[9], tsC, tgC)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0)
-        # the store's async-proxy writes before the generic release that notifies them
-        cute.arch.fence_proxy("async.global")
     return count + cfg.k_tiles

@@ -14,7 +14,11 @@ One CTA per SM, shaped by :class:`~cutemk.device.config.WorkerShape`:
 - **Consumers** (the other warpgroups): take records from the task queue; a ring op's tile is
   computed by every consumer thread (``TileOp.device_compute``: wgmma, epilogue, TMA store); a
   SIMT op's body runs on the first consumer warpgroup (the SIMT group) with its own named
-  barrier. Consumer warp 0 then notifies (static: release adds) or, dynamic, hands the task to
+  barrier. A ring op's output is staged in shared memory for
+- the **storer** (warp 2 of the producer warpgroup), which TMA-stores it, waits for the writes
+  and publishes the tile (static: release adds; dynamic: completes its events) while the
+  consumers already compute their next tile. A SIMT tile is published by consumer warp 0
+  (static: release adds) or, dynamic, handed to
 - the **completer** (dynamic mode, warp 1 of the producer warpgroup), which completes its events
   and pushes the consumers they made ready, while the consumers already run their next task.
 
@@ -40,7 +44,16 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 
-from ..device.config import NUM_THREADS, WARP_SIZE as WARP, WARPGROUP, WorkerShape, simt_sync
+from ..device.config import (
+    EPI_EMPTY_BARRIER,
+    EPI_FULL_BARRIER,
+    NUM_THREADS,
+    STORER_WARP,
+    WARP_SIZE as WARP,
+    WARPGROUP,
+    WorkerShape,
+    simt_sync,
+)
 from ..device.ring import init_barriers, producer_acquire, queue_get, queue_put
 from ..device.sync import notify_event
 from ..errors import GraphError
@@ -361,6 +374,7 @@ class Megakernel(EventWaits, DynamicQueue):
         bars,
         sQueue,
         sDone,
+        sEpiRec,
         ring,
         epi,
         scratch,
@@ -372,7 +386,6 @@ class Megakernel(EventWaits, DynamicQueue):
         pwait = self._pipeline_wait(dev, timeout_ns)
         state = dev[D["state"]]
         q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
-        notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
         lane = ctid % WARP
         qcount = Int32(0)
         rcount = Int32(0)
@@ -409,7 +422,16 @@ class Megakernel(EventWaits, DynamicQueue):
                                 ctid,
                                 pwait,
                             )
-                if not is_ring:
+                if is_ring:  # the storer warp stores, notifies and profiles the tile
+                    if ctid == 0:
+                        for f in cutlass.range_constexpr(REC_WIDTH):
+                            sEpiRec[f] = rec[f]
+                        if cutlass.const_expr(self.spec.profile):
+                            mProf[t * PROF_WIDTH + 1] = start
+                    cute.arch.barrier_arrive(
+                        barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
+                    )
+                else:
                     if ctid < NUM_THREADS:  # the SIMT group
                         if self._exists(tensors, node, c0, c1):
                             for k in cutlass.range_constexpr(self.num_nodes):
@@ -421,29 +443,78 @@ class Megakernel(EventWaits, DynamicQueue):
                             if cutlass.const_expr(self.fence_async):
                                 cute.arch.fence_proxy("async.global")
                         simt_sync()
-                if ctid < WARP:  # consumer warp 0 publishes
-                    if ctid == 0:
-                        if cutlass.const_expr(self.spec.profile):
-                            base = t * PROF_WIDTH
-                            mProf[base] = Int64(cute.arch.smid())
-                            mProf[base + 1] = start
-                            mProf[base + 2] = cute.arch.globaltimer()
-                            mProf[base + 3] = Int64(node)
-                        if cutlass.const_expr(not self.spec.dynamic):
-                            for j in range(rec[R_NLO], rec[R_NHI]):
-                                notify_event(
-                                    ev_counter.iterator + notify_ev[j], Int32(1), self.scope
-                                )
-                    if cutlass.const_expr(self.spec.dynamic):
-                        queue_put(
-                            d_full, d_empty, sDone, dcount, w.task_slots, 1, (t,), lane, pwait
-                        )
-                        dcount = dcount + 1
+                    if ctid < WARP:  # consumer warp 0 publishes a SIMT tile
+                        if ctid == 0:
+                            self._publish_static(prog, dev, mProf, rec, start)
+                        if cutlass.const_expr(self.spec.dynamic):
+                            queue_put(
+                                d_full, d_empty, sDone, dcount, w.task_slots, 1, (t,), lane, pwait
+                            )
+                            dcount = dcount + 1
         if cutlass.const_expr(self.spec.dynamic):
             if ctid < WARP:
                 queue_put(
                     d_full, d_empty, sDone, dcount, w.task_slots, 1, (Int32(-1),), lane, pwait
                 )
+        if cutlass.const_expr(w.ring_stages > 0):
+            # stop the storer, once it has taken the last tile (or its initial arrive, if none):
+            # an arrive on EPI_FULL before that would complete the storer's pending barrier
+            cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
+            if ctid == 0:
+                sEpiRec[R_TASK] = Int32(-1)
+            cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+
+    @cute.jit
+    def _publish_static(self, prog, dev, mProf, rec, start: Int64):
+        """One thread, after the task's output is complete: its profile record and (static
+        mode) the release adds to the events it notifies."""
+        t = rec[R_TASK]
+        if cutlass.const_expr(self.spec.profile):
+            base = t * PROF_WIDTH
+            mProf[base] = Int64(cute.arch.smid())
+            if start != 0:
+                mProf[base + 1] = start
+            mProf[base + 2] = cute.arch.globaltimer()
+            mProf[base + 3] = Int64(rec[R_NODE])
+        if cutlass.const_expr(not self.spec.dynamic):
+            notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
+            for j in range(rec[R_NLO], rec[R_NHI]):
+                notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
+
+    @cute.jit
+    def _storer(self, tensors, prog, dev, mProf, epoch, stamp, num_init, lane, sEpiRec, sWork, epi):
+        """Producer warpgroup's storer warp: for each ring tile the consumers staged, issue its
+        TMA store, free the staging buffer once it is read, wait for the writes, then notify
+        (static) or complete the task (dynamic), while the consumers run their next tile."""
+        w = self.w
+        # the staging buffer starts free
+        cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
+        alive = Boolean(True)
+        while alive:
+            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+            rec = tuple(sEpiRec[f] for f in range(REC_WIDTH))
+            t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+            alive = t >= 0
+            if alive:
+                for k in cutlass.range_constexpr(self.num_nodes):
+                    if cutlass.const_expr(self.ring_of[k] is not None):
+                        if node == k:
+                            self.spec.ops[k].device_store(tensors[k], c0, c1, epi)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier_arrive(
+                    barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads
+                )
+                cute.arch.cp_async_bulk_wait_group(0)
+                # the store's async-proxy writes before the generic release that notifies them
+                cute.arch.fence_proxy("async.global")
+                cute.arch.sync_warp()
+                if lane == 0:
+                    self._publish_static(prog, dev, mProf, rec, Int64(0))
+                if cutlass.const_expr(self.spec.dynamic):
+                    self._complete_dynamic(
+                        tensors, prog, dev, t, epoch, stamp, num_init, lane, sWork
+                    )
 
     @cute.jit
     def _completer(
@@ -507,6 +578,8 @@ class Megakernel(EventWaits, DynamicQueue):
             Int32, cute.make_layout(w.task_slots * REC_WIDTH), byte_alignment=16
         )
         sDone = smem.allocate_tensor(Int32, cute.make_layout(w.task_slots), byte_alignment=16)
+        sEpiRec = smem.allocate_tensor(Int32, cute.make_layout(REC_WIDTH), byte_alignment=16)
+        sWork2 = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
         n_bars = 4 * w.task_slots + 2 * max(w.ring_stages, 1)
         bar_mem = smem.allocate_tensor(Int64, cute.make_layout(n_bars), byte_alignment=8)
         q_full = bar_mem.iterator
@@ -566,6 +639,21 @@ class Megakernel(EventWaits, DynamicQueue):
                     sRec,
                     ring,
                 )
+            if cutlass.const_expr(w.ring_stages > 0):
+                if warp == STORER_WARP:
+                    self._storer(
+                        tensors,
+                        prog,
+                        dev,
+                        mProf,
+                        epoch,
+                        stamp,
+                        num_init,
+                        tidx % WARP,
+                        sEpiRec,
+                        sWork2,
+                        epi,
+                    )
             if cutlass.const_expr(self.spec.dynamic):
                 if warp == 1:
                     self._completer(
@@ -595,6 +683,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 bars,
                 sQueue,
                 sDone,
+                sEpiRec,
                 ring,
                 epi,
                 scratch,

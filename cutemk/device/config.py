@@ -26,6 +26,12 @@ SIMT_BARRIER = 1
 """The SIMT group's barrier (``NUM_THREADS`` threads)."""
 CONSUMER_BARRIER = 2
 """Every consumer thread (epilogues of tiles computed by all consumer warpgroups)."""
+EPI_FULL_BARRIER = 3
+"""Consumers -> storer warp: a tile's output is staged in shared memory (arrive / sync)."""
+EPI_EMPTY_BARRIER = 4
+"""Storer warp -> consumers: the staging buffer has been read by the TMA store."""
+STORER_WARP = 2
+"""Warp of the producer warpgroup that stores ring tiles and publishes them."""
 
 REGISTER_FILE = 65536
 """32-bit registers per SM (Hopper)."""
@@ -64,6 +70,11 @@ class WorkerShape:
     @property
     def consumer_threads(self) -> int:
         return WARPGROUP * self.consumer_warpgroups
+
+    @property
+    def store_threads(self) -> int:
+        """Threads of the epilogue barriers: every consumer and the storer warp."""
+        return self.consumer_threads + WARP_SIZE
 
     @property
     def consumer_warps(self) -> int:
