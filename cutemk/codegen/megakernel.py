@@ -129,6 +129,35 @@ class KernelSpec:
     worker: WorkerShape = WorkerShape()
 
 
+@dataclass
+class _Launch:
+    """What the roles of one launch read: the kernel's arguments, the program and state views,
+    the pipelines' mbarriers and the shared-memory buffers. Plain Python holding traced values
+    that are fixed for the launch (loop-carried state stays in the roles' own variables)."""
+
+    tensors: tuple  # per node: its tensors and host-built extras
+    prog: tuple  # views of the packed program (``layout.PROGRAM``)
+    dev: tuple  # views of the packed device state (``layout.DEVICE_STATE``)
+    prof: object  # profile records
+    peers: object  # distributed: peer table of device-state buffers
+    ev_off: object  # word offset of the event counters in the device state
+    epoch: object
+    stamp: object  # dynamic ring slot stamp: epoch * num_tasks
+    num_tasks: object
+    num_init: object
+    timeout_ns: object
+    bars: tuple  # (queue full, queue empty, ring full, ring empty, done full, done empty)
+    sQueue: object  # task records, producer -> consumers
+    sRec: object  # static queue records fetched by the producer
+    sDone: object  # finished task ids, consumers -> completer
+    sEpiRec: object  # the staged tile's record, consumers -> storer
+    sWork: object  # completer's skipped-task work list
+    sWork2: object  # storer's
+    ring: object
+    epi: object
+    scratch: object
+
+
 class Megakernel(EventWaits, DynamicQueue):
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
@@ -183,24 +212,10 @@ class Megakernel(EventWaits, DynamicQueue):
             op.device_load_dependent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
 
     @cute.jit
-    def _produce(
-        self,
-        tensors,
-        prog,
-        dev,
-        peers,
-        ev_off,
-        rec,
-        epoch,
-        lane,
-        timeout_ns,
-        bars,
-        sQueue,
-        ring,
-        qcount: Int32,
-        rcount: Int32,
-    ):
+    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
         """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
+        tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
+        epoch, timeout_ns, bars, sQueue, ring = L.epoch, L.timeout_ns, L.bars, L.sQueue, L.ring
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
@@ -266,24 +281,10 @@ class Megakernel(EventWaits, DynamicQueue):
         return ok, qcount, rcount
 
     @cute.jit
-    def _producer(
-        self,
-        tensors,
-        prog,
-        dev,
-        peers,
-        ev_off,
-        epoch,
-        stamp,
-        num_tasks,
-        lane,
-        timeout_ns,
-        bars,
-        sQueue,
-        sRec,
-        ring,
-    ):
+    def _producer(self, L, lane):
         """Producer warp: every task of this CTA, then a stop record for the consumers."""
+        prog, dev, stamp, num_tasks = L.prog, L.dev, L.stamp, L.num_tasks
+        timeout_ns, bars, sQueue, sRec = L.timeout_ns, L.bars, L.sQueue, L.sRec
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         bidx, _, _ = cute.arch.block_idx()
@@ -305,22 +306,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 alive = t >= 0
                 if alive:
                     rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
-                    alive, qcount, rcount = self._produce(
-                        tensors,
-                        prog,
-                        dev,
-                        peers,
-                        ev_off,
-                        rec,
-                        epoch,
-                        lane,
-                        timeout_ns,
-                        bars,
-                        sQueue,
-                        ring,
-                        qcount,
-                        rcount,
-                    )
+                    alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
         else:
             queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
             i = queue_ptr[bidx]
@@ -336,22 +322,7 @@ class Megakernel(EventWaits, DynamicQueue):
                 for k in range(n):
                     if ok:
                         rec = tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
-                        ok, qcount, rcount = self._produce(
-                            tensors,
-                            prog,
-                            dev,
-                            peers,
-                            ev_off,
-                            rec,
-                            epoch,
-                            lane,
-                            timeout_ns,
-                            bars,
-                            sQueue,
-                            ring,
-                            qcount,
-                            rcount,
-                        )
+                        ok, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
                 cute.arch.sync_warp()
                 i = i + CHUNK
                 alive = ok and i < i_end
@@ -361,27 +332,12 @@ class Megakernel(EventWaits, DynamicQueue):
 
     # -- consumers ----------------------------------------------------------------------------
     @cute.jit
-    def _consumer(
-        self,
-        tensors,
-        prog,
-        dev,
-        mProf,
-        epoch,
-        stamp,
-        num_init,
-        ctid,
-        bars,
-        sQueue,
-        sDone,
-        sEpiRec,
-        ring,
-        epi,
-        scratch,
-        timeout_ns: Int64,
-    ):
+    def _consumer(self, L, ctid):
         """Consumer warpgroups: run the tasks the producer hands over until a stop record.
         Dynamic mode: consumer warp 0 hands each finished task to the completer warp."""
+        tensors, prog, dev, mProf = L.tensors, L.prog, L.dev, L.prof
+        bars, sQueue, sDone, sEpiRec = L.bars, L.sQueue, L.sDone, L.sEpiRec
+        ring, epi, scratch, timeout_ns = L.ring, L.epi, L.scratch, L.timeout_ns
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         state = dev[D["state"]]
@@ -482,10 +438,12 @@ class Megakernel(EventWaits, DynamicQueue):
                 notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
 
     @cute.jit
-    def _storer(self, tensors, prog, dev, mProf, epoch, stamp, num_init, lane, sEpiRec, sWork, epi):
+    def _storer(self, L, lane):
         """Producer warpgroup's storer warp: for each ring tile the consumers staged, issue its
         TMA store, free the staging buffer once it is read, wait for the writes, then notify
         (static) or complete the task (dynamic), while the consumers run their next tile."""
+        tensors, prog, dev, mProf, epoch = L.tensors, L.prog, L.dev, L.prof, L.epoch
+        stamp, num_init, sEpiRec, sWork, epi = L.stamp, L.num_init, L.sEpiRec, L.sWork2, L.epi
         w = self.w
         # the staging buffer starts free
         cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
@@ -517,22 +475,17 @@ class Megakernel(EventWaits, DynamicQueue):
                     )
 
     @cute.jit
-    def _completer(
-        self,
-        tensors,
-        prog,
-        dev,
-        epoch,
-        stamp,
-        num_init,
-        lane,
-        bars,
-        sDone,
-        sWork,
-        timeout_ns: Int64,
-    ):
+    def _completer(self, L, lane):
         """Dynamic mode, producer warpgroup's warp 1: complete each task the consumers finished
         (events, ready consumers pushed), so the consumers go straight to their next task."""
+        tensors, prog, dev, epoch, stamp = L.tensors, L.prog, L.dev, L.epoch, L.stamp
+        num_init, bars, sDone, sWork, timeout_ns = (
+            L.num_init,
+            L.bars,
+            L.sDone,
+            L.sWork,
+            L.timeout_ns,
+        )
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         _, _, _, _, d_full, d_empty = bars
@@ -618,77 +571,43 @@ class Megakernel(EventWaits, DynamicQueue):
                 cute.arch.store(rq.iterator + j, stamp + init_tasks[j], sem="relaxed", scope="gpu")
         cute.arch.sync_threads()
 
-        bars = (q_full, q_empty, r_full, r_empty, d_full, d_empty)
+        L = _Launch(
+            tensors=tensors,
+            prog=prog,
+            dev=dev,
+            prof=mProf,
+            peers=mPeers,
+            ev_off=ev_off,
+            epoch=epoch,
+            stamp=stamp,
+            num_tasks=num_tasks,
+            num_init=num_init,
+            timeout_ns=timeout_ns,
+            bars=(q_full, q_empty, r_full, r_empty, d_full, d_empty),
+            sQueue=sQueue,
+            sRec=sRec,
+            sDone=sDone,
+            sEpiRec=sEpiRec,
+            sWork=sWork,
+            sWork2=sWork2,
+            ring=ring,
+            epi=epi,
+            scratch=scratch,
+        )
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         if warp < WARPGROUP // WARP:
             cute.arch.setmaxregister_decrease(w.producer_regs)
             if warp == 0:
-                self._producer(
-                    tensors,
-                    prog,
-                    dev,
-                    mPeers,
-                    ev_off,
-                    epoch,
-                    stamp,
-                    num_tasks,
-                    tidx,
-                    timeout_ns,
-                    bars,
-                    sQueue,
-                    sRec,
-                    ring,
-                )
+                self._producer(L, tidx)
             if cutlass.const_expr(w.ring_stages > 0):
                 if warp == STORER_WARP:
-                    self._storer(
-                        tensors,
-                        prog,
-                        dev,
-                        mProf,
-                        epoch,
-                        stamp,
-                        num_init,
-                        tidx % WARP,
-                        sEpiRec,
-                        sWork2,
-                        epi,
-                    )
+                    self._storer(L, tidx % WARP)
             if cutlass.const_expr(self.spec.dynamic):
                 if warp == 1:
-                    self._completer(
-                        tensors,
-                        prog,
-                        dev,
-                        epoch,
-                        stamp,
-                        num_init,
-                        tidx - WARP,
-                        bars,
-                        sDone,
-                        sWork,
-                        timeout_ns,
-                    )
+                    self._completer(L, tidx - WARP)
         else:
             cute.arch.setmaxregister_increase(w.consumer_regs)
-            self._consumer(
-                tensors,
-                prog,
-                dev,
-                mProf,
-                epoch,
-                stamp,
-                num_init,
-                tidx - WARPGROUP,
-                bars,
-                sQueue,
-                sDone,
-                sEpiRec,
-                ring,
-                epi,
-                scratch,
-                timeout_ns,
-            )
+            self._consumer(L, tidx - WARPGROUP)
 
         # last CTA out closes the launch: next epoch, queue counters back to zero; once the
         # counter targets (count * epoch, epoch * num_tasks) would pass int32, it zeroes every
