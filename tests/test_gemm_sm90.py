@@ -184,3 +184,28 @@ def test_megakernel_mlp_with_hopper_tiles(scheduler, blocks):
         assert not torch.isnan(y).any()
         err = ((y.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"T={t}: rel err {err:.2e}"
+
+
+def test_weight_loads_precede_events_only_for_leaves():
+    """A GEMM's B loads are issued before its events only where no node writes B."""
+    from cutemk.runtime import kernel_spec
+
+    g = mk.Graph("bprod")
+    x = g.input("x", (mk.sym("T", 256), 256), torch.bfloat16)
+    w = g.weight("w", (256, 256), torch.bfloat16)
+    h = g.call(ops.gemm, x, w, block_m=64, block_n=64)  # B is a weight: prefetched
+    y = g.call(ops.gemm, x, h, block_m=64, block_n=64)  # B is produced in the launch
+    g.output(y, "y")
+    spec = kernel_spec(g, dynamic=False)
+    assert spec.prefetch == (True, False)
+    assert spec.worker.threads == 384 and spec.worker.ring_stages >= 2
+
+
+def test_worker_shape_checks_its_register_split():
+    from cutemk.device.config import WorkerShape
+
+    WorkerShape().check()
+    with pytest.raises(AssertionError, match="registers"):
+        WorkerShape(producer_regs=64, consumer_regs=240).check()
+    with pytest.raises(AssertionError):
+        WorkerShape(ring_stages=1, slot_bytes=1024).check()
