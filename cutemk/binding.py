@@ -64,6 +64,7 @@ def bind(
                 f"{leaf.name} must be contiguous (got strides {t.stride()} for "
                 f"shape {tuple(t.shape)})"
             )
+        given[leaf.name] = t = _canonical(t)
         for d, dim in enumerate(leaf.shape):
             if isinstance(dim, Sym):
                 n = int(t.shape[d])
@@ -83,6 +84,23 @@ def bind(
                 f"got {tuple(t.shape)}"
             )
     return env, {leaf.name: given[leaf.name] for leaf in leaves}
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as device code sees it: inference only (no autograd: the kernels write no graph,
+    and DLPack refuses tensors that require grad), with exactly row-major strides. torch calls
+    a tensor contiguous whatever the stride of a size-1 dim, but a TMA descriptor built from a
+    (1, K) view with strides (1, 1) would step 2 bytes a row: re-view it, at no cost."""
+    if t.requires_grad:
+        t = t.detach()
+    want, step = [], 1
+    for n in reversed(t.shape):
+        want.append(step)
+        step *= max(int(n), 1)
+    want = tuple(reversed(want))
+    if t.stride() != want:
+        t = t.as_strided(tuple(t.shape), want)
+    return t
 
 
 def env_key(env: Mapping[str, int]) -> tuple[tuple[str, int], ...]:

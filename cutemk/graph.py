@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from .errors import GraphError
+from .errors import GraphError, ShapeError
 from .events import EventMap, EventTensor, IndexMap
-from .symbolic import IntLike, Sym, const, free_syms
+from .symbolic import Expr, IntLike, Sym, const, free_syms
 from .tileop import TensorSpec, TileOp
 
 
@@ -226,6 +226,11 @@ class Graph:
     def _leaf(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype, kind: str) -> Value:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
+        for d, dim in enumerate(shape):
+            if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
+                raise TypeError(f"{name}.shape[{d}] must be an int or a sym, got {dim!r}")
+            if (dim if isinstance(dim, int) else dim.bounds()[0]) < 0:
+                raise ShapeError(f"{name}.shape[{d}] must not be negative, got {dim}")
         self._claim(name)
         v = Value(
             self,

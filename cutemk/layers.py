@@ -31,6 +31,13 @@ class MoeConfig:
     block_n: int = 32
 
 
+def _positive(**sizes: int) -> None:
+    """Layer sizes are positive ints; the error names the argument (not an op deep inside)."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
 def mlp_graph(
     tokens: Sym,
     hidden: int,
@@ -46,6 +53,7 @@ def mlp_graph(
     ``down_block`` = (block_m, block_n) of the down projection (default: the gate/up blocks):
     the fused gate/up tile holds two accumulators, so it is half as wide as the down tile can
     be at the same register budget."""
+    _positive(hidden=hidden, intermediate=intermediate, block_m=block_m, block_n=block_n)
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
     w_gu = g.weight("w_gate_up", (2 * intermediate, hidden), dtype)
@@ -64,6 +72,16 @@ def mlp_graph(
 def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -> Graph:
     """Qwen3-MoE sparse block: gate GEMM -> softmax/top-k -> route -> grouped GEMM gate_up ->
     SiLU*mul -> grouped GEMM down -> combine. Leaves: x, w_router, w_gate_up, w_down."""
+    _positive(
+        hidden=cfg.hidden,
+        intermediate=cfg.intermediate,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+    )
+    if cfg.top_k > cfg.num_experts:
+        raise ValueError(f"top_k={cfg.top_k} exceeds num_experts={cfg.num_experts}")
     g = Graph("qwen3_moe")
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
     x = g.input("x", (tokens, h), dtype)

@@ -91,6 +91,10 @@ class Sym(Expr):
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
             raise ValueError(f"sym name must be an identifier, got {self.name!r}")
+        for f in ("max", "min"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"sym {self.name}: {f} must be an int, got {v!r}")
         if not (0 <= self.min <= self.max):
             raise ValueError(
                 f"sym {self.name}: need 0 <= min <= max, got min={self.min} max={self.max}"

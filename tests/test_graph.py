@@ -140,3 +140,42 @@ def test_region_declarations_are_checked():
         g.output(g.call(bad(h.spec), h))
         with pytest.raises(mk.GraphError, match=msg):
             instantiate(g, {"T": 3})
+
+
+def test_bad_sizes_are_refused_when_the_graph_is_built():
+    from cutemk.layers import MoeConfig, mlp_graph, moe_graph
+
+    with pytest.raises(TypeError, match="max must be an int"):
+        mk.sym("T", max=2.5)
+    with pytest.raises(ValueError, match="hidden must be a positive int"):
+        mlp_graph(mk.sym("T", 8), hidden=-64, intermediate=128)
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        moe_graph(mk.sym("T", 8), MoeConfig(64, 32, num_experts=0, top_k=2))
+    with pytest.raises(ValueError, match="top_k=4 exceeds num_experts=2"):
+        moe_graph(mk.sym("T", 8), MoeConfig(64, 32, num_experts=2, top_k=4))
+    g = mk.Graph("neg")
+    with pytest.raises(mk.ShapeError, match=r"x.shape\[1\] must not be negative"):
+        g.input("x", (mk.sym("T", 8), -5))
+    with pytest.raises(mk.ShapeError, match="must not be negative"):
+        g.input("y", (mk.sym("T", 8) - 9, 4))
+    with pytest.raises(TypeError, match="must be an int or a sym"):
+        g.input("z", (2.5, 4))
+
+
+def test_size_one_dims_and_autograd_inputs_are_bound_as_device_code_sees_them():
+    """A (1, K) view with strides (1, 1) is contiguous to torch but not row-major: it is
+    re-viewed with row-major strides; tensors that require grad run as inference."""
+    from cutemk.binding import bind
+
+    g = mk.Graph("bind")
+    x = g.input("x", (mk.sym("T", 8), 16))
+    w = g.weight("w", (4, 16))
+    g.output(g.call(ops.gemm, x, w, block_m=16, block_n=16), "y")
+    a = torch.randn(16, 1).T
+    assert a.stride() == (1, 1) and a.is_contiguous()
+    wt = torch.randn(4, 16, requires_grad=True)
+    _, t = bind(g, [a, wt], {})
+    assert t["x"].stride() == (16, 1) and torch.equal(t["x"], a)
+    assert not t["w"].requires_grad
+    y = g.compile("interpret")(a, wt)
+    assert torch.allclose(y, a @ wt.detach().T, atol=1e-5) and not y.requires_grad
