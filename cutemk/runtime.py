@@ -50,7 +50,7 @@ from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
 from .plan import Plan, instantiate
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
-from .symbolic import upper
+from .symbolic import free_syms, upper
 from .tileop import TileOp
 from .device.ring import WAIT_NAMES
 
@@ -213,12 +213,28 @@ class CuteGraph:
                 "rank must call the graph with the same shapes, in the same order"
             )
 
+    def scratch_bytes(self) -> int:
+        """Device memory the graph's intermediates take, sized at every dim's maximum."""
+        return scratch_bytes(self.graph)
+
+    def _check_scratch_fits(self) -> None:
+        need = self.scratch_bytes()
+        free, _ = torch.cuda.mem_get_info()
+        if need > free:
+            raise CuteMKError(
+                f"{self.graph.name}: its intermediates need {need / 2**30:.2f} GiB at the dims' "
+                f"maxima ({_max_dims(self.graph)}), but {free / 2**30:.2f} GiB are free on the "
+                "GPU; declare smaller maxima"
+            )
+
     def _scratch(self, v) -> torch.Tensor:
         """One buffer per intermediate, sized for the dims' maxima and shared by every token
         count (a launch at a new count takes a view): memory stays flat however many counts
         are served. Launches are stream-ordered, so one graph serves one stream at a time."""
         buf = self._scratch_bufs.get(v.name)
         if buf is None:
+            if not self._scratch_bufs:
+                self._check_scratch_fits()
             numel = max(int(np.prod([upper(d) for d in v.shape])), 1)
             if v.name in self.symmetric:  # reached by other ranks: symmetric memory
                 buf, ptrs = self.comm.symmetric_empty(numel, v.dtype)
@@ -380,6 +396,23 @@ class CuteGraph:
         path = Path(path)
         path.write_text(json.dumps(chrome_trace(self.profile_records(), self.graph.name)))
         return path
+
+
+def scratch_bytes(graph: Graph) -> int:
+    """Bytes of the intermediates of ``graph`` at every dim's maximum (what the cute backend
+    allocates once and shares across token counts)."""
+    total = 0
+    outputs = {id(v) for v in graph.outputs}
+    for v in graph.values:
+        if v.kind == "intermediate" and id(v) not in outputs:  # outputs: allocated per call
+            numel = max(int(np.prod([upper(d) for d in v.shape], dtype=object)), 1)
+            total += numel * v.dtype.itemsize
+    return total
+
+
+def _max_dims(graph: Graph) -> str:
+    syms = {s.name: s.max for v in graph.values for d in v.shape for s in free_syms(d)}
+    return ", ".join(f"{k} <= {m}" for k, m in sorted(syms.items()))
 
 
 def kernel_spec(

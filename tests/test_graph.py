@@ -179,3 +179,24 @@ def test_size_one_dims_and_autograd_inputs_are_bound_as_device_code_sees_them():
     assert not t["w"].requires_grad
     y = g.compile("interpret")(a, wt)
     assert torch.allclose(y, a @ wt.detach().T, atol=1e-5) and not y.requires_grad
+
+
+def test_scratch_at_the_maxima_is_reported():
+    from cutemk.runtime import scratch_bytes
+
+    t = mk.sym("T", max=2**31)
+    g = mlp_graph(t, 4096, 12288, torch.bfloat16)
+    # gate_up output (T, 2I) and silu_mul output (T, I), bf16, at T = 2^31
+    assert scratch_bytes(g) == 2**31 * (2 * 12288 + 12288) * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scratch_that_cannot_fit_is_refused_with_its_size():
+    g = mlp_graph(mk.sym("T", max=2**31), 4096, 12288, torch.bfloat16, 64, 64)
+    c = g.compile("cute")
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    wgu = torch.randn(2 * 12288, 4096, device="cuda").bfloat16()
+    wd = torch.randn(4096, 12288, device="cuda").bfloat16()
+    with pytest.raises(mk.CuteMKError, match=r"need 147456\.00 GiB .* T <= 2147483648"):
+        c(x, wgu, wd)
