@@ -17,7 +17,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Protocol, Union, runtime_checkable
 
-from .errors import GraphError, ScheduleError
+from .errors import ScheduleError
+from .depgraph import DepGraph
 from .plan import Plan
 
 
@@ -64,27 +65,9 @@ def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
         ) from None
 
 
-def topological_order(plan: Plan, preds: list[set[int]] | None = None) -> list[int]:
-    """Task ids in dependency order (``preds``: the plan's own by default); raises GraphError
-    if the task graph has a cycle."""
-    preds = plan.preds() if preds is None else preds
-    succs: list[list[int]] = [[] for _ in range(plan.num_tasks)]
-    indeg = [len(p) for p in preds]
-    for t, ps in enumerate(preds):
-        for p in ps:
-            succs[p].append(t)
-    order = [t for t in range(plan.num_tasks) if indeg[t] == 0]
-    i = 0
-    while i < len(order):
-        for s in succs[order[i]]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                order.append(s)
-        i += 1
-    if len(order) != plan.num_tasks:
-        stuck = [plan.tasks[t].label for t in range(plan.num_tasks) if indeg[t] > 0][:8]
-        raise GraphError(f"the task graph has a dependency cycle through {', '.join(stuck)}")
-    return order
+def topological_order(plan: Plan) -> list[int]:
+    """Task ids in dependency order; raises GraphError if the task graph has a cycle."""
+    return DepGraph.of(plan).topological_order(plan)
 
 
 def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None = None) -> None:
@@ -105,7 +88,15 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
     if len(seen) != plan.num_tasks:
         missing = [plan.tasks[t].label for t in range(plan.num_tasks) if t not in seen][:8]
         raise ScheduleError(f"{plan.num_tasks - len(seen)} tasks are in no queue: {missing}")
-    # edges: dependency p -> t, and queue order q[i] -> q[i+1]
+    # dependencies (through events) and queue order q[i] -> q[i+1] must be acyclic
+    queue_next = [-1] * plan.num_tasks
+    for q in sched.queues:
+        for a, b in zip(q, q[1:]):
+            queue_next[a] = b
+    order, _ = DepGraph.of(plan).kahn(queue_next)
+    if len(order) == plan.num_tasks:
+        return
+    # a cycle: name it from the expanded task graph (slow, and only on this path)
     preds = plan.preds()
     edges_in: list[list[tuple[int, str]]] = [[(p, "dep") for p in ps] for ps in preds]
     for q in sched.queues:
@@ -125,8 +116,7 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
-    if done == plan.num_tasks:
-        return
+    assert done < plan.num_tasks, "the event walk and the expanded graph disagree"
     raise ScheduleError(
         "static schedule would deadlock on the GPU: " + _describe_cycle(plan, seen, edges_in, indeg)
     )
@@ -156,16 +146,21 @@ def _describe_cycle(plan: Plan, sm_of: dict[int, int], edges_in, indeg) -> str:
 
 def critical_path(plan: Plan) -> tuple[float, list[int]]:
     """Longest cost-weighted dependency path: (microseconds, task ids)."""
-    order = topological_order(plan)
-    preds = plan.preds()
+    g = DepGraph.of(plan)
+    order = g.topological_order(plan)
     best = [0.0] * plan.num_tasks
     via = [-1] * plan.num_tasks
+    ev_end = [0.0] * len(g.notifiers)  # latest end among an event's notifiers so far
+    ev_via = [-1] * len(g.notifiers)
     for t in order:
         start = 0.0
-        for p in preds[t]:
-            if best[p] > start:
-                start, via[t] = best[p], p
+        for e in g.waits[t]:
+            if ev_end[e] > start:
+                start, via[t] = ev_end[e], ev_via[e]
         best[t] = start + plan.cost[t]
+        for e in g.notifies[t]:
+            if ev_via[e] < 0 or best[t] > ev_end[e]:
+                ev_end[e], ev_via[e] = best[t], t
     if not order:
         return 0.0, []
     end = max(range(plan.num_tasks), key=best.__getitem__)

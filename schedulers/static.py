@@ -5,7 +5,12 @@ the longest path from the task to the end of the graph) among those whose predec
 placed, and each goes to the SM where the cost model says it can start earliest (an SM is free
 when its last task ends; a dependency on another SM adds one notify -> wait hop). Because tasks
 are placed in one topological order, every queue is consistent with that order, so the schedule
-can never hold a cross-SM wait cycle; ``check_static_schedule`` verifies it anyway.
+can never hold a cross-SM wait cycle (the backends check it anyway).
+
+Dependencies are walked as tasks and events (``cutemk.depgraph``), never as expanded
+producer-consumer pairs: each event keeps a summary of its notifiers placed so far (the latest
+finish, its SM, and the latest finish on any other SM), which is all a consumer's earliest start
+on each SM depends on. Building costs O(tasks x SMs + waits + notifies).
 """
 
 from __future__ import annotations
@@ -16,13 +21,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from cutemk.costmodel import H200, Hardware
+from cutemk.depgraph import DepGraph
 from cutemk.plan import Plan
-from cutemk.scheduling import (
-    SchedulingMode,
-    StaticSchedule,
-    check_static_schedule,
-    topological_order,
-)
+from cutemk.scheduling import SchedulingMode, StaticSchedule
+
+
+class _Latest:
+    """The latest finish among some placed tasks (``best`` on SM ``sm``) and the latest on any
+    SM other than ``sm`` (``second``); -1.0 where there is none."""
+
+    __slots__ = ("best", "sm", "second")
+
+    def __init__(self) -> None:
+        self.best, self.sm, self.second = -1.0, -1, -1.0
+
+    def add(self, f: float, sm: int) -> None:
+        if sm == self.sm:
+            self.best = max(self.best, f)
+        elif f > self.best:
+            self.second = max(self.second, self.best)
+            self.best, self.sm = f, sm
+        elif f > self.second:
+            self.second = f
 
 
 @dataclass(frozen=True)
@@ -34,48 +54,64 @@ class StaticScheduler:
     def build(self, plan: Plan, num_sms: int) -> StaticSchedule:
         if num_sms < 1:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
-        preds = plan.preds(mirror_remote=True)
-        order = topological_order(plan, preds)
-        succs: list[list[int]] = [[] for _ in range(plan.num_tasks)]
-        for t, ps in enumerate(preds):
-            for p in ps:
-                succs[p].append(t)
-        rank = [0.0] * plan.num_tasks
-        for t in reversed(order):
-            rank[t] = plan.cost[t] + max((rank[s] for s in succs[t]), default=0.0)
-
+        g = DepGraph.of(plan, mirror_remote=True)
+        order = g.topological_order(plan)
+        rank = g.upward_rank(order, plan.cost)
+        latest = [_Latest() for _ in g.notifiers]
+        ev_left = [len(p) for p in g.notifiers]
+        missing = [len(g.waits[t]) + len(g.extra[t]) for t in range(plan.num_tasks)]
         sm_free = np.zeros(num_sms)
         finish = [0.0] * plan.num_tasks
         sm_of = [-1] * plan.num_tasks
         queues: list[list[int]] = [[] for _ in range(num_sms)]
-        missing = [len(p) for p in preds]
         # ties: node order, then the op's preferred tile order (grid order by default)
         key = [plan.task_key(t) for t in range(plan.num_tasks)]
         heap = [(-rank[t], key[t], t) for t in range(plan.num_tasks) if missing[t] == 0]
         heapq.heapify(heap)
         hop = self.hw.hop_us
+        ready = np.zeros(num_sms)
         while heap:
             _, _, t = heapq.heappop(heap)
-            ready = np.zeros(num_sms)
-            if preds[t]:
-                far = max(finish[p] for p in preds[t]) + hop
-                ready[:] = far
-                by_sm: dict[int, list[float]] = {}
-                for p in preds[t]:
-                    by_sm.setdefault(sm_of[p], []).append(finish[p])
-                for sm in by_sm:
-                    others = [finish[p] + hop for p in preds[t] if sm_of[p] != sm]
-                    ready[sm] = max(max(by_sm[sm]), max(others, default=0.0))
+            ready[:] = 0.0
+            if g.waits[t] or g.extra[t]:
+                _ready_times(g, t, latest, finish, sm_of, hop, ready)
             start = np.maximum(ready, sm_free)
             sm = int(np.argmin(start))
             finish[t] = float(start[sm]) + plan.cost[t]
             sm_free[sm] = finish[t]
             sm_of[t] = sm
             queues[sm].append(t)
-            for s in succs[t]:
+            for e in g.notifies[t]:
+                latest[e].add(finish[t], sm)
+                ev_left[e] -= 1
+                if ev_left[e] == 0:
+                    for c in g.consumers[e]:
+                        missing[c] -= 1
+                        if missing[c] == 0:
+                            heapq.heappush(heap, (-rank[c], key[c], c))
+            for s in g.extra_succ[t]:
                 missing[s] -= 1
                 if missing[s] == 0:
                     heapq.heappush(heap, (-rank[s], key[s], s))
-        sched = StaticSchedule(tuple(tuple(q) for q in queues))
-        check_static_schedule(plan, sched)
-        return sched
+        return StaticSchedule(tuple(tuple(q) for q in queues))
+
+
+def _ready_times(g: DepGraph, t: int, latest, finish, sm_of, hop: float, ready: np.ndarray):
+    """When task t can start on each SM: a predecessor on the same SM is waited for as it
+    ends, one on another SM one hop later. Only the latest predecessor (on SM b) and the latest
+    on any other SM matter: every SM but b waits for the latest plus a hop, SM b for the later of
+    its own latest and the other SMs' latest plus a hop."""
+    u = _Latest()
+    for e in g.waits[t]:
+        u.add(latest[e].best, latest[e].sm)
+    for p in g.extra[t]:
+        u.add(finish[p], sm_of[p])
+    # an event's second is on some SM other than its best's; where that SM is the union's best
+    # SM, the event's best (later, on another SM) is already a candidate, so it changes nothing
+    for e in g.waits[t]:
+        if latest[e].sm != u.sm:
+            u.second = max(u.second, latest[e].best)
+        else:
+            u.second = max(u.second, latest[e].second)
+    ready[:] = u.best + hop
+    ready[u.sm] = max(u.best, u.second + hop if u.second >= 0.0 else 0.0)

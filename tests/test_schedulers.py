@@ -76,3 +76,81 @@ def test_critical_path_follows_dependencies():
     us, path = mk.critical_path(plan)
     assert [plan.tasks[t].node.name for t in path] == ["gemm0", "silu_mul0", "gemm1"]
     assert us == pytest.approx(sum(plan.cost[t] for t in path))
+
+
+def _expanded_list_schedule(plan, num_sms, hop):
+    """Reference: the same list scheduling over expanded task-to-task edges (quadratic in an
+    all-to-all layer; what the event walk must reproduce exactly)."""
+    import heapq
+
+    import numpy as np
+
+    preds = plan.preds(mirror_remote=True)
+    succs = [[] for _ in range(plan.num_tasks)]
+    for t, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(t)
+    indeg = [len(p) for p in preds]
+    order = [t for t in range(plan.num_tasks) if indeg[t] == 0]
+    for t in order:
+        for s in succs[t]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                order.append(s)
+    rank = [0.0] * plan.num_tasks
+    for t in reversed(order):
+        rank[t] = plan.cost[t] + max((rank[s] for s in succs[t]), default=0.0)
+    sm_free, finish, sm_of = np.zeros(num_sms), [0.0] * plan.num_tasks, [-1] * plan.num_tasks
+    queues = [[] for _ in range(num_sms)]
+    missing = [len(p) for p in preds]
+    heap = [(-rank[t], plan.task_key(t), t) for t in range(plan.num_tasks) if not missing[t]]
+    heapq.heapify(heap)
+    while heap:
+        _, _, t = heapq.heappop(heap)
+        ready = np.zeros(num_sms)
+        if preds[t]:
+            ready[:] = max(finish[p] for p in preds[t]) + hop
+            for sm in {sm_of[p] for p in preds[t]}:
+                others = [finish[p] + hop for p in preds[t] if sm_of[p] != sm]
+                own = max(finish[p] for p in preds[t] if sm_of[p] == sm)
+                ready[sm] = max(own, max(others, default=0.0))
+        start = np.maximum(ready, sm_free)
+        sm = int(np.argmin(start))
+        finish[t] = float(start[sm]) + plan.cost[t]
+        sm_free[sm], sm_of[t] = finish[t], sm
+        queues[sm].append(t)
+        for s in succs[t]:
+            missing[s] -= 1
+            if missing[s] == 0:
+                heapq.heappush(heap, (-rank[s], plan.task_key(s), s))
+    return tuple(tuple(q) for q in queues)
+
+
+@pytest.mark.parametrize("num_sms", [1, 5, 132])
+def test_event_walk_schedules_like_expanded_edges(num_sms):
+    """The static scheduler walks events, never producer-consumer pairs; its queues equal the
+    expanded-edge list schedule on layers with all-to-all steps and on distributed plans."""
+    from cutemk.layers import MoeConfig, moe_graph
+    from cutemk.tp import gemm_rs_graph
+
+    T = mk.sym("T", max=1024)
+    plans = [
+        instantiate(moe_graph(T, MoeConfig(128, 64, 8, 2)), {"T": 77}),
+        instantiate(mlp_graph(T, 64, 48, block_m=8, block_n=16), {"T": 40}),
+        instantiate(
+            gemm_rs_graph(T, 256, 512, 2, torch.bfloat16, 64, 64, 64, 128),
+            {"T": 256, "RANK": 1, "WORLD": 2},
+        ),
+    ]
+    for plan in plans:
+        hop = StaticScheduler().hw.hop_us
+        got = StaticScheduler().build(plan, num_sms).queues
+        assert got == _expanded_list_schedule(plan, num_sms, hop)
+
+
+def test_critical_path_through_events():
+    _, plan = _plan()
+    us, path = mk.critical_path(plan)
+    preds = plan.preds()
+    assert all(a in preds[b] for a, b in zip(path, path[1:]))
+    assert us == pytest.approx(sum(plan.cost[t] for t in path))
