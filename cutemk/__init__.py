@@ -35,6 +35,25 @@ from .scheduling import (
 from .symbolic import Expr, Sym, cdiv, smax, smin, sym
 from .tileop import TensorSpec, TileOp, register_op
 
+from . import registry as _registry
+
+
+def _interpret_backend():
+    from .interpret import InterpretedGraph
+
+    return InterpretedGraph
+
+
+def _cute_backend():
+    from .runtime import CuteGraph  # imports CuTe DSL: only when a graph is compiled for it
+
+    return CuteGraph
+
+
+_registry.register_backend("interpret", _interpret_backend)
+_registry.register_backend("cute", _cute_backend)
+from . import schedulers as _schedulers  # noqa: E402,F401  (the policies register themselves)
+
 __version__ = "0.1.0"
 
 

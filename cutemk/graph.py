@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
+from . import registry
 from .errors import GraphError, ShapeError
 from .events import EventMap, EventTensor, IndexMap
 from .symbolic import Expr, IntLike, Sym, const, free_syms
@@ -212,15 +213,11 @@ class Graph:
         self.validate()
         if backend is None:
             backend = "cute" if torch.cuda.is_available() else "interpret"
-        if backend == "interpret":
-            from .interpret import InterpretedGraph
-
-            return InterpretedGraph(self, **options)
-        if backend == "cute":
-            from .runtime import CuteGraph
-
-            return CuteGraph(self, **options)
-        raise GraphError(f"unknown backend {backend!r}; known: 'cute', 'interpret'")
+        try:
+            cls = registry.backend(backend)
+        except ValueError as e:
+            raise GraphError(str(e)) from None
+        return cls(self, **options)
 
     # -- internals --------------------------------------------------------------------------
     def _leaf(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype, kind: str) -> Value:

@@ -13,13 +13,13 @@ on the GPU is a hang. :func:`check_static_schedule` rejects such schedules when 
 from __future__ import annotations
 
 import enum
-import importlib
 from dataclasses import dataclass
 from typing import Protocol, Union, runtime_checkable
 
 from .errors import ScheduleError
 from .depgraph import DepGraph
 from .plan import Plan
+from .registry import scheduler_classes
 
 
 class SchedulingMode(enum.Enum):
@@ -56,12 +56,12 @@ def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
     """'static' / 'dynamic' -> the default policy of that mode; instances pass through."""
     if isinstance(spec, Scheduler):
         return spec
-    mod = importlib.import_module("cutemk.schedulers")
+    known = scheduler_classes()
     try:
-        return mod.BY_NAME[spec]()
-    except KeyError:
+        return known[spec]()
+    except (KeyError, TypeError):
         raise ValueError(
-            f"scheduler must be one of {sorted(mod.BY_NAME)} or a Scheduler instance, got {spec!r}"
+            f"scheduler must be one of {sorted(known)} or a Scheduler instance, got {spec!r}"
         ) from None
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cutemk.plan import Plan
+from cutemk.registry import register_scheduler
 from cutemk.scheduling import SchedulingMode
 
 
+@register_scheduler
 @dataclass(frozen=True)
 class DynamicScheduler:
     mode: SchedulingMode = SchedulingMode.DYNAMIC

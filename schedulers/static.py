@@ -23,6 +23,7 @@ import numpy as np
 from cutemk.costmodel import H200, Hardware
 from cutemk.depgraph import DepGraph
 from cutemk.plan import Plan
+from cutemk.registry import register_scheduler
 from cutemk.scheduling import SchedulingMode, StaticSchedule
 
 
@@ -45,6 +46,7 @@ class _Latest:
             self.second = f
 
 
+@register_scheduler
 @dataclass(frozen=True)
 class StaticScheduler:
     hw: Hardware = H200

@@ -154,3 +154,27 @@ def test_critical_path_through_events():
     preds = plan.preds()
     assert all(a in preds[b] for a, b in zip(path, path[1:]))
     assert us == pytest.approx(sum(plan.cost[t] for t in path))
+
+
+def test_backends_and_policies_come_from_registries():
+    from cutemk import registry
+
+    assert set(registry.scheduler_classes()) >= {"static", "dynamic"}
+    with pytest.raises(mk.GraphError, match="unknown backend 'tpu'"):
+        _plan()[0].compile("tpu")
+
+    @registry.register_scheduler
+    class Reversed(StaticScheduler):  # a custom policy, known by name once registered
+        name = "reversed-test"
+
+    try:
+        assert isinstance(mk.resolve_scheduler("reversed-test"), Reversed)
+        g, _ = _plan(8)
+        out = g.compile("interpret", scheduler="reversed-test", num_sms=3)(
+            torch.randn(8, 64), torch.randn(96, 64), torch.randn(64, 48)
+        )
+        assert out.shape == (8, 64)
+    finally:
+        registry._SCHEDULERS.pop("reversed-test")
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        mk.resolve_scheduler("nope")
