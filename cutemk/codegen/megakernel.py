@@ -45,38 +45,26 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 
 from ..device.config import (
-    EPI_EMPTY_BARRIER,
-    EPI_FULL_BARRIER,
-    NUM_THREADS,
     STORER_WARP,
     WARP_SIZE as WARP,
     WARPGROUP,
     WorkerShape,
-    simt_sync,
 )
-from ..device.ring import init_barriers, producer_acquire, queue_get, queue_put
-from ..device.sync import notify_event
+from ..device.ring import init_barriers
 from ..errors import GraphError
 from ..tileop import TileOp
 from .dynamic import WORK_CAP, DynamicQueue
 from .layout import D, DEVICE_STATE, P, PROF_WIDTH, PROGRAM
 from .lower import (
-    ABORT,
     DONE,
     EPOCH,
     EXITED,
     HEAD,
-    R_C0,
-    R_C1,
-    R_NHI,
-    R_NLO,
-    R_NODE,
-    R_TASK,
-    R_WHI,
-    R_WLO,
     REC_WIDTH,
     TAIL,
 )
+from .consumers import ConsumerRoles
+from .producer import ProducerRole
 from .waits import EventWaits
 
 __all__ = ["DEVICE_STATE", "PROF_WIDTH", "PROGRAM", "KernelSpec", "Megakernel", "worker_shape"]
@@ -85,7 +73,6 @@ SMEM_ALIGN = 1024  # 128-byte swizzled TMA tiles need 1024-byte aligned shared m
 SMEM_LIMIT = 232448  # Hopper: shared memory one CTA may use
 SMEM_RESERVED = 4096  # the kernel's own state, barriers and alignment padding
 MAX_RING_STAGES = 16
-CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
 
 
 def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
@@ -158,7 +145,7 @@ class _Launch:
     scratch: object
 
 
-class Megakernel(EventWaits, DynamicQueue):
+class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
         self.w = spec.worker
@@ -200,305 +187,6 @@ class Megakernel(EventWaits, DynamicQueue):
                 if node == k:
                     ok = self.spec.ops[k].device_exists(tensors[k], c0, c1)
         return ok
-
-    # -- producer -----------------------------------------------------------------------------
-    @cute.jit
-    def _issue(self, tensors, k: int, c0, c1, j, idx, bar, ring, independent: bool, dependent):
-        op = self.spec.ops[k]
-        stages, slot = self.w.ring_stages, self.w.slot_bytes
-        if cutlass.const_expr(independent):
-            op.device_load_independent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
-        if cutlass.const_expr(dependent):
-            op.device_load_dependent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
-
-    @cute.jit
-    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
-        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
-        tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
-        epoch, timeout_ns, bars, sQueue, ring = L.epoch, L.timeout_ns, L.bars, L.sQueue, L.ring
-        w = self.w
-        pwait = self._pipeline_wait(dev, timeout_ns)
-        t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
-        q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
-        # (1) weights of the first slices, before the events
-        for k in cutlass.range_constexpr(self.num_nodes):
-            r = self.ring_of[k]
-            if cutlass.const_expr(r is not None and self.spec.prefetch[k]):
-                if node == k:
-                    for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
-                        idx = producer_acquire(
-                            r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
-                        )
-                        self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False)
-        # (2) events
-        ok = Boolean(True)
-        if cutlass.const_expr(not self.spec.dynamic):
-            ok = self._wait_all(prog, dev, t, rec[R_WLO], rec[R_WHI], epoch, lane, timeout_ns)
-        if cutlass.const_expr(self.spec.distributed):
-            if ok:
-                ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, lane, timeout_ns)
-        # every lane acquired its own events: the warp barrier orders them all before the
-        # elected lane's loads, and the verdict must be the warp's (the hand-over is warp-wide)
-        ok = cute.arch.vote_all_sync(ok)
-        cute.arch.sync_warp()
-        # (3) loads of data produced in this launch (even after an abort: the armed slots must
-        # complete, their data is never read)
-        if cutlass.const_expr(self.fence_async):
-            cute.arch.fence_proxy("async.global")
-        for k in cutlass.range_constexpr(self.num_nodes):
-            r = self.ring_of[k]
-            if cutlass.const_expr(r is not None):
-                if node == k:
-                    pre = min(r.slices, w.ring_stages)
-                    for j in cutlass.range_constexpr(pre):
-                        if cutlass.const_expr(self.spec.prefetch[k]):
-                            idx = (rcount + j) % w.ring_stages
-                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, False, True)
-                        else:
-                            idx = producer_acquire(
-                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
-                            )
-                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
-        # (4) hand the task over
-        stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
-        if ok:
-            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, rec, lane, pwait)
-        else:
-            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
-        qcount = qcount + 1
-        # (5) the remaining slices
-        if ok:
-            for k in cutlass.range_constexpr(self.num_nodes):
-                r = self.ring_of[k]
-                if cutlass.const_expr(r is not None):
-                    if node == k:
-                        for j in cutlass.range(min(r.slices, w.ring_stages), r.slices, unroll=1):
-                            idx = producer_acquire(
-                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
-                            )
-                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
-                        rcount = rcount + r.slices
-        return ok, qcount, rcount
-
-    @cute.jit
-    def _producer(self, L, lane):
-        """Producer warp: every task of this CTA, then a stop record for the consumers."""
-        prog, dev, stamp, num_tasks = L.prog, L.dev, L.stamp, L.num_tasks
-        timeout_ns, bars, sQueue, sRec = L.timeout_ns, L.bars, L.sQueue, L.sRec
-        w = self.w
-        pwait = self._pipeline_wait(dev, timeout_ns)
-        bidx, _, _ = cute.arch.block_idx()
-        qcount = Int32(0)
-        rcount = Int32(0)
-        if cutlass.const_expr(self.spec.dynamic):
-            task_rec = prog[P["task_rec"]]
-            ticket = Int32(0)
-            if lane == 0:
-                ticket = self._take_ticket(dev)
-            alive = Boolean(True)
-            while alive:
-                t = Int32(-1)
-                if lane == 0:
-                    t = self._pop(dev, ticket, num_tasks, stamp, timeout_ns)
-                    if t >= 0:  # the next ticket's round trip overlaps this task
-                        ticket = self._take_ticket(dev)
-                t = cute.arch.shuffle_sync(t, 0)
-                alive = t >= 0
-                if alive:
-                    rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
-                    alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
-        else:
-            queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
-            i = queue_ptr[bidx]
-            i_end = queue_ptr[bidx + 1]
-            alive = i < i_end
-            while alive:
-                # CHUNK records a coalesced load, one word a lane
-                if i * REC_WIDTH + lane < i_end * REC_WIDTH:
-                    sRec[lane] = queue_rec[i * REC_WIDTH + lane]
-                cute.arch.sync_warp()
-                n = cute.min(CHUNK, i_end - i)
-                ok = Boolean(True)
-                for k in range(n):
-                    if ok:
-                        rec = tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
-                        ok, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
-                cute.arch.sync_warp()
-                i = i + CHUNK
-                alive = ok and i < i_end
-        q_full, q_empty = bars[0], bars[1]
-        stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
-        queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
-
-    # -- consumers ----------------------------------------------------------------------------
-    @cute.jit
-    def _consumer(self, L, ctid):
-        """Consumer warpgroups: run the tasks the producer hands over until a stop record.
-        Dynamic mode: consumer warp 0 hands each finished task to the completer warp."""
-        tensors, prog, dev, mProf = L.tensors, L.prog, L.dev, L.prof
-        bars, sQueue, sDone, sEpiRec = L.bars, L.sQueue, L.sDone, L.sEpiRec
-        ring, epi, scratch, timeout_ns = L.ring, L.epi, L.scratch, L.timeout_ns
-        w = self.w
-        pwait = self._pipeline_wait(dev, timeout_ns)
-        state = dev[D["state"]]
-        q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
-        lane = ctid % WARP
-        qcount = Int32(0)
-        rcount = Int32(0)
-        dcount = Int32(0)
-        alive = Boolean(True)
-        while alive:
-            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane, pwait)
-            qcount = qcount + 1
-            t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
-            alive = t >= 0
-            if cutlass.const_expr(self.spec.watchdog):  # a gave-up wait may have read a stale slot
-                if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
-                    alive = Boolean(False)
-            if alive:
-                start = Int64(0)
-                if cutlass.const_expr(self.spec.profile):
-                    start = cute.arch.globaltimer()
-                is_ring = Boolean(False)
-                for k in cutlass.range_constexpr(self.num_nodes):
-                    if cutlass.const_expr(self.ring_of[k] is not None):
-                        if node == k:
-                            is_ring = Boolean(True)
-                            rcount = self.spec.ops[k].device_compute(
-                                tensors[k],
-                                c0,
-                                c1,
-                                r_full,
-                                r_empty,
-                                rcount,
-                                ring,
-                                w.ring_stages,
-                                w.slot_bytes,
-                                epi,
-                                ctid,
-                                pwait,
-                            )
-                if is_ring:  # the storer warp stores, notifies and profiles the tile
-                    if ctid == 0:
-                        for f in cutlass.range_constexpr(REC_WIDTH):
-                            sEpiRec[f] = rec[f]
-                        if cutlass.const_expr(self.spec.profile):
-                            mProf[t * PROF_WIDTH + 1] = start
-                    cute.arch.barrier_arrive(
-                        barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
-                    )
-                else:
-                    if ctid < NUM_THREADS:  # the SIMT group
-                        if self._exists(tensors, node, c0, c1):
-                            for k in cutlass.range_constexpr(self.num_nodes):
-                                if cutlass.const_expr(self.ring_of[k] is None):
-                                    if node == k:
-                                        self.spec.ops[k].device_tile(
-                                            tensors[k], c0, c1, ctid, scratch
-                                        )
-                            if cutlass.const_expr(self.fence_async):
-                                cute.arch.fence_proxy("async.global")
-                        simt_sync()
-                    if ctid < WARP:  # consumer warp 0 publishes a SIMT tile
-                        if ctid == 0:
-                            self._publish_static(prog, dev, mProf, rec, start)
-                        if cutlass.const_expr(self.spec.dynamic):
-                            queue_put(
-                                d_full, d_empty, sDone, dcount, w.task_slots, 1, (t,), lane, pwait
-                            )
-                            dcount = dcount + 1
-        if cutlass.const_expr(self.spec.dynamic):
-            if ctid < WARP:
-                queue_put(
-                    d_full, d_empty, sDone, dcount, w.task_slots, 1, (Int32(-1),), lane, pwait
-                )
-        if cutlass.const_expr(w.ring_stages > 0):
-            # stop the storer, once it has taken the last tile (or its initial arrive, if none):
-            # an arrive on EPI_FULL before that would complete the storer's pending barrier
-            cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
-            if ctid == 0:
-                sEpiRec[R_TASK] = Int32(-1)
-            cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
-
-    @cute.jit
-    def _publish_static(self, prog, dev, mProf, rec, start: Int64):
-        """One thread, after the task's output is complete: its profile record and (static
-        mode) the release adds to the events it notifies."""
-        t = rec[R_TASK]
-        if cutlass.const_expr(self.spec.profile):
-            base = t * PROF_WIDTH
-            mProf[base] = Int64(cute.arch.smid())
-            if start != 0:
-                mProf[base + 1] = start
-            mProf[base + 2] = cute.arch.globaltimer()
-            mProf[base + 3] = Int64(rec[R_NODE])
-        if cutlass.const_expr(not self.spec.dynamic):
-            notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
-            for j in range(rec[R_NLO], rec[R_NHI]):
-                notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
-
-    @cute.jit
-    def _storer(self, L, lane):
-        """Producer warpgroup's storer warp: for each ring tile the consumers staged, issue its
-        TMA store, free the staging buffer once it is read, wait for the writes, then notify
-        (static) or complete the task (dynamic), while the consumers run their next tile."""
-        tensors, prog, dev, mProf, epoch = L.tensors, L.prog, L.dev, L.prof, L.epoch
-        stamp, num_init, sEpiRec, sWork, epi = L.stamp, L.num_init, L.sEpiRec, L.sWork2, L.epi
-        w = self.w
-        # the staging buffer starts free
-        cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
-        alive = Boolean(True)
-        while alive:
-            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
-            rec = tuple(sEpiRec[f] for f in range(REC_WIDTH))
-            t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
-            alive = t >= 0
-            if alive:
-                for k in cutlass.range_constexpr(self.num_nodes):
-                    if cutlass.const_expr(self.ring_of[k] is not None):
-                        if node == k:
-                            self.spec.ops[k].device_store(tensors[k], c0, c1, epi)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier_arrive(
-                    barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads
-                )
-                cute.arch.cp_async_bulk_wait_group(0)
-                # the store's async-proxy writes before the generic release that notifies them
-                cute.arch.fence_proxy("async.global")
-                cute.arch.sync_warp()
-                if lane == 0:
-                    self._publish_static(prog, dev, mProf, rec, Int64(0))
-                if cutlass.const_expr(self.spec.dynamic):
-                    self._complete_dynamic(
-                        tensors, prog, dev, t, epoch, stamp, num_init, lane, sWork
-                    )
-
-    @cute.jit
-    def _completer(self, L, lane):
-        """Dynamic mode, producer warpgroup's warp 1: complete each task the consumers finished
-        (events, ready consumers pushed), so the consumers go straight to their next task."""
-        tensors, prog, dev, epoch, stamp = L.tensors, L.prog, L.dev, L.epoch, L.stamp
-        num_init, bars, sDone, sWork, timeout_ns = (
-            L.num_init,
-            L.bars,
-            L.sDone,
-            L.sWork,
-            L.timeout_ns,
-        )
-        w = self.w
-        pwait = self._pipeline_wait(dev, timeout_ns)
-        _, _, _, _, d_full, d_empty = bars
-        dcount = Int32(0)
-        alive = Boolean(True)
-        while alive:
-            rec = queue_get(d_full, d_empty, sDone, dcount, w.task_slots, 1, lane, pwait)
-            dcount = dcount + 1
-            alive = rec[0] >= 0
-            if alive:
-                self._complete_dynamic(
-                    tensors, prog, dev, rec[0], epoch, stamp, num_init, lane, sWork
-                )
 
     # -- the kernel ---------------------------------------------------------------------------
     @cute.kernel

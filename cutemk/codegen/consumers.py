@@ -1,0 +1,195 @@
+"""The megakernel's consumer warpgroups and the producer warpgroup's storer and completer
+warps (see ``megakernel``): run tiles, stage ring tiles for the storer, publish tiles.
+
+A mixin of :class:`cutemk.codegen.megakernel.Megakernel`; ``L`` is the launch context
+(``megakernel._Launch``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Boolean, Int32, Int64, cute
+
+from ..device.config import (
+    EPI_EMPTY_BARRIER,
+    EPI_FULL_BARRIER,
+    NUM_THREADS,
+    WARP_SIZE as WARP,
+    simt_sync,
+)
+from ..device.ring import queue_get, queue_put
+from ..device.sync import notify_event
+from .layout import D, P, PROF_WIDTH
+from .lower import ABORT, R_C0, R_C1, R_NHI, R_NLO, R_NODE, R_TASK, REC_WIDTH
+
+
+class ConsumerRoles:
+    # -- consumers ----------------------------------------------------------------------------
+    @cute.jit
+    def _consumer(self, L, ctid):
+        """Consumer warpgroups: run the tasks the producer hands over until a stop record.
+        Dynamic mode: consumer warp 0 hands each finished task to the completer warp."""
+        tensors, prog, dev, mProf = L.tensors, L.prog, L.dev, L.prof
+        bars, sQueue, sDone, sEpiRec = L.bars, L.sQueue, L.sDone, L.sEpiRec
+        ring, epi, scratch, timeout_ns = L.ring, L.epi, L.scratch, L.timeout_ns
+        w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
+        state = dev[D["state"]]
+        q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
+        lane = ctid % WARP
+        qcount = Int32(0)
+        rcount = Int32(0)
+        dcount = Int32(0)
+        alive = Boolean(True)
+        while alive:
+            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane, pwait)
+            qcount = qcount + 1
+            t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+            alive = t >= 0
+            if cutlass.const_expr(self.spec.watchdog):  # a gave-up wait may have read a stale slot
+                if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                    alive = Boolean(False)
+            if alive:
+                start = Int64(0)
+                if cutlass.const_expr(self.spec.profile):
+                    start = cute.arch.globaltimer()
+                is_ring = Boolean(False)
+                for k in cutlass.range_constexpr(self.num_nodes):
+                    if cutlass.const_expr(self.ring_of[k] is not None):
+                        if node == k:
+                            is_ring = Boolean(True)
+                            rcount = self.spec.ops[k].device_compute(
+                                tensors[k],
+                                c0,
+                                c1,
+                                r_full,
+                                r_empty,
+                                rcount,
+                                ring,
+                                w.ring_stages,
+                                w.slot_bytes,
+                                epi,
+                                ctid,
+                                pwait,
+                            )
+                if is_ring:  # the storer warp stores, notifies and profiles the tile
+                    if ctid == 0:
+                        for f in cutlass.range_constexpr(REC_WIDTH):
+                            sEpiRec[f] = rec[f]
+                        if cutlass.const_expr(self.spec.profile):
+                            mProf[t * PROF_WIDTH + 1] = start
+                    cute.arch.barrier_arrive(
+                        barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
+                    )
+                else:
+                    if ctid < NUM_THREADS:  # the SIMT group
+                        if self._exists(tensors, node, c0, c1):
+                            for k in cutlass.range_constexpr(self.num_nodes):
+                                if cutlass.const_expr(self.ring_of[k] is None):
+                                    if node == k:
+                                        self.spec.ops[k].device_tile(
+                                            tensors[k], c0, c1, ctid, scratch
+                                        )
+                            if cutlass.const_expr(self.fence_async):
+                                cute.arch.fence_proxy("async.global")
+                        simt_sync()
+                    if ctid < WARP:  # consumer warp 0 publishes a SIMT tile
+                        if ctid == 0:
+                            self._publish_static(prog, dev, mProf, rec, start)
+                        if cutlass.const_expr(self.spec.dynamic):
+                            queue_put(
+                                d_full, d_empty, sDone, dcount, w.task_slots, 1, (t,), lane, pwait
+                            )
+                            dcount = dcount + 1
+        if cutlass.const_expr(self.spec.dynamic):
+            if ctid < WARP:
+                queue_put(
+                    d_full, d_empty, sDone, dcount, w.task_slots, 1, (Int32(-1),), lane, pwait
+                )
+        if cutlass.const_expr(w.ring_stages > 0):
+            # stop the storer, once it has taken the last tile (or its initial arrive, if none):
+            # an arrive on EPI_FULL before that would complete the storer's pending barrier
+            cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
+            if ctid == 0:
+                sEpiRec[R_TASK] = Int32(-1)
+            cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+
+    @cute.jit
+    def _publish_static(self, prog, dev, mProf, rec, start: Int64):
+        """One thread, after the task's output is complete: its profile record and (static
+        mode) the release adds to the events it notifies."""
+        t = rec[R_TASK]
+        if cutlass.const_expr(self.spec.profile):
+            base = t * PROF_WIDTH
+            mProf[base] = Int64(cute.arch.smid())
+            if start != 0:
+                mProf[base + 1] = start
+            mProf[base + 2] = cute.arch.globaltimer()
+            mProf[base + 3] = Int64(rec[R_NODE])
+        if cutlass.const_expr(not self.spec.dynamic):
+            notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
+            for j in range(rec[R_NLO], rec[R_NHI]):
+                notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
+
+    @cute.jit
+    def _storer(self, L, lane):
+        """Producer warpgroup's storer warp: for each ring tile the consumers staged, issue its
+        TMA store, free the staging buffer once it is read, wait for the writes, then notify
+        (static) or complete the task (dynamic), while the consumers run their next tile."""
+        tensors, prog, dev, mProf, epoch = L.tensors, L.prog, L.dev, L.prof, L.epoch
+        stamp, num_init, sEpiRec, sWork, epi = L.stamp, L.num_init, L.sEpiRec, L.sWork2, L.epi
+        w = self.w
+        # the staging buffer starts free
+        cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
+        alive = Boolean(True)
+        while alive:
+            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+            rec = tuple(sEpiRec[f] for f in range(REC_WIDTH))
+            t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+            alive = t >= 0
+            if alive:
+                for k in cutlass.range_constexpr(self.num_nodes):
+                    if cutlass.const_expr(self.ring_of[k] is not None):
+                        if node == k:
+                            self.spec.ops[k].device_store(tensors[k], c0, c1, epi)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier_arrive(
+                    barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads
+                )
+                cute.arch.cp_async_bulk_wait_group(0)
+                # the store's async-proxy writes before the generic release that notifies them
+                cute.arch.fence_proxy("async.global")
+                cute.arch.sync_warp()
+                if lane == 0:
+                    self._publish_static(prog, dev, mProf, rec, Int64(0))
+                if cutlass.const_expr(self.spec.dynamic):
+                    self._complete_dynamic(
+                        tensors, prog, dev, t, epoch, stamp, num_init, lane, sWork
+                    )
+
+    @cute.jit
+    def _completer(self, L, lane):
+        """Dynamic mode, producer warpgroup's warp 1: complete each task the consumers finished
+        (events, ready consumers pushed), so the consumers go straight to their next task."""
+        tensors, prog, dev, epoch, stamp = L.tensors, L.prog, L.dev, L.epoch, L.stamp
+        num_init, bars, sDone, sWork, timeout_ns = (
+            L.num_init,
+            L.bars,
+            L.sDone,
+            L.sWork,
+            L.timeout_ns,
+        )
+        w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
+        _, _, _, _, d_full, d_empty = bars
+        dcount = Int32(0)
+        alive = Boolean(True)
+        while alive:
+            rec = queue_get(d_full, d_empty, sDone, dcount, w.task_slots, 1, lane, pwait)
+            dcount = dcount + 1
+            alive = rec[0] >= 0
+            if alive:
+                self._complete_dynamic(
+                    tensors, prog, dev, rec[0], epoch, stamp, num_init, lane, sWork
+                )

@@ -1,0 +1,150 @@
+"""The megakernel's producer warp (warp 0): task fetch, a ring op's loads around the task's
+event waits, and the hand-over of task records to the consumers (see ``megakernel``).
+
+A mixin of :class:`cutemk.codegen.megakernel.Megakernel` (``self.spec``, ``self.w``,
+``self.ring_of``, the waits of ``EventWaits`` and the queue of ``DynamicQueue``); ``L`` is the
+launch context (``megakernel._Launch``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Boolean, Int32, cute
+
+from ..device.config import WARP_SIZE as WARP
+from ..device.ring import producer_acquire, queue_put
+from .layout import P
+from .lower import R_C0, R_C1, R_NODE, R_TASK, R_WHI, R_WLO, REC_WIDTH
+
+CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
+
+
+class ProducerRole:
+    # -- producer -----------------------------------------------------------------------------
+    @cute.jit
+    def _issue(self, tensors, k: int, c0, c1, j, idx, bar, ring, independent: bool, dependent):
+        op = self.spec.ops[k]
+        stages, slot = self.w.ring_stages, self.w.slot_bytes
+        if cutlass.const_expr(independent):
+            op.device_load_independent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
+        if cutlass.const_expr(dependent):
+            op.device_load_dependent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
+        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
+        tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
+        epoch, timeout_ns, bars, sQueue, ring = L.epoch, L.timeout_ns, L.bars, L.sQueue, L.ring
+        w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
+        t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
+        q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
+        # (1) weights of the first slices, before the events
+        for k in cutlass.range_constexpr(self.num_nodes):
+            r = self.ring_of[k]
+            if cutlass.const_expr(r is not None and self.spec.prefetch[k]):
+                if node == k:
+                    for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
+                        idx = producer_acquire(
+                            r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
+                        )
+                        self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False)
+        # (2) events
+        ok = Boolean(True)
+        if cutlass.const_expr(not self.spec.dynamic):
+            ok = self._wait_all(prog, dev, t, rec[R_WLO], rec[R_WHI], epoch, lane, timeout_ns)
+        if cutlass.const_expr(self.spec.distributed):
+            if ok:
+                ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, lane, timeout_ns)
+        # every lane acquired its own events: the warp barrier orders them all before the
+        # elected lane's loads, and the verdict must be the warp's (the hand-over is warp-wide)
+        ok = cute.arch.vote_all_sync(ok)
+        cute.arch.sync_warp()
+        # (3) loads of data produced in this launch (even after an abort: the armed slots must
+        # complete, their data is never read)
+        if cutlass.const_expr(self.fence_async):
+            cute.arch.fence_proxy("async.global")
+        for k in cutlass.range_constexpr(self.num_nodes):
+            r = self.ring_of[k]
+            if cutlass.const_expr(r is not None):
+                if node == k:
+                    pre = min(r.slices, w.ring_stages)
+                    for j in cutlass.range_constexpr(pre):
+                        if cutlass.const_expr(self.spec.prefetch[k]):
+                            idx = (rcount + j) % w.ring_stages
+                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, False, True)
+                        else:
+                            idx = producer_acquire(
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
+                            )
+                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
+        # (4) hand the task over
+        stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
+        if ok:
+            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, rec, lane, pwait)
+        else:
+            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
+        qcount = qcount + 1
+        # (5) the remaining slices
+        if ok:
+            for k in cutlass.range_constexpr(self.num_nodes):
+                r = self.ring_of[k]
+                if cutlass.const_expr(r is not None):
+                    if node == k:
+                        for j in cutlass.range(min(r.slices, w.ring_stages), r.slices, unroll=1):
+                            idx = producer_acquire(
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
+                            )
+                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
+                        rcount = rcount + r.slices
+        return ok, qcount, rcount
+
+    @cute.jit
+    def _producer(self, L, lane):
+        """Producer warp: every task of this CTA, then a stop record for the consumers."""
+        prog, dev, stamp, num_tasks = L.prog, L.dev, L.stamp, L.num_tasks
+        timeout_ns, bars, sQueue, sRec = L.timeout_ns, L.bars, L.sQueue, L.sRec
+        w = self.w
+        pwait = self._pipeline_wait(dev, timeout_ns)
+        bidx, _, _ = cute.arch.block_idx()
+        qcount = Int32(0)
+        rcount = Int32(0)
+        if cutlass.const_expr(self.spec.dynamic):
+            task_rec = prog[P["task_rec"]]
+            ticket = Int32(0)
+            if lane == 0:
+                ticket = self._take_ticket(dev)
+            alive = Boolean(True)
+            while alive:
+                t = Int32(-1)
+                if lane == 0:
+                    t = self._pop(dev, ticket, num_tasks, stamp, timeout_ns)
+                    if t >= 0:  # the next ticket's round trip overlaps this task
+                        ticket = self._take_ticket(dev)
+                t = cute.arch.shuffle_sync(t, 0)
+                alive = t >= 0
+                if alive:
+                    rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
+                    alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
+        else:
+            queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
+            i = queue_ptr[bidx]
+            i_end = queue_ptr[bidx + 1]
+            alive = i < i_end
+            while alive:
+                # CHUNK records a coalesced load, one word a lane
+                if i * REC_WIDTH + lane < i_end * REC_WIDTH:
+                    sRec[lane] = queue_rec[i * REC_WIDTH + lane]
+                cute.arch.sync_warp()
+                n = cute.min(CHUNK, i_end - i)
+                ok = Boolean(True)
+                for k in range(n):
+                    if ok:
+                        rec = tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
+                        ok, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
+                cute.arch.sync_warp()
+                i = i + CHUNK
+                alive = ok and i < i_end
+        q_full, q_empty = bars[0], bars[1]
+        stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
+        queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
