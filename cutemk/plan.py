@@ -250,8 +250,10 @@ def instantiate(graph: Graph, env: Bindings) -> Plan:
     plan.notifies = [[] for _ in tasks]
     plan.remote_waits = [[] for _ in tasks]
     plan.cost = [float(t.node.op.cost(t.coord, env)) for t in tasks]
-    explicit_pairs = _explicit_events(graph, plan)
-    _automatic_events(graph, plan, explicit_pairs)
+    _explicit_events(graph, plan)
+    # explicit events add ordering to the automatic ones, never replace them: an event declared
+    # on a producer -> consumer pair must not drop the data dependencies derived from regions
+    _automatic_events(graph, plan)
     dump_dir = os.environ.get("CUTEMK_DUMP")
     if dump_dir:
         tag = "_".join(f"{k}{v}" for k, v in sorted(env.items()))
@@ -265,7 +267,7 @@ def _ev(d, env):
     return d if isinstance(d, int) else d.eval(env)
 
 
-def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> None:
+def _automatic_events(graph: Graph, plan: Plan) -> None:
     env = plan.env
     index: dict[str, _WriteIndex] = {}
     for node in graph.nodes:
@@ -278,7 +280,7 @@ def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> N
     for cons in graph.nodes:
         by_producer: dict[int, list[str]] = {}
         for arg, v in cons.args.items():
-            if v.producer is not None and (v.producer.index, cons.index) not in skip:
+            if v.producer is not None:
                 by_producer.setdefault(v.producer.index, []).append(arg)
         for p_idx, args in by_producer.items():
             prod = graph.nodes[p_idx]
@@ -300,9 +302,8 @@ def _automatic_events(graph: Graph, plan: Plan, skip: set[tuple[int, int]]) -> N
                 plan.waits[t].append(eid)
 
 
-def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
+def _explicit_events(graph: Graph, plan: Plan) -> None:
     env = plan.env
-    pairs: set[tuple[int, int]] = set()
     for em in graph.event_maps:
         ev = em.event
         shape = ev.concrete_shape(env)
@@ -355,7 +356,3 @@ def _explicit_events(graph: Graph, plan: Plan) -> set[tuple[int, int]]:
             plan.event_count[eid] = want
             if em.remote_wait:
                 plan.shared_events.add(eid)
-        for pn, _ in em.notify:
-            for wn, _ in em.wait + em.remote_wait:
-                pairs.add((pn.index, wn.index))
-    return pairs
