@@ -73,6 +73,13 @@ class Plan:
         task = self.tasks[t]
         return (task.node.index, *task.node.op.order_key(task.coord))
 
+    def ready_key(self, t: int) -> tuple:
+        """Order of the dynamic queue's initial tasks: tasks that wait on other ranks go behind
+        every other one. A popped task spins on its cross-rank waits while holding its SM; had
+        such waiters come first they could fill every SM ahead of the producers the other ranks
+        wait for (a cross-rank deadlock). Then the op's preferred order (``task_key``)."""
+        return (bool(self.remote_waits[t]), *self.task_key(t))
+
     def producers(self) -> list[list[int]]:
         """Event id -> tasks notifying it."""
         out: list[list[int]] = [[] for _ in range(self.num_events)]

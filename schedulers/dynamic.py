@@ -28,4 +28,4 @@ class DynamicScheduler:
         ready = [
             t for t in range(plan.num_tasks) if all(plan.event_count[e] == 0 for e in plan.waits[t])
         ]
-        return sorted(ready, key=plan.task_key)
+        return sorted(ready, key=plan.ready_key)

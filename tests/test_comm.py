@@ -196,3 +196,34 @@ def test_all_gpus_under_torchrun():
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert res.stdout.count("dist_worker: ok") == n, res.stdout[-4000:]
+
+
+def test_dynamic_queue_puts_cross_rank_waiters_behind_everything_else():
+    """Cross-rank waiters that wait on nothing locally are initial tasks too: queued ahead of
+    the producers other ranks need (node order), they filled every SM and spun forever."""
+    T = mk.sym("T", max=64)
+    g = mk.Graph("waiters_first")
+    x = g.input("x", (T, 32))
+    w = g.weight("w", (32, 32))
+    first = g.call(ops.gemm, x, w, block_m=16, block_n=32, name="waiter")  # node 0
+    second = g.call(ops.gemm, x, w, block_m=16, block_n=32, name="producer")  # node 1
+    g.event(
+        (mk.cdiv(T, 16),),
+        name="peer_done",
+        notify=[(second, lambda i, j: (i,))],
+        remote_wait=[(first, lambda i, j, env: [((env["RANK"] + 1) % env["WORLD"], (i,))])],
+    )
+    g.output(first, "a")
+    g.output(second, "b")
+    gen = torch.Generator().manual_seed(0)
+    inputs = [
+        {"x": torch.randn(64, 32, generator=gen), "w": torch.randn(32, 32, generator=gen)}
+        for _ in range(2)
+    ]
+    outs, plans = simulate_world(g, 2, inputs, "dynamic", num_sms=2)
+    for r in range(2):
+        want = inputs[r]["x"] @ inputs[r]["w"].T
+        assert rel_err(outs[r][0], want) < 1e-6 and rel_err(outs[r][1], want) < 1e-6
+    init = mk.resolve_scheduler("dynamic").initial_order(plans[0])
+    waiters = [t for t in init if plans[0].remote_waits[t]]
+    assert init[-len(waiters) :] == waiters  # behind every producer

@@ -130,7 +130,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
             for e, cs in enumerate(consumers)
         ]
     )
-    init = sorted((t for t in range(n) if not live_waits[t]), key=plan.task_key)
+    init = sorted((t for t in range(n) if not live_waits[t]), key=plan.ready_key)
     return LoweredPlan(
         num_tasks=n,
         num_events=plan.num_events,
