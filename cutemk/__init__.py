@@ -12,6 +12,7 @@ _pin_arch()  # before anything imports cutlass (it reads the target arch once, a
 
 from .errors import (
     CuteMKError,
+    DataError,
     DeadlockError,
     DeviceError,
     DTypeError,
@@ -69,6 +70,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CuteMKError",
+    "DataError",
     "DeadlockError",
     "DeviceError",
     "DTypeError",

@@ -46,3 +46,8 @@ class RaceError(CuteMKError):
 
 class UnsupportedArchError(CuteMKError):
     """The requested GPU architecture has no code path."""
+
+
+class DataError(CuteMKError, ValueError):
+    """Values computed or passed at run time that an op cannot use (e.g. an expert id outside
+    the layer's experts)."""

@@ -25,6 +25,7 @@ import torch
 from cutlass import Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.errors import DataError
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.symbolic import IntLike, smin
 from cutemk.tileop import TensorSpec, TileOp, expect_dtype, expect_ndim, full_box, register_op
@@ -93,6 +94,13 @@ class MoeRouteTile(TileOp):
         e, bm = self.num_experts, self.block_m
         dev = ids.device
         flat = ids.reshape(-1)
+        bad = (flat < 0) | (flat >= e)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise DataError(
+                f"moe_route: expert id {int(flat[i])} at ids[{i // k}, {i % k}] is outside "
+                f"[0, {e}) ({int(bad.sum())} of {flat.numel()} ids out of range)"
+            )
         counts = torch.bincount(flat, minlength=e)[:e]
         tiles = (counts + bm - 1) // bm
         tile_start = torch.cumsum(tiles, 0) - tiles

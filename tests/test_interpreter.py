@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cutemk as mk
+from cutemk import ops
 from cutemk.layers import MoeConfig, mlp_graph, mlp_reference, moe_graph, moe_reference
 
 CFG = MoeConfig(hidden=64, intermediate=32, num_experts=8, top_k=2, block_m=16, block_n=32)
@@ -136,3 +137,21 @@ def test_random_interleavings_agree():
     ]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
+
+
+def test_expert_ids_out_of_range_are_a_clear_error():
+    """Expert ids from a graph input outside [0, E): the interpreter names the id and where it
+    is (it used to fail inside torch.bincount or with a raw IndexError)."""
+    T = mk.sym("T", max=64)
+    g = mk.Graph("route")
+    ids = g.input("ids", (T, 2), torch.int32)
+    tile_info, _, _, _ = g.call(ops.moe_route, ids, num_experts=8, block_m=4)
+    g.output(tile_info, "tile_info")
+    c = g.compile("interpret", num_sms=2)
+    good = torch.randint(0, 8, (5, 2), dtype=torch.int32)
+    c(good)
+    for bad_value in (8, -1):
+        bad = good.clone()
+        bad[3, 1] = bad_value
+        with pytest.raises(mk.DataError, match=rf"expert id {bad_value} at ids\[3, 1\]"):
+            c(bad)
