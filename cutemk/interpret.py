@@ -253,7 +253,7 @@ class _Simulation:
         node = task.node
         reads = node_regions(node, "reads", task.coord, self.plan.env, self.views[node.index])
         for arg, box in ((a, b) for a, r in reads.items() for b in r):
-            v = node.args[arg]
+            v = node.args[arg] if arg in node.args else node.results[arg]  # own outputs too
             if v.kind != "intermediate" or box_is_empty(box) or v.name in self.remote_written:
                 continue
             w = self.writer[v.name][box_slices(box)]

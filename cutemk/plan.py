@@ -212,13 +212,15 @@ def node_regions(
     """
     op = node.op
     raw = op.reads(coord, env, data) if which == "reads" else op.writes(coord, env, data)
-    tensors = node.args if which == "reads" else node.results
+    # a tile may read its own node's outputs (other tiles' results, or read-modify-write):
+    # the race checker sees those reads; they derive no events (order them explicitly)
+    tensors = {**node.args, **node.results} if which == "reads" else node.results
     out: dict[str, list[Box]] = {}
     for name, region in raw.items():
         if name not in tensors:
             raise GraphError(
                 f"{op.name}.{which}() names {name!r}, which is not one of its "
-                f"{'inputs' if which == 'reads' else 'outputs'} {tuple(tensors)}"
+                f"{'inputs or outputs' if which == 'reads' else 'outputs'} {tuple(tensors)}"
             )
         ndim = tensors[name].spec.ndim
         boxes = []

@@ -49,7 +49,11 @@ class SyntheticDagTile(TileOp):
 
     def reads(self, coord, env, data=None):
         t = coord[0]
-        return {"deps_ptr": ((t, t + 2),), "work": ((t, t + 1),)}
+        out = {"deps_ptr": ((t, t + 2),), "work": ((t, t + 1),)}
+        if data is not None:  # the exact reads, for the race checker: its dependencies' values
+            lo, hi = int(data["deps_ptr"][t]), int(data["deps_ptr"][t + 1])
+            out["out"] = [((d, d + 1),) for d in data["deps_idx"][lo:hi].tolist()]
+        return out
 
     def writes(self, coord, env, data=None):
         return {"out": ((coord[0], coord[0] + 1),)}

@@ -155,3 +155,19 @@ def test_expert_ids_out_of_range_are_a_clear_error():
         bad[3, 1] = bad_value
         with pytest.raises(mk.DataError, match=rf"expert id {bad_value} at ids\[3, 1\]"):
             c(bad)
+
+
+def test_a_dependency_missing_from_the_events_is_a_race_even_within_one_op():
+    """Synthetic DAG tiles read other tiles' results of the same op; those reads are declared,
+    so an event map that drops one dependency is a RaceError (it used to run unchecked and give
+    wrong results in most interleavings)."""
+    deps = [[], [0], [0, 1], [2], [1, 3]]
+    dropped = [[], [0], [0], [2], [1, 3]]  # task 2 no longer waits for task 1
+    N, M = mk.sym("N", max=64), mk.sym("M", max=256)
+    full = ops.dag_inputs(deps)
+    ok = ops.dag_graph(deps, N, M).compile("interpret", num_sms=3, scheduler="dynamic")
+    ok(*full)
+    bad = ops.dag_graph(dropped, N, M)
+    with pytest.raises(mk.RaceError, match=r"synthetic_dag\w*\[2\] reads"):
+        for seed in range(20):
+            bad.compile("interpret", num_sms=3, scheduler="dynamic", seed=seed)(*full)
