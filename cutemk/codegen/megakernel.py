@@ -79,7 +79,14 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
     """The CTA shape and shared-memory plan for a kernel running ``ops``; raises GraphError
     naming the ops when they cannot fit one SM's shared memory."""
     rings = [op.ring_tile() for op in ops if op.ring_tile() is not None]
-    scratch = max([16] + [int(op.device_smem_bytes()) for op in ops if op.ring_tile() is None])
+    simt = [op for op in ops if op.ring_tile() is None]
+    scratch = max([16] + [int(op.device_smem_bytes()) for op in simt])
+    if scratch + SMEM_RESERVED > SMEM_LIMIT:
+        worst = max(simt, key=lambda op: int(op.device_smem_bytes()))
+        raise GraphError(
+            f"{worst.name} needs {worst.device_smem_bytes()} B of shared memory per tile; with "
+            f"the kernel's own {SMEM_RESERVED} B that passes the {SMEM_LIMIT} B an SM has"
+        )
     scratch = -(-scratch // SMEM_ALIGN) * SMEM_ALIGN
     slot = max([r.slot_bytes for r in rings], default=0)
     epi = max([r.epi_bytes for r in rings], default=0)
