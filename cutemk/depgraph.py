@@ -8,7 +8,9 @@ linear in the plan, and every whole-graph pass (topological order, longest paths
 scheduling, the static deadlock check) walks it in O(tasks + waits + notifies).
 
 Besides events a task may have explicit predecessors (``extra``): the distributed schedulers'
-mirrored dependencies (see :meth:`cutemk.plan.Plan.preds`), few and expanded as they are.
+mirrored dependencies (see :meth:`cutemk.plan.Plan.preds`), expanded as they are: cross-rank
+waiters x shared-event producers entries, which for a GEMM + reduce-scatter layer is the one
+quadratic term left.
 """
 
 from __future__ import annotations

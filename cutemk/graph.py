@@ -8,6 +8,7 @@ inferred from the shape of some graph input; data flows graph -> instantiate (``
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
@@ -226,7 +227,7 @@ class Graph:
         for d, dim in enumerate(shape):
             if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
                 raise TypeError(f"{name}.shape[{d}] must be an int or a sym, got {dim!r}")
-            if (dim if isinstance(dim, int) else dim.bounds()[0]) < 0:
+            if _can_be_negative(dim):
                 raise ShapeError(f"{name}.shape[{d}] must not be negative, got {dim}")
         self._claim(name)
         v = Value(
@@ -258,3 +259,17 @@ class Graph:
             lines.append(f"  {n.name} = {n.op.name}({ins}) -> {outs}")
         lines.append("  outputs: " + ", ".join(v.name for v in self.outputs))
         return "\n".join(lines)
+
+
+def _can_be_negative(dim: IntLike) -> bool:
+    """True if ``dim`` is negative, or is negative with its syms at some corner of their ranges
+    (a witness: interval bounds alone would refuse e.g. ``T - T // 2``)."""
+    if isinstance(dim, int):
+        return dim < 0
+    if dim.bounds()[0] >= 0:
+        return False
+    syms = sorted(free_syms(dim), key=lambda v: v.name)[:8]
+    for corner in itertools.product(*((v.min, v.max) for v in syms)):
+        if dim.eval({v.name: c for v, c in zip(syms, corner)}) < 0:
+            return True
+    return False

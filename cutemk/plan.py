@@ -212,8 +212,8 @@ def node_regions(
     """
     op = node.op
     raw = op.reads(coord, env, data) if which == "reads" else op.writes(coord, env, data)
-    # a tile may read its own node's outputs (other tiles' results, or read-modify-write):
-    # the race checker sees those reads; they derive no events (order them explicitly)
+    # a tile may read its own node's outputs (results other tiles of the node wrote): the race
+    # checker sees those reads; they derive no events (order them explicitly)
     tensors = {**node.args, **node.results} if which == "reads" else node.results
     out: dict[str, list[Box]] = {}
     for name, region in raw.items():

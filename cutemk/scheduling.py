@@ -57,12 +57,11 @@ def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
     if isinstance(spec, Scheduler):
         return spec
     known = scheduler_classes()
-    try:
-        return known[spec]()
-    except (KeyError, TypeError):
+    if not isinstance(spec, str) or spec not in known:
         raise ValueError(
             f"scheduler must be one of {sorted(known)} or a Scheduler instance, got {spec!r}"
-        ) from None
+        )
+    return known[spec]()
 
 
 def topological_order(plan: Plan) -> list[int]:

@@ -4,8 +4,8 @@ A tile op is a frozen dataclass (its config plus the specs of its inputs) that *
 
 - its task grid, in symbolic dims (:meth:`TileOp.grid`);
 - for one tile, the box (or list of boxes) of each tensor argument it reads and writes
-  (:meth:`reads`, :meth:`writes`; reads may name the op's own outputs, other tiles' results or
-  a read-modify-write: the race checker sees those, and they derive no events). With
+  (:meth:`reads`, :meth:`writes`; reads may name the op's own outputs, i.e. results other
+  tiles of the op wrote: the race checker sees those, and they derive no events). With
   ``data=None`` the boxes must be a sound superset valid for any data
   (used to derive events when the graph is instantiated); with ``data`` (the live tensors) an
   op whose regions depend on values computed earlier in the same launch returns the exact boxes

@@ -200,3 +200,9 @@ def test_scratch_that_cannot_fit_is_refused_with_its_size():
     wd = torch.randn(4096, 12288, device="cuda").bfloat16()
     with pytest.raises(mk.CuteMKError, match=r"need 147456\.00 GiB .* T <= 2147483648"):
         c(x, wgu, wd)
+
+
+def test_a_dim_that_is_never_negative_is_accepted():
+    g = mk.Graph("halves")
+    t = mk.sym("T", 256)
+    g.input("x", (t - t // 2, 8))  # interval bounds say (-127, 256); it is never negative

@@ -163,12 +163,16 @@ def test_backends_and_policies_come_from_registries():
     with pytest.raises(mk.GraphError, match="unknown backend 'tpu'"):
         _plan()[0].compile("tpu")
 
+    from dataclasses import dataclass
+
     @registry.register_scheduler
+    @dataclass(frozen=True)
     class Reversed(StaticScheduler):  # a custom policy, known by name once registered
-        name = "reversed-test"
+        name: str = "reversed-test"
 
     try:
-        assert isinstance(mk.resolve_scheduler("reversed-test"), Reversed)
+        policy = mk.resolve_scheduler("reversed-test")
+        assert isinstance(policy, Reversed) and policy.name == "reversed-test"
         g, _ = _plan(8)
         out = g.compile("interpret", scheduler="reversed-test", num_sms=3)(
             torch.randn(8, 64), torch.randn(96, 64), torch.randn(64, 48)

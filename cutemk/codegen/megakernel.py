@@ -95,6 +95,8 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
         free = SMEM_LIMIT - SMEM_RESERVED - epi - scratch
         cap = int(os.environ.get("CUTEMK_RING_STAGES", MAX_RING_STAGES))  # tuning sweeps
         stages = min(cap, MAX_RING_STAGES, free // slot)
+        if cap < 2:
+            raise GraphError(f"CUTEMK_RING_STAGES={cap}: the ring needs at least 2 slots")
         if stages < 2:
             names = ", ".join(f"{op.name}" for op in ops)
             raise GraphError(
