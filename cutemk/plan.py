@@ -291,24 +291,37 @@ def _automatic_events(graph: Graph, plan: Plan) -> None:
         for arg, v in cons.args.items():
             if v.producer is not None:
                 by_producer.setdefault(v.producer.index, []).append(arg)
+        if not by_producer:
+            continue
+        tasks = plan.node_tasks[cons.index]
+        reads_of = [node_regions(cons, "reads", plan.tasks[t].coord, env) for t in tasks]
         for p_idx, args in by_producer.items():
             prod = graph.nodes[p_idx]
             groups: dict[frozenset[int], int] = {}
-            for t in plan.node_tasks[cons.index]:
-                reads = node_regions(cons, "reads", plan.tasks[t].coord, env)
-                sources: frozenset[int] = frozenset()
-                for a in args:
-                    for box in reads[a]:
-                        sources |= index[cons.args[a].name].query(box)
-                if not sources:
-                    continue
-                eid = groups.get(sources)
+            # tiles that read the same boxes share their event: the producer set (a frozenset
+            # that can hold thousands of tiles) is built and hashed once per distinct read
+            by_boxes: dict[tuple, int] = {}
+            for t, reads in zip(tasks, reads_of):
+                key = tuple(tuple(reads[a]) for a in args)
+                eid = by_boxes.get(key)
                 if eid is None:
-                    eid = plan.new_event(f"{prod.name}->{cons.name}#{len(groups)}", len(sources))
-                    groups[sources] = eid
-                    for p in sorted(sources):
-                        plan.notifies[p].append(eid)
-                plan.waits[t].append(eid)
+                    sources: frozenset[int] = frozenset()
+                    for a in args:
+                        for box in reads[a]:
+                            sources |= index[cons.args[a].name].query(box)
+                    eid = -1
+                    if sources:
+                        eid = groups.get(sources, -1)
+                        if eid < 0:
+                            eid = plan.new_event(
+                                f"{prod.name}->{cons.name}#{len(groups)}", len(sources)
+                            )
+                            groups[sources] = eid
+                            for p in sorted(sources):
+                                plan.notifies[p].append(eid)
+                    by_boxes[key] = eid
+                if eid >= 0:
+                    plan.waits[t].append(eid)
 
 
 def _explicit_events(graph: Graph, plan: Plan) -> None:
