@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from cutemk import ops
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym
+from cutemk.tileop import expect_positive_int
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,7 @@ class MoeConfig:
 def _positive(**sizes: int) -> None:
     """Layer sizes are positive ints; the error names the argument (not an op deep inside)."""
     for name, v in sizes.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        expect_positive_int(v, name)
 
 
 def mlp_graph(

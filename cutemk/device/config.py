@@ -24,8 +24,6 @@ WARPGROUP: int = 128
 # Named barrier ids (0 is the whole CTA, used only at kernel entry and exit).
 SIMT_BARRIER = 1
 """The SIMT group's barrier (``NUM_THREADS`` threads)."""
-CONSUMER_BARRIER = 2
-"""Every consumer thread (epilogues of tiles computed by all consumer warpgroups)."""
 EPI_FULL_BARRIER = 3
 """Consumers -> storer warp: a tile's output is staged in shared memory (arrive / sync)."""
 EPI_EMPTY_BARRIER = 4
