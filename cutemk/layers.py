@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cutemk import ops
 from cutemk.graph import Graph
-from cutemk.symbolic import Sym
+from cutemk.symbolic import Sym, upper
 from cutemk.tileop import expect_positive_int
 
 
@@ -28,8 +28,9 @@ class MoeConfig:
     num_experts: int
     top_k: int
     norm_topk_prob: bool = True
-    block_m: int = 16  # grouped row tile
-    block_n: int = 32
+    block_m: int = 16  # grouped row tile (64 or 128 for the Hopper grouped GEMM)
+    block_n: int = 32  # columns of the gate/up tile (gate and up each)
+    down_block_n: int | None = None  # columns of the down tile (default: block_n)
 
 
 def _positive(**sizes: int) -> None:
@@ -70,8 +71,9 @@ def mlp_graph(
 
 
 def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -> Graph:
-    """Qwen3-MoE sparse block: gate GEMM -> softmax/top-k -> route -> grouped GEMM gate_up ->
-    SiLU*mul -> grouped GEMM down -> combine. Leaves: x, w_router, w_gate_up, w_down."""
+    """Qwen3-MoE sparse block: gate GEMM -> softmax/top-k -> route -> permute (token rows into
+    the grouped layout) -> grouped GEMM gate_up with the fused SiLU*mul -> grouped GEMM down ->
+    combine. Leaves: x, w_router, w_gate_up, w_down."""
     _positive(
         hidden=cfg.hidden,
         intermediate=cfg.intermediate,
@@ -101,24 +103,27 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
     tile_info, row_token, slot_row, _ = g.call(
         ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
     )
-    hgu = g.call(
+    # token rows into the grouped layout, so both grouped GEMMs read whole tiles (TMA)
+    xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=cfg.block_m)
+    act = g.call(
         ops.moe_grouped_gemm,
-        x,
+        xp,
         w_gu,
         tile_info,
-        row_token,
         block_m=cfg.block_m,
         block_n=cfg.block_n,
+        epilogue="silu_mul",
+        expert_rows=upper(tokens),
         name="experts_gate_up",
     )
-    act = g.call(ops.silu_mul, hgu, tile_info, block_m=cfg.block_m)
     down = g.call(
         ops.moe_grouped_gemm,
         act,
         w_down,
         tile_info,
         block_m=cfg.block_m,
-        block_n=cfg.block_n,
+        block_n=cfg.down_block_n or cfg.block_n,
+        expert_rows=upper(tokens),
         name="experts_down",
     )
     y = g.call(ops.moe_combine, down, weights, slot_row)

@@ -439,8 +439,12 @@ def kernel_spec(
             raise NotImplementedError(f"op {n.op.name} has no device function yet")
     ops_ = tuple(n.op for n in graph.nodes)
     # a ring op loads its independent inputs before its events only where no node writes them
+    # and the tile's existence (and so what it loads) is not decided by data of the launch
     prefetch = tuple(
-        all(n.args[a].producer is None for a in n.op.independent_inputs) for n in graph.nodes
+        bool(n.op.independent_inputs)
+        and not n.op.exists_on_device
+        and all(n.args[a].producer is None for a in n.op.independent_inputs)
+        for n in graph.nodes
     )
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)

@@ -8,6 +8,7 @@ from .all_gather import AllGatherTile, all_gather
 from .gemm import GemmTile, gemm
 from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
+from .moe_permute import MoePermuteTile, moe_permute
 from .moe_route import MoeRouteTile, max_tiles, moe_route
 from .reduce_scatter import ReduceScatterTile, reduce_scatter
 from .rmsnorm import RmsNormTile, rmsnorm
@@ -26,6 +27,8 @@ __all__ = [
     "moe_combine",
     "MoeGroupedGemmTile",
     "moe_grouped_gemm",
+    "MoePermuteTile",
+    "moe_permute",
     "MoeRouteTile",
     "max_tiles",
     "moe_route",

@@ -224,7 +224,9 @@ class GemmTile(TileOp):
 
     @cute.jit
     def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
-        gemm_sm90.load_weights(self.sm90(), tensors, coord1, kt, idx, bar, ring, stages, slot)
+        gemm_sm90.load_weights(
+            self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot
+        )
 
     @cute.jit
     def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):

@@ -68,6 +68,13 @@ class Sm90GemmConfig:
     dtype: torch.dtype
     out_dtype: torch.dtype
     a_rows: int  # rows of A each slice loads: bm, or the most rows A can have when fewer
+    grouped: bool = False  # B is (experts, n, k); the tile's expert is tile_info[coord0, 0]
+
+    @property
+    def extra0(self) -> int:
+        """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
+        or (A, B, tile_info, C) when grouped."""
+        return 4 if self.grouped else 3
 
     @property
     def a_bytes(self) -> int:
@@ -112,13 +119,18 @@ def sm90_config(
     n,
     fused: bool,
     m_max: int | None = None,
+    grouped: bool = False,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
 
     ``m_max``, the most rows A can have: below ``block_m`` the A loads shrink to it (rounded up
     to the 8-row swizzle atom). At decode sizes a 64-row box of mostly out-of-bounds rows
-    measured ~1.5x slower than a box of rows that exist (zero fill is not free)."""
+    measured ~1.5x slower than a box of rows that exist (zero fill is not free).
+
+    ``grouped``: A is in a grouped layout of ``block_m``-row tiles and ``m_max`` is the most
+    rows one tile can hold; the A box shrinks to a power of two >= ``m_max`` dividing
+    ``block_m``, so tile i's rows start at box ``i * block_m / a_rows``."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -134,8 +146,15 @@ def sm90_config(
         return None
     if not isinstance(n, int) or (n * out_dtype.itemsize) % 16:
         return None
-    a_rows = block_m if m_max is None else min(block_m, _round_up(max(m_max, 1), 8))
-    return Sm90GemmConfig(block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype, a_rows)
+    if m_max is None:
+        a_rows = block_m
+    elif grouped:
+        a_rows = min(block_m, max(8, 1 << (max(m_max, 1) - 1).bit_length()))
+    else:
+        a_rows = min(block_m, _round_up(max(m_max, 1), 8))
+    return Sm90GemmConfig(
+        block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype, a_rows, grouped
+    )
 
 
 def _staged(layout, stages: int, slot_bytes: int, itemsize: int):
@@ -180,20 +199,28 @@ def _tiled_mma(cfg: Sm90GemmConfig):
 def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor) -> tuple:
     """Host side (inside a ``@cute.jit`` launch): ``(atom_a, tma_a, atom_b, tma_b, atom_u,
     tma_u, atom_c, tma_c)``; without the fused epilogue the ``u`` pair repeats B's.
-    mA: (m, k); mB: (n, k) or (2n, k) = [W_gate; W_up]; mC: (m, n)."""
+    mA: (m, k); mB: (n, k) or (2n, k) = [W_gate; W_up], grouped (experts, n or 2n, k);
+    mC: (m, n). Grouped, B's descriptors are (n, k, experts): the expert is a coordinate."""
     a_one, b_one = _slice_layouts(cfg, cfg.a_rows)
     a_one = cute.slice_(a_one, (None, None, 0))
     b_one = cute.slice_(b_one, (None, None, 0))
     load = cpasync.CopyBulkTensorTileG2SOp()
     atom_a, tma_a = cpasync.make_tiled_tma_atom(load, mA, a_one, (cfg.a_rows, BLOCK_K))
-    if cutlass.const_expr(cfg.n_b == 1):
-        atom_b, tma_b = cpasync.make_tiled_tma_atom(load, mB, b_one, (cfg.bn, BLOCK_K))
-        atom_u, tma_u = atom_b, tma_b
+    n = mC.shape[1]
+    if cutlass.const_expr(cfg.grouped):
+        nkl = cute.make_layout(
+            (n, mB.shape[2], mB.shape[0]), stride=(mB.stride[1], mB.stride[2], mB.stride[0])
+        )
+        gate = cute.make_tensor(mB.iterator, nkl)
+        up = cute.make_tensor(mB.iterator + n * mB.stride[1], nkl)
     else:
-        n = mC.shape[1]
         half = cute.make_layout((n, mB.shape[1]), stride=mB.stride)
         gate = cute.make_tensor(mB.iterator, half)
         up = cute.make_tensor(mB.iterator + n * mB.stride[0], half)
+    if cutlass.const_expr(cfg.n_b == 1):
+        atom_b, tma_b = cpasync.make_tiled_tma_atom(load, gate, b_one, (cfg.bn, BLOCK_K))
+        atom_u, tma_u = atom_b, tma_b
+    else:
         atom_b, tma_b = cpasync.make_tiled_tma_atom(load, gate, b_one, (cfg.bn, BLOCK_K))
         atom_u, tma_u = cpasync.make_tiled_tma_atom(load, up, b_one, (cfg.bn, BLOCK_K))
     store = cpasync.CopyBulkTensorTileS2GOp()
@@ -226,11 +253,16 @@ def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr
     out = _CUTE_DTYPES[cfg.out_dtype]
     epi = _epi_layout(cfg)
     sC = cute.make_tensor(cute.recast_ptr(epi_ptr, epi.inner, dtype=out), epi.outer)
-    gC = cute.local_tile(tensors[10], (cfg.bm, cfg.bn), (coord0, coord1))
+    x = cfg.extra0
+    gC = cute.local_tile(tensors[x + 7], (cfg.bm, cfg.bn), (coord0, coord1))
     tsC, tgC = cpasync.tma_partition(
-        tensors[9], 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC, 0, 2)
+        tensors[x + 6],
+        0,
+        cute.make_layout(1),
+        cute.group_modes(sC, 0, 2),
+        cute.group_modes(gC, 0, 2),
     )
-    cute.copy(tensors[9], tsC, tgC)
+    cute.copy(tensors[x + 6], tsC, tgC)
 
 
 @cute.jit
@@ -245,13 +277,29 @@ def _copy_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32, idx: Int32, ba
 
 @cute.jit
 def load_weights(
-    cfg: cutlass.Constexpr, tensors, coord1: Int32, kt: Int32, idx: Int32, bar, ring, stages, slot
+    cfg: cutlass.Constexpr,
+    tensors,
+    coord0: Int32,
+    coord1: Int32,
+    kt: Int32,
+    idx: Int32,
+    bar,
+    ring,
+    stages,
+    slot,
 ):
-    """Producer warp: B (and the up half) of slice ``kt`` into slot ``idx``."""
+    """Producer warp: B (and the up half) of slice ``kt`` into slot ``idx``; grouped, of the
+    tile's expert ``tile_info[coord0, 0]`` (``coord0`` is the row tile)."""
     _, sB, sU = _ring_views(cfg, ring, stages, slot)
-    _copy_slice(tensors[5], tensors[6], sB, coord1, cfg.bn, kt, idx, bar)
+    x = cfg.extra0
+    tma_b, tma_u = tensors[x + 3], tensors[x + 5]
+    if cutlass.const_expr(cfg.grouped):
+        expert = tensors[2][coord0, 0]
+        tma_b = tma_b[None, None, expert]
+        tma_u = tma_u[None, None, expert]
+    _copy_slice(tensors[x + 2], tma_b, sB, coord1, cfg.bn, kt, idx, bar)
     if cutlass.const_expr(cfg.n_b == 2):
-        _copy_slice(tensors[7], tensors[8], sU, coord1, cfg.bn, kt, idx, bar)
+        _copy_slice(tensors[x + 4], tma_u, sU, coord1, cfg.bn, kt, idx, bar)
 
 
 @cute.jit
@@ -259,9 +307,14 @@ def load_activations(
     cfg: cutlass.Constexpr, tensors, coord0: Int32, kt: Int32, idx: Int32, bar, ring, stages, slot
 ):
     """Producer warp: A of slice ``kt`` into slot ``idx`` (after the task's events)."""
-    # a_rows < bm only where A has a single row block (coord0 == 0)
+    # a_rows < bm only where A has a single row block (coord0 == 0), or grouped, where it
+    # divides bm and tile coord0 starts at box coord0 * bm / a_rows
     sA, _, _ = _ring_views(cfg, ring, stages, slot, cfg.a_rows)
-    _copy_slice(tensors[3], tensors[4], sA, coord0, cfg.a_rows, kt, idx, bar)
+    box = coord0
+    if cutlass.const_expr(cfg.grouped):
+        box = coord0 * (cfg.bm // cfg.a_rows)
+    x = cfg.extra0
+    _copy_slice(tensors[x], tensors[x + 1], sA, box, cfg.a_rows, kt, idx, bar)
 
 
 @cute.jit

@@ -3,11 +3,21 @@
 Tile (i, j) computes rows of row tile i (``block_m`` rows, all of expert ``tile_info[i, 0]``)
 times columns block j of that expert's weight: ``out[rows] = x[rows] @ w[e, cols]^T``. The task
 grid is declared at its maximum; a tile whose ``tile_info[i, 0] < 0`` does not exist at this
-routing and is skipped (the data-dependent part of the MoE graph). Padding rows of an existing
-tile are written as zeros, so every later op may read whole tiles.
+routing and is skipped (the data-dependent part of the MoE graph). Rows of a tile past its
+``valid`` count (padding) are unspecified: later ops read only the rows ``slot_row`` names (the
+torch reference poisons them with NaN, so a reader of padding shows up in the interpreter).
 
 Two input layouts: with ``row_token`` the A rows are gathered from the token-major ``x``
-(T, K) (gate/up projection); without it ``x`` is already in the padded layout (down projection).
+(T, K) (portable SIMT path); without it ``x`` is already in the padded layout (``moe_permute``
+writes it for the gate/up projection; the down projection reads the gate/up output).
+
+Epilogue ``silu_mul``: ``w`` stacks ``[W_gate; W_up]`` per expert (E, 2N, K) and the tile is
+``silu(x W_gate[e]^T) * (x W_up[e]^T)`` (N columns).
+
+On sm_90a with bf16/fp16 and the padded layout the tile is the Hopper GEMM of
+``ops/gemm_sm90.py`` (one shared main loop with ``ops.gemm``): TMA through the megakernel's
+ring, the expert a TMA coordinate of the weight (no descriptor updates), wgmma on two consumer
+warpgroups, a TMA-store epilogue. Elsewhere a portable SIMT FMA tile runs.
 """
 
 from __future__ import annotations
@@ -17,13 +27,17 @@ from typing import ClassVar, Optional
 
 import cutlass
 import torch
+import torch.nn.functional as F
 from cutlass import Boolean, Float32, Int32, cute
 
+from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
+    RingTile,
     TensorSpec,
     TileOp,
     block,
@@ -33,6 +47,8 @@ from cutemk.tileop import (
     full_box,
     register_op,
 )
+
+from . import gemm_sm90
 
 
 @register_op
@@ -44,6 +60,8 @@ class MoeGroupedGemmTile(TileOp):
     row_token: Optional[TensorSpec] = None  # (tiles*block_m,) int32
     block_m: int = 64
     block_n: int = 64
+    epilogue: Optional[str] = None  # None or "silu_mul" (w stacks [W_gate; W_up] per expert)
+    expert_rows: Optional[int] = None  # the most rows one expert can have (the max tokens)
 
     name: ClassVar[str] = "moe_grouped_gemm"
     block_k: ClassVar[int] = 32
@@ -81,6 +99,25 @@ class MoeGroupedGemmTile(TileOp):
         for f in ("block_m", "block_n"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"moe_grouped_gemm {f} must be a positive int")
+        if self.epilogue not in (None, "silu_mul"):
+            raise ValueError(
+                f"moe_grouped_gemm epilogue must be None or 'silu_mul', got {self.epilogue!r}"
+            )
+        if self.epilogue == "silu_mul" and isinstance(self.w.shape[1], int) and self.w.shape[1] % 2:
+            raise ShapeError(
+                f"moe_grouped_gemm silu_mul needs an even w.shape[1], got {self.w.shape[1]}"
+            )
+        if self.expert_rows is not None and (
+            not isinstance(self.expert_rows, int) or self.expert_rows < 1
+        ):
+            raise ValueError(
+                f"moe_grouped_gemm expert_rows must be a positive int, got {self.expert_rows!r}"
+            )
+
+    @property
+    def n(self):
+        """Output columns: w's rows, halved by the silu_mul epilogue."""
+        return self.w.shape[1] // 2 if self.epilogue == "silu_mul" else self.w.shape[1]
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -89,10 +126,10 @@ class MoeGroupedGemmTile(TileOp):
 
     def output_specs(self):
         rows = self.tile_info.shape[0] * self.block_m
-        return {"out": TensorSpec((rows, self.w.shape[1]), self.x.dtype)}
+        return {"out": TensorSpec((rows, self.n), self.x.dtype)}
 
     def grid(self):
-        return (self.tile_info.shape[0], cdiv(self.w.shape[1], self.block_n))
+        return (self.tile_info.shape[0], cdiv(self.n, self.block_n))
 
     def _ev(self, d, env):
         return d if isinstance(d, int) else d.eval(env)
@@ -113,21 +150,28 @@ class MoeGroupedGemmTile(TileOp):
             r["x"] = full_box(self.x.concrete(env))
         if data is not None:  # exact: only this expert's weight block
             e = int(data["tile_info"][i, 0])
-            _, n, k = self.w.concrete(env)
-            r["w"] = ((e, e + 1), block(j, self.block_n, n), (0, k))
+            _, n2, k = self.w.concrete(env)
+            n = self._ev(self.n, env)
+            cols = block(j, self.block_n, n)
+            if self.epilogue == "silu_mul":  # gate rows, then up rows: one box spanning both
+                cols = (cols[0], n + cols[1])
+            r["w"] = ((e, e + 1), cols, (0, k))
         return r
 
     def writes(self, coord, env, data=None):
         i, j = coord
         rows = self._ev(self.tile_info.shape[0], env) * self.block_m
-        n = self._ev(self.w.shape[1], env)
+        n = self._ev(self.n, env)
         return {"out": (block(i, self.block_m, rows), block(j, self.block_n, n))}
 
     def cost(self, coord, env):
         k = self._ev(self.x.shape[1], env)
         es = self.x.dtype.itemsize
         bm, bn = self.block_m, self.block_n
-        return tile_time_us(2.0 * bm * bn * k, (bm + bn) * k * es + bm * bn * es, self.x.dtype)
+        nb = 2 if self.epilogue == "silu_mul" else 1
+        return tile_time_us(
+            2.0 * bm * bn * k * nb, (bm + nb * bn) * k * es + bm * bn * es, self.x.dtype
+        )
 
     def reference(self, coord, env, t):
         i, _ = coord
@@ -138,14 +182,93 @@ class MoeGroupedGemmTile(TileOp):
         else:
             a = t["x"][t["row_token"][r0 : r0 + valid].long()].float()
         out = t["out"][r0:r1, c0:c1]
-        out[:valid] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
-        out[valid:] = 0
+        if self.epilogue == "silu_mul":
+            n = self._ev(self.n, env)
+            gate = a @ t["w"][e, c0:c1].float().T
+            up = a @ t["w"][e, n + c0 : n + c1].float().T
+            out[:valid] = (F.silu(gate) * up).to(out.dtype)
+        else:
+            out[:valid] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
+        out[valid:] = float("nan")  # padding: unspecified, poisoned for the checks
+
+    # -- device: the Hopper path ------------------------------------------------------------
+    independent_inputs: ClassVar[tuple[str, ...]] = ("w",)
+
+    def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
+        """The Hopper tile (TMA + wgmma through the megakernel's ring) for the padded layout on
+        sm_90a; None (the SIMT tile) for fp32, the gathered layout or shapes TMA cannot take."""
+        if target_arch() != "sm_90a" or self.row_token is not None:
+            return None
+        return gemm_sm90.sm90_config(
+            self.x.dtype,
+            self.x.dtype,
+            self.block_m,
+            self.block_n,
+            self.x.shape[1],
+            self.n,
+            self.epilogue == "silu_mul",
+            self.expert_rows,
+            grouped=True,
+        )
+
+    def ring_tile(self) -> Optional[RingTile]:
+        cfg = self.sm90()
+        if cfg is None:
+            return None
+        return RingTile(cfg.k_tiles, cfg.stage_bytes, cfg.slot_bytes, cfg.epi_bytes)
+
+    def host_args(self, tensors) -> tuple:
+        cfg = self.sm90()
+        if cfg is None:
+            return ()
+        mX, mW, _, mOut = tensors
+        return gemm_sm90.tma_args(cfg, mX, mW, mOut)
+
+    def reads_async_proxy(self) -> bool:
+        return self.sm90() is not None
+
+    @cute.jit
+    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        gemm_sm90.load_weights(
+            self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot
+        )
+
+    @cute.jit
+    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        gemm_sm90.load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def device_compute(
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
+    ):
+        return gemm_sm90.compute(
+            self.sm90(),
+            tensors,
+            coord0,
+            coord1,
+            full,
+            empty,
+            count,
+            ring,
+            stages,
+            slot,
+            epi,
+            ctid,
+            wait,
+        )
+
+    @cute.jit
+    def device_store(self, tensors, coord0, coord1, epi):
+        gemm_sm90.store(self.sm90(), tensors, coord0, coord1, epi)
 
     # -- device -----------------------------------------------------------------------------
     def device_smem_bytes(self) -> int:
-        # fp32 A (block_m, block_k) and B (block_n, block_k) slices with row pitch block_k + 1,
-        # then the block_m source rows (int32)
-        return 4 * ((self.block_m + self.block_n) * (self.block_k + 1) + self.block_m)
+        if self.sm90() is not None:
+            return 0  # the ring and the output staging belong to the megakernel
+        # fp32 A (block_m, block_k) and B (block_n, block_k) slices (two with silu_mul) with row
+        # pitch block_k + 1, then the block_m source rows (int32)
+        nb = 2 if self.epilogue == "silu_mul" else 1
+        return 4 * ((self.block_m + nb * self.block_n) * (self.block_k + 1) + self.block_m)
 
     exists_on_device: ClassVar[bool] = True
 
@@ -161,31 +284,39 @@ class MoeGroupedGemmTile(TileOp):
         [mRowToken,] mOut).
 
         mX: (T, K) gathered through mRowToken (x token-major) or (tiles*block_m, K) padded,
-        mW: (E, N, K), mTileInfo: (tiles, 2) int32, mRowToken: (tiles*block_m,) int32,
-        mOut: (tiles*block_m, N). Correct, not yet fast: SIMT FMA. Each block_k slice of A and
-        of w[e] is converted to fp32 into shared memory (zero outside valid rows, N and K: the
-        main loop needs no predicates); thread t owns outputs t, t + NUM_THREADS, ... of the
-        (block_m, block_n) tile in row-major order with fp32 accumulators in registers.
-        Consecutive threads read consecutive n: the B pitch block_k + 1 spreads them over all
-        banks while A is a broadcast. Rows >= valid are written as zeros; no-op when e < 0.
+        mW: (E, N, K) or (E, 2N, K) with silu_mul, mTileInfo: (tiles, 2) int32, mRowToken:
+        (tiles*block_m,) int32, mOut: (tiles*block_m, N). The portable path (fp32, or no
+        Hopper): SIMT FMA. Each block_k slice of A and of w[e] is converted to fp32 into shared
+        memory (zero outside valid rows, N and K: the main loop needs no predicates); thread t
+        owns outputs t, t + NUM_THREADS, ... of the (block_m, block_n) tile in row-major order
+        with fp32 accumulators in registers. Consecutive threads read consecutive n: the B pitch
+        block_k + 1 spreads them over all banks while A is a broadcast. Rows >= valid are not
+        written; no-op when e < 0.
         """
         bm, bn, bk = self.block_m, self.block_n, self.block_k
         gathered = self.row_token is not None
+        fused = self.epilogue == "silu_mul"
         mX, mW, mTileInfo = tensors[0], tensors[1], tensors[2]
         mOut = tensors[len(tensors) - 1]
         expert = mTileInfo[coord0, 0]
         valid = mTileInfo[coord0, 1]
         if expert >= 0:
             kdim = mX.shape[1]
-            ndim = mW.shape[1]
+            ndim = mOut.shape[1]
             r0 = coord0 * bm
             c0 = coord1 * bn
             pitch = bk + 1
             base = cute.recast_ptr(smem_ptr, dtype=Float32)
             sA = cute.make_tensor(base, cute.make_layout((bm, bk), stride=(pitch, 1)))
             sB = cute.make_tensor(base + bm * pitch, cute.make_layout((bn, bk), stride=(pitch, 1)))
+            sU = sB  # the up rows (silu_mul); aliases sB otherwise (never read then)
+            if cutlass.const_expr(fused):
+                sU = cute.make_tensor(
+                    base + (bm + bn) * pitch, cute.make_layout((bn, bk), stride=(pitch, 1))
+                )
+            nb = 2 if fused else 1
             sSrc = cute.make_tensor(
-                cute.recast_ptr(base + (bm + bn) * pitch, dtype=Int32), cute.make_layout(bm)
+                cute.recast_ptr(base + (bm + nb * bn) * pitch, dtype=Int32), cute.make_layout(bm)
             )
             for m in range(tidx, bm, NUM_THREADS):
                 src = Int32(-1)
@@ -198,7 +329,9 @@ class MoeGroupedGemmTile(TileOp):
 
             per_thread = (bm * bn + NUM_THREADS - 1) // NUM_THREADS
             acc = cute.make_rmem_tensor((per_thread,), Float32)
+            acc_up = cute.make_rmem_tensor((per_thread,), Float32)
             acc.fill(0.0)
+            acc_up.fill(0.0)
             simt_sync()
             for k0 in range(0, kdim, bk):
                 for idx in range(tidx, bm * bk, NUM_THREADS):
@@ -216,6 +349,11 @@ class MoeGroupedGemmTile(TileOp):
                     if n < ndim and kk < kdim:
                         b = mW[expert, n, kk].to(Float32)
                     sB[idx // bk, idx % bk] = b
+                    if cutlass.const_expr(fused):
+                        u = Float32(0.0)
+                        if n < ndim and kk < kdim:
+                            u = mW[expert, ndim + n, kk].to(Float32)
+                        sU[idx // bk, idx % bk] = u
                 simt_sync()
                 for q in cutlass.range_constexpr(per_thread):
                     idx = tidx + q * NUM_THREADS
@@ -226,6 +364,11 @@ class MoeGroupedGemmTile(TileOp):
                         for kk in cutlass.range_constexpr(bk):
                             s = s + sA[m, kk] * sB[n, kk]
                         acc[q] = s
+                        if cutlass.const_expr(fused):
+                            su = acc_up[q]
+                            for kk in cutlass.range_constexpr(bk):
+                                su = su + sA[m, kk] * sU[n, kk]
+                            acc_up[q] = su
                 # the next slice overwrites sA/sB: everyone must be done reading this one
                 simt_sync()
 
@@ -233,10 +376,10 @@ class MoeGroupedGemmTile(TileOp):
                 idx = tidx + q * NUM_THREADS
                 m = idx // bn
                 n = c0 + idx % bn
-                if idx < bm * bn and n < ndim:
-                    v = Float32(0.0)
-                    if m < valid:
-                        v = acc[q]
+                if idx < bm * bn and n < ndim and m < valid:
+                    v = acc[q]
+                    if cutlass.const_expr(fused):
+                        v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[q]
                     mOut[r0 + m, n] = v.to(mOut.element_type)
 
 
@@ -248,5 +391,9 @@ def moe_grouped_gemm(
     *,
     block_m: int = 64,
     block_n: int = 64,
+    epilogue: Optional[str] = None,
+    expert_rows: Optional[int] = None,
 ) -> MoeGroupedGemmTile:
-    return MoeGroupedGemmTile(x, w, tile_info, row_token, block_m, block_n)
+    """Grouped GEMM over ``moe_route``'s layout (see the module doc); ``expert_rows``, the most
+    rows one expert can have (the most tokens), lets the Hopper tile load fewer A rows."""
+    return MoeGroupedGemmTile(x, w, tile_info, row_token, block_m, block_n, epilogue, expert_rows)

@@ -56,7 +56,11 @@ class ConsumerRoles:
                 is_ring = Boolean(False)
                 for k in cutlass.range_constexpr(self.num_nodes):
                     if cutlass.const_expr(self.ring_of[k] is not None):
-                        if node == k:
+                        live = node == k
+                        if cutlass.const_expr(self.has_exists[k]):
+                            if live:
+                                live = self.spec.ops[k].device_exists(tensors[k], c0, c1)
+                        if live:
                             is_ring = Boolean(True)
                             rcount = self.spec.ops[k].device_compute(
                                 tensors[k],
@@ -81,7 +85,7 @@ class ConsumerRoles:
                     cute.arch.barrier_arrive(
                         barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
                     )
-                else:
+                else:  # a SIMT tile, or a ring tile that does not exist (nothing to store)
                     if ctid < NUM_THREADS:  # the SIMT group
                         if self._exists(tensors, node, c0, c1):
                             for k in cutlass.range_constexpr(self.num_nodes):

@@ -162,9 +162,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         self.ring_of = tuple(op.ring_tile() for op in spec.ops)
         self.has_exists = tuple(op.exists_on_device for op in spec.ops)
         for k, op in enumerate(spec.ops):
-            # the producer streams every slice of a ring op's tile; a tile that might not exist
-            # would leave them unconsumed
-            assert not (self.ring_of[k] and op.exists_on_device), op.name
+            # a ring tile that might not exist is decided after its events (the producer and
+            # the consumers read the same settled data): nothing of it may be loaded before
+            assert not (self.ring_of[k] and op.exists_on_device and spec.prefetch[k]), op.name
         # some tile reads global memory through the async proxy (TMA): every task's stores
         # are fenced into it before they are notified
         self.fence_async = any(op.reads_async_proxy() for op in spec.ops)

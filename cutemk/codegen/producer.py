@@ -60,6 +60,13 @@ class ProducerRole:
         # elected lane's loads, and the verdict must be the warp's (the hand-over is warp-wide)
         ok = cute.arch.vote_all_sync(ok)
         cute.arch.sync_warp()
+        # a tile that exists by data (read after the acquire, as the consumers will) loads
+        # nothing when it does not; after an abort the data may be unsettled: none either
+        live = Boolean(True)
+        for k in cutlass.range_constexpr(self.num_nodes):
+            if cutlass.const_expr(self.ring_of[k] is not None and self.has_exists[k]):
+                if node == k:
+                    live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
         # (3) loads of data produced in this launch (even after an abort: the armed slots must
         # complete, their data is never read)
         if cutlass.const_expr(self.fence_async):
@@ -67,7 +74,7 @@ class ProducerRole:
         for k in cutlass.range_constexpr(self.num_nodes):
             r = self.ring_of[k]
             if cutlass.const_expr(r is not None):
-                if node == k:
+                if node == k and live:
                     pre = min(r.slices, w.ring_stages)
                     for j in cutlass.range_constexpr(pre):
                         if cutlass.const_expr(self.spec.prefetch[k]):
@@ -90,7 +97,7 @@ class ProducerRole:
             for k in cutlass.range_constexpr(self.num_nodes):
                 r = self.ring_of[k]
                 if cutlass.const_expr(r is not None):
-                    if node == k:
+                    if node == k and live:
                         for j in cutlass.range(min(r.slices, w.ring_stages), r.slices, unroll=1):
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait

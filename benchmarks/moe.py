@@ -1,0 +1,192 @@
+"""Qwen3-MoE sparse block (Qwen3-30B-A3B: E=128, top-8, H=2048, I=768, bf16): cutemk vs torch.
+
+Implementations, one process, same bf16 inputs and weights:
+  mk_static / mk_dynamic   ``cutemk.layers.moe_graph`` compiled once for T <= max, one
+                           megakernel launch per call, timed from CUDA-graph replays
+  torch_graph              router matmul, softmax/top-k, a stable sort of the routed slots,
+                           ``torch._grouped_mm`` for gate/up and down, SiLU*mul, a weighted
+                           ``index_add_`` combine; replayed from a CUDA graph
+  torch_eager              the same, launched eagerly
+  hf_eager                 transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights, eager
+                           (where transformers is importable)
+
+Columns: median_us, floor_us = max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s) with bytes = the
+weights of the experts this routing touches + the router weight + x and y, of_floor, rel_err
+against an fp32 reference on the same bf16 inputs (``cutemk.layers.moe_reference``), and
+``speedup_vs_torch_graph``. A megakernel error above 2e-2 is reported and makes the script
+exit non-zero after writing the results.
+
+Run: python benchmarks/moe.py [--tokens 1 16 128] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cutemk.bench import Results, bar_chart, floor_us, graphed, time_us
+
+H, I, E, TOP_K = 2048, 768, 128, 8
+TOKENS = (1, 16, 128, 1024, 4096)
+MAX_TOKENS = 4096
+MAX_ERR = 2e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def torch_moe(x, w_router, w_gate_up, w_down, top_k: int = TOP_K):
+    """The MoE block with torch's grouped GEMM (what a serving stack without fused MoE runs)."""
+    t = x.shape[0]
+    probs = torch.softmax((x @ w_router.T).float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_router.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tok = order // top_k
+    h = torch._grouped_mm(x[tok], w_gate_up.transpose(1, 2), offs=offs)
+    inter = w_gate_up.shape[1] // 2
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    d = torch._grouped_mm(a, w_down.transpose(1, 2), offs=offs)
+    y = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
+    y.index_add_(0, tok, d.float() * w.flatten()[order, None])
+    return y.to(x.dtype)
+
+
+def hf_block(w_router, w_gate_up, w_down):
+    """transformers' Qwen3MoeSparseMoeBlock holding these weights, or None."""
+    try:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except Exception as e:  # noqa: BLE001  (any import failure: the baseline is optional)
+        print(f"hf_eager skipped: {e}")
+        return None
+    cfg = Qwen3MoeConfig(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        num_experts=E,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+    )
+    block = Qwen3MoeSparseMoeBlock(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(w_router)
+        experts = block.experts
+        if hasattr(experts, "gate_up_proj"):  # transformers 5.x: stacked expert weights
+            experts.gate_up_proj.copy_(w_gate_up)
+            experts.down_proj.copy_(w_down)
+        else:  # 4.x: one MLP module per expert
+            for e, mlp in enumerate(experts):
+                mlp.gate_proj.weight.copy_(w_gate_up[e, :I])
+                mlp.up_proj.weight.copy_(w_gate_up[e, I:])
+                mlp.down_proj.weight.copy_(w_down[e])
+    return block
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
+    p.add_argument("--no-hf", action="store_true", help="leave out the transformers module")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    import cutemk as mk
+    from cutemk.layers import MoeConfig, moe_graph, moe_reference
+
+    warmup, rep = (3, 10) if args.quick else (10, 50)
+    cfg = MoeConfig(H, I, E, TOP_K, block_m=64, block_n=64, down_block_n=128)
+    res = Results(
+        "moe",
+        meta={
+            "dtype": "bf16",
+            "layer": "Qwen3-30B-A3B sparse MoE block",
+            "hidden": H,
+            "intermediate": I,
+            "experts": E,
+            "top_k": TOP_K,
+            "max_tokens": MAX_TOKENS,
+            "tiles": {"block_m": cfg.block_m, "block_n": cfg.block_n, "down": cfg.down_block_n},
+            "rep": rep,
+        },
+    )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    w = dict(
+        w_router=(torch.randn(E, H, device=dev, generator=gen) / H**0.5).to(dt),
+        w_gate_up=(torch.randn(E, 2 * I, H, device=dev, generator=gen) / H**0.5).to(dt),
+        w_down=(torch.randn(E, H, I, device=dev, generator=gen) / I**0.5).to(dt),
+    )
+    graph = moe_graph(mk.sym("T", max=MAX_TOKENS), cfg, dt)
+    compiled = {}
+    for s in ("static", "dynamic"):
+        t0 = time.perf_counter()
+        compiled[f"mk_{s}"] = graph.compile("cute", scheduler=s)
+        res.meta[f"compile_s_{s}"] = round(time.perf_counter() - t0, 2)
+    hf = None if args.no_hf else hf_block(**w)
+    for t in args.tokens:
+        case = f"T={t}"
+        x = torch.randn(t, H, device=dev, generator=gen).to(dt)
+        impls = {}
+        for name, c in compiled.items():
+            t0 = time.perf_counter()
+            c(x, **w)  # plans this token count
+            torch.cuda.synchronize()
+            res.meta[f"first_call_s_{name}_T{t}"] = round(time.perf_counter() - t0, 3)
+            impls[name] = lambda c=c: c(x, **w)
+        impls["torch_graph"] = lambda: torch_moe(x, **w)
+        ref = moe_reference(x, **w, top_k=TOP_K)
+        errs = {name: rel_err(fn(), ref) for name, fn in impls.items()}
+        impls["torch_eager"] = impls["torch_graph"]
+        errs["torch_eager"] = errs["torch_graph"]
+        if hf is not None:
+
+            def hf_call():
+                with torch.no_grad():
+                    out = hf(x.view(1, t, H))
+                return (out[0] if isinstance(out, tuple) else out).view(t, H)
+
+            impls["hf_eager"] = hf_call
+            errs["hf_eager"] = rel_err(hf_call(), ref)
+        del ref
+        with torch.no_grad():
+            ids = torch.topk(x.float() @ w["w_router"].float().T, TOP_K, dim=-1).indices
+        touched = int(torch.unique(ids).numel())
+        flops = 2.0 * t * H * E + 2.0 * t * TOP_K * 3 * H * I
+        nbytes = 2.0 * (touched * 3 * H * I + E * H + 2 * t * H)
+        fl = floor_us(flops, nbytes)
+        for name, fn in impls.items():
+            eager = name in ("torch_eager", "hf_eager")
+            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep)
+            res.add(
+                case,
+                name,
+                us,
+                floor_us=round(fl, 2),
+                of_floor=round(fl / us, 3),
+                experts_touched=touched,
+                rel_err=round(errs[name], 5),
+            )
+            if name.startswith("mk_") and not errs[name] <= MAX_ERR:
+                res.meta.setdefault("failures", []).append(f"{case} {name}")
+                print(f"WARNING {case} {name}: rel_err {errs[name]:.3g}")
+    res.add_ratios("torch_graph")
+    path = res.finish()
+    chart = bar_chart(res, path.with_suffix(".png"))
+    if chart:
+        print(f"wrote {chart}")
+    failures = res.meta.get("failures", [])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
