@@ -50,7 +50,9 @@ def torch_moe(x, w_router, w_gate_up, w_down, top_k: int = TOP_K):
     w = w / w.sum(dim=-1, keepdim=True)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w_router.shape[0])
+    # a scatter count: bincount synchronizes with the host, which a CUDA graph cannot capture
+    counts = torch.zeros(w_router.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     tok = order // top_k
     h = torch._grouped_mm(x[tok], w_gate_up.transpose(1, 2), offs=offs)
