@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers module")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also run a profiled megakernel per case and store its per-node summary",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from cutemk.layers import MoeConfig, moe_graph, moe_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
-    cfg = MoeConfig(H, I, E, TOP_K, block_m=64, block_n=64, down_block_n=128)
+    # the router's 128 expert columns over 8 SMs: one SM streaming its 512 KB took ~5 us
+    cfg = MoeConfig(H, I, E, TOP_K, block_m=64, block_n=64, down_block_n=128, router_block_n=16)
     res = Results(
         "moe",
         meta={
@@ -117,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             "experts": E,
             "top_k": TOP_K,
             "max_tokens": MAX_TOKENS,
-            "tiles": {"block_m": cfg.block_m, "block_n": cfg.block_n, "down": cfg.down_block_n},
+            "tiles": {
+                "block_m": cfg.block_m,
+                "block_n": cfg.block_n,
+                "down": cfg.down_block_n,
+                "router": cfg.router_block_n,
+            },
             "rep": rep,
         },
     )
@@ -134,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         compiled[f"mk_{s}"] = graph.compile("cute", scheduler=s)
         res.meta[f"compile_s_{s}"] = round(time.perf_counter() - t0, 2)
+    profiled = {}
+    if args.trace:
+        for s in ("static", "dynamic"):
+            profiled[s] = graph.compile("cute", scheduler=s, profile=True)
     hf = None if args.no_hf else hf_block(**w)
     for t in args.tokens:
         case = f"T={t}"
@@ -160,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
             impls["hf_eager"] = hf_call
             errs["hf_eager"] = rel_err(hf_call(), ref)
         del ref
+        for s, c in profiled.items():
+            from cutemk.trace import node_summary
+
+            for _ in range(3):
+                c(x, **w)
+            torch.cuda.synchronize()
+            summary = node_summary(c.profile_records())
+            res.meta.setdefault("trace", {})[f"{case} {s}"] = summary
+            print(f"{case} {s}: per-node trace (us since the first task)")
+            for row in summary:
+                print("   ", row)
         with torch.no_grad():
             ids = torch.topk(x.float() @ w["w_router"].float().T, TOP_K, dim=-1).indices
         touched = int(torch.unique(ids).numel())

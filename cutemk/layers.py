@@ -31,6 +31,7 @@ class MoeConfig:
     block_m: int = 16  # grouped row tile (64 or 128 for the Hopper grouped GEMM)
     block_n: int = 32  # columns of the gate/up tile (gate and up each)
     down_block_n: int | None = None  # columns of the down tile (default: block_n)
+    router_block_n: int | None = None  # expert columns of a router tile (default: all)
 
 
 def _positive(**sizes: int) -> None:
@@ -95,7 +96,7 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         x,
         w_router,
         block_m=cfg.block_m,
-        block_n=e,
+        block_n=cfg.router_block_n or e,
         out_dtype=torch.float32,
         name="router",
     )
@@ -126,7 +127,8 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         expert_rows=upper(tokens),
         name="experts_down",
     )
-    y = g.call(ops.moe_combine, down, weights, slot_row)
+    # a few tokens a tile: the gather is latency bound, so spread it over many SMs
+    y = g.call(ops.moe_combine, down, weights, slot_row, block_m=4, block_n=512)
     g.output(y, "y")
     return g
 

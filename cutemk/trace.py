@@ -70,3 +70,27 @@ def timeline_png(records: Sequence[dict[str, Any]], path: str | Path, title: str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per node, in order of first start: tasks run, SMs used, first start and last end (us
+    since the launch's first task) and the median task duration (us): where a launch's time
+    goes, read off one profiled run."""
+    t0 = min((r["start_ns"] for r in records), default=0)
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_node.setdefault(r["node"], []).append(r)
+    rows = []
+    for node, rs in by_node.items():
+        durs = sorted(r["end_ns"] - r["start_ns"] for r in rs)
+        rows.append(
+            {
+                "node": node,
+                "tasks": len(rs),
+                "sms": len({r["sm"] for r in rs}),
+                "first_start_us": round((min(r["start_ns"] for r in rs) - t0) / 1e3, 2),
+                "last_end_us": round((max(r["end_ns"] for r in rs) - t0) / 1e3, 2),
+                "median_task_us": round(durs[len(durs) // 2] / 1e3, 2),
+            }
+        )
+    return sorted(rows, key=lambda r: r["first_start_us"])

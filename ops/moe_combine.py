@@ -30,6 +30,10 @@ from cutemk.tileop import (
 )
 
 
+UNROLL = 4
+"""Outputs a thread gathers at once (k loads each): the gather is latency bound."""
+
+
 @register_op
 @dataclass(frozen=True)
 class MoeCombineTile(TileOp):
@@ -78,6 +82,7 @@ class MoeCombineTile(TileOp):
         if data is not None and k:
             # the span of rows it gathers: all inside existing tiles, which are written whole
             rows = data["slot_row"][tr[0] : tr[1]].reshape(-1)
+            rows = rows[rows >= 0]  # -1: no row (an expert id that was out of range)
             if rows.numel():
                 r["rows"] = ((int(rows.min()), int(rows.max()) + 1), hc)
         return r
@@ -97,9 +102,10 @@ class MoeCombineTile(TileOp):
 
     def reference(self, coord, env, t):
         (t0, t1), (c0, c1), _ = self._boxes(coord, env)
-        idx = t["slot_row"][t0:t1].long()  # (bt, k)
-        gathered = t["rows"][idx, c0:c1].float()  # (bt, k, bn)
-        y = (gathered * t["weights"][t0:t1].unsqueeze(-1)).sum(dim=1)
+        idx = t["slot_row"][t0:t1].long()  # (bt, k); -1: no row, adds nothing
+        gathered = t["rows"][idx.clamp(min=0), c0:c1].float()  # (bt, k, bn)
+        terms = gathered * t["weights"][t0:t1].unsqueeze(-1)
+        y = torch.where((idx >= 0).unsqueeze(-1), terms, 0.0).sum(dim=1)
         t["y"][t0:t1, c0:c1] = y.to(t["y"].dtype)
 
     # -- device -----------------------------------------------------------------------------
@@ -112,8 +118,10 @@ class MoeCombineTile(TileOp):
         mY).
 
         mRows: (tiles*block_m, H), mWeights: (T, k) fp32, mSlotRow: (T, k) int32, mY: (T, H).
-        The CTA sweeps one token at a time, consecutive threads on consecutive columns, so
-        every gathered row is read coalesced.
+        The tile's outputs are one flat range, consecutive threads on consecutive columns (each
+        gathered row is read coalesced); a thread takes ``UNROLL`` outputs at a time with all
+        their loads unconditional (clamped indices), so k * UNROLL of them are in flight. A slot
+        with no row (-1: an expert id that was out of range) adds nothing.
         """
         mRows, mWeights, mSlotRow, mY = tensors
         k = self.weights.shape[1]
@@ -122,14 +130,25 @@ class MoeCombineTile(TileOp):
         t0 = coord0 * self.block_m
         t_end = cute.min(t0 + self.block_m, tokens)
         c0 = coord1 * self.block_n
-        c_end = cute.min(c0 + self.block_n, hidden)
-        for tok in range(t0, t_end):
-            for c in range(c0 + tidx, c_end, NUM_THREADS):
+        width = cute.min(c0 + self.block_n, hidden) - c0
+        total = (t_end - t0) * width
+        for base in range(0, total, NUM_THREADS * UNROLL):
+            accs = []
+            for u in cutlass.range_constexpr(UNROLL):
+                idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
+                tok = t0 + idx // width
+                c = c0 + idx % width
                 acc = Float32(0.0)
                 for j in cutlass.range_constexpr(k):
-                    w = mWeights[tok, j].to(Float32)
-                    acc = acc + w * mRows[mSlotRow[tok, j], c].to(Float32)
-                mY[tok, c] = acc.to(mY.element_type)
+                    r = mSlotRow[tok, j]
+                    v = mRows[cute.max(r, 0), c].to(Float32) * mWeights[tok, j].to(Float32)
+                    if r >= 0:
+                        acc = acc + v
+                accs.append(acc)
+            for u in cutlass.range_constexpr(UNROLL):
+                idx = base + u * NUM_THREADS + tidx
+                if idx < total:
+                    mY[t0 + idx // width, c0 + idx % width] = accs[u].to(mY.element_type)
 
 
 def moe_combine(

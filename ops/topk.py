@@ -1,6 +1,6 @@
 """Top-k softmax tile op (MoE gate): softmax over experts, top-k, optional renormalisation.
 
-One block of tokens a task. Outputs ``weights`` (T, k) fp32 and ``ids`` (T, k) int32, ordered by
+One block of tokens a task, one warp per token. Outputs ``weights`` (T, k) fp32 and ``ids`` (T, k) int32, ordered by
 decreasing weight (ties go to the lower expert id, on every backend).
 """
 
@@ -14,7 +14,7 @@ import torch
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -89,54 +89,84 @@ class TopkSoftmaxTile(TileOp):
 
     # -- device -----------------------------------------------------------------------------
     def device_smem_bytes(self) -> int:
-        return 0  # one thread owns a whole token row: nothing is shared
+        return 0  # a warp owns a whole token row: its lanes share through shuffles
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """Rows ``[coord0 * block_m, +block_m)``; ``tensors`` = (mLogits, mWeights, mIds).
 
-        mLogits: (T, E) float, mWeights: (T, k) fp32, mIds: (T, k) int32. One thread per token
-        row (rows strided by NUM_THREADS when block_m > NUM_THREADS): E is at most a few hundred,
-        so a serial sweep is cheaper than a warp reduction's shuffles at decode sizes.
+        mLogits: (T, E) float, mWeights: (T, k) fp32, mIds: (T, k) int32. One warp per token
+        row (rows strided by the SIMT group's warps): lane l holds experts l, l + 32, ... in
+        registers (one coalesced load each); max and sum are butterfly reductions, and each of
+        the k picks is a butterfly arg-max over the lanes' best untaken (logit, -id) pairs.
+        Selected on logits (softmax is monotone in them), so only equal logits tie, never two
+        probabilities that rounding made equal; ties go to the lower expert id. NaN logits are
+        never picked; a row with fewer than k non-NaN logits gets id -1 in the remaining slots
+        (``moe_route`` ignores ids outside [0, E)).
         """
         mLogits, mWeights, mIds = tensors[0], tensors[1], tensors[2]
         num_experts = self.logits.shape[1]
+        per_lane = (num_experts + WARP - 1) // WARP
+        warps = NUM_THREADS // WARP
         tokens = mLogits.shape[0]
+        lane = tidx % WARP
         row0 = coord0 * self.block_m
         row_end = cute.min(row0 + self.block_m, tokens)
-        for row in range(row0 + tidx, row_end, NUM_THREADS):
-            # Selected on logits (softmax is monotone in them), so only equal logits tie, never
-            # two probabilities that rounding made equal; ties go to the lower expert id.
-            vmax = mLogits[row, 0].to(Float32)
-            for e in range(1, num_experts):
-                vmax = cute.arch.fmax(vmax, mLogits[row, e].to(Float32))
+        for row in range(row0 + tidx // WARP, row_end, warps):
+            vals = cute.make_rmem_tensor((per_lane,), Float32)
+            taken = cute.make_rmem_tensor((per_lane,), Int32)
+            vmax = Float32(-float("inf"))
+            for q in cutlass.range_constexpr(per_lane):
+                e = lane + q * WARP
+                v = Float32(-float("inf"))
+                taken[q] = Int32(1)  # lanes past E hold nothing to pick
+                if e < num_experts:
+                    v = mLogits[row, e].to(Float32)
+                    taken[q] = Int32(0)
+                vals[q] = v
+                vmax = cute.arch.fmax(vmax, v)
+            for i in cutlass.range_constexpr(5):
+                vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, 1 << i))
             denom = Float32(0.0)
-            for e in range(num_experts):
-                denom = denom + cute.math.exp(mLogits[row, e].to(Float32) - vmax)
+            for q in cutlass.range_constexpr(per_lane):
+                if lane + q * WARP < num_experts:
+                    denom = denom + cute.math.exp(vals[q] - vmax)
+            for i in cutlass.range_constexpr(5):
+                denom = denom + cute.arch.shuffle_sync_bfly(denom, 1 << i)
             rW = cute.make_rmem_tensor((self.k,), Float32)
-            # pick j = the largest (logit, -id) strictly below pick j-1 in that order
-            prev_v = Float32(float("inf"))
-            prev_e = Int32(-1)
             wsum = Float32(0.0)
             for j in cutlass.range_constexpr(self.k):
                 best_v = Float32(-float("inf"))
                 best_e = Int32(-1)
-                for e in range(num_experts):
-                    v = mLogits[row, e].to(Float32)
-                    below = v < prev_v or (v == prev_v and e > prev_e)
-                    if below and (v > best_v or best_e < 0):
+                for q in cutlass.range_constexpr(per_lane):
+                    v = vals[q]
+                    # NaN != NaN: never a candidate; lanes scan ids upwards, so > keeps the lower
+                    if taken[q] == 0 and v == v and (best_e < 0 or v > best_v):
                         best_v = v
-                        best_e = e
-                rW[j] = cute.math.exp(best_v - vmax) / denom
-                wsum = wsum + rW[j]
-                mIds[row, j] = best_e.to(mIds.element_type)
-                prev_v = best_v
-                prev_e = best_e
-            for j in cutlass.range_constexpr(self.k):
-                w = rW[j]
-                if cutlass.const_expr(self.renormalize):
-                    w = w / wsum
-                mWeights[row, j] = w.to(mWeights.element_type)
+                        best_e = lane + q * WARP
+                for i in cutlass.range_constexpr(5):
+                    ov = cute.arch.shuffle_sync_bfly(best_v, 1 << i)
+                    oe = cute.arch.shuffle_sync_bfly(best_e, 1 << i)
+                    if oe >= 0 and (best_e < 0 or ov > best_v or (ov == best_v and oe < best_e)):
+                        best_v = ov
+                        best_e = oe
+                for q in cutlass.range_constexpr(per_lane):
+                    if best_e == lane + q * WARP:
+                        taken[q] = Int32(1)
+                w = Float32(0.0)
+                if best_e >= 0:
+                    w = cute.math.exp(best_v - vmax) / denom
+                rW[j] = w
+                wsum = wsum + w
+                if lane == 0:
+                    mIds[row, j] = best_e.to(mIds.element_type)
+            if lane < self.k:
+                for j in cutlass.range_constexpr(self.k):
+                    if lane == j:
+                        w = rW[j]
+                        if cutlass.const_expr(self.renormalize):
+                            w = w / wsum
+                        mWeights[row, j] = w.to(mWeights.element_type)
 
 
 def topk_softmax(

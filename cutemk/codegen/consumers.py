@@ -141,7 +141,7 @@ class ConsumerRoles:
         TMA store, free the staging buffer once it is read, wait for the writes, then notify
         (static) or complete the task (dynamic), while the consumers run their next tile."""
         tensors, prog, dev, mProf, epoch = L.tensors, L.prog, L.dev, L.prof, L.epoch
-        stamp, num_init, sEpiRec, sWork, epi = L.stamp, L.num_init, L.sEpiRec, L.sWork2, L.epi
+        stamp, num_init, sEpiRec, epi = L.stamp, L.num_init, L.sEpiRec, L.epi
         w = self.w
         # the staging buffer starts free
         cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
@@ -168,22 +168,14 @@ class ConsumerRoles:
                 if lane == 0:
                     self._publish_static(prog, dev, mProf, rec, Int64(0))
                 if cutlass.const_expr(self.spec.dynamic):
-                    self._complete_dynamic(
-                        tensors, prog, dev, t, epoch, stamp, num_init, lane, sWork
-                    )
+                    self._complete_dynamic(prog, dev, t, epoch, stamp, num_init, lane)
 
     @cute.jit
     def _completer(self, L, lane):
         """Dynamic mode, producer warpgroup's warp 1: complete each task the consumers finished
         (events, ready consumers pushed), so the consumers go straight to their next task."""
-        tensors, prog, dev, epoch, stamp = L.tensors, L.prog, L.dev, L.epoch, L.stamp
-        num_init, bars, sDone, sWork, timeout_ns = (
-            L.num_init,
-            L.bars,
-            L.sDone,
-            L.sWork,
-            L.timeout_ns,
-        )
+        prog, dev, epoch, stamp = L.prog, L.dev, L.epoch, L.stamp
+        num_init, bars, sDone, timeout_ns = L.num_init, L.bars, L.sDone, L.timeout_ns
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         _, _, _, _, d_full, d_empty = bars
@@ -194,6 +186,4 @@ class ConsumerRoles:
             dcount = dcount + 1
             alive = rec[0] >= 0
             if alive:
-                self._complete_dynamic(
-                    tensors, prog, dev, rec[0], epoch, stamp, num_init, lane, sWork
-                )
+                self._complete_dynamic(prog, dev, rec[0], epoch, stamp, num_init, lane)

@@ -6,11 +6,10 @@ then pop: take a ticket (atomic on HEAD; the next one is taken while the current
 spin until that slot is filled, or until DONE says every task has finished. After a task, one
 warp acq_rel-adds to each notified event; the lane that completes an event adds to each
 consumer's pending count, and the one that completes a consumer's last event pushes it. A
-consumer whose data says it does not exist is never pushed: the pusher completes its notifies
-itself (a small shared-memory work list), so only existing tiles reach the queue.
+consumer whose data says it does not exist is pushed all the same; the worker that pops it
+skips its body (``exists``) and completes it.
 
-A mixin of :class:`cutemk.codegen.megakernel.Megakernel` (``self.spec``, ``self._exists``,
-``self._abort``).
+A mixin of :class:`cutemk.codegen.megakernel.Megakernel` (``self.spec``, ``self._abort``).
 """
 
 from __future__ import annotations
@@ -25,17 +24,12 @@ from .lower import (
     DONE,
     HEAD,
     KIND_QUEUE_IDLE,
-    R_C0,
-    R_C1,
     R_NHI,
     R_NLO,
-    R_NODE,
     REC_WIDTH,
     TAIL,
 )
 from .layout import D, P
-
-WORK_CAP = 64  # skipped-task work list of the dynamic pusher; beyond it, tasks are pushed as is
 
 
 class DynamicQueue:
@@ -53,7 +47,6 @@ class DynamicQueue:
     @cute.jit
     def _complete_dynamic(
         self,
-        tensors,
         prog,
         dev,
         t: Int32,
@@ -61,16 +54,17 @@ class DynamicQueue:
         stamp: Int32,
         num_init: Int32,
         lane: Int32,
-        sWork,
     ):
-        """Warp 0: notify for task t, push the consumers made ready, complete skipped ones.
+        """Warp 0: notify for task t and push the consumers made ready.
 
         Lane 0 adds to each notified event; when it completes the event, the 32 lanes take its
-        consumers 32 at a time (pending-count atomics, existence checks and pushes in parallel:
-        a fan-out of k costs k/32 round trips, not k). ``bar.warp.sync`` orders lane 0's
-        acquire before the other lanes' reads and release stores. Ready consumers whose data
-        says they do not exist go on a work list (lane 0 appends, in lane order) and are
-        completed the same way, never queued.
+        consumers 32 at a time (pending-count atomics and pushes in parallel: a fan-out of k
+        costs k/32 round trips, not k). ``bar.warp.sync`` orders lane 0's acquire before the
+        other lanes' reads and release stores. A ready consumer whose data says it does not
+        exist is pushed all the same: the SM that pops it skips its body and completes it, so
+        the skipped part of a data-dependent graph is retired by every SM in parallel (retiring
+        it here, one task after another on one warp, took milliseconds for an MoE layer whose
+        routing leaves a thousand grouped tiles empty).
         """
         task_rec, notify_ev, ev_count = (
             prog[P["task_rec"]],
@@ -87,65 +81,39 @@ class DynamicQueue:
             dev[D["ev_counter"]],
             dev[D["task_pending"]],
         )
-        if lane == 0:
-            sWork[0] = t
-        n = Int32(1)  # work-list length, the same in every lane
-        while n > 0:
-            cute.arch.sync_warp()
-            u = sWork[n - 1]
-            n = n - 1
-            for j in range(task_rec[u * REC_WIDTH + R_NLO], task_rec[u * REC_WIDTH + R_NHI]):
-                e = notify_ev[j]
-                done = Int32(0)
-                if lane == 0:
-                    old = cute.arch.atomic_add(
-                        ev_counter.iterator + e, Int32(1), sem="acq_rel", scope=self.scope
-                    )
-                    if old + 1 == ev_count[e] * epoch:
-                        done = Int32(1)
-                done = cute.arch.shuffle_sync(done, 0)
-                cute.arch.sync_warp()
-                if done != 0:
-                    lo = cons_ptr[e]
-                    hi = cons_ptr[e + 1]
-                    for base in range(lo, hi, WARP):
-                        i = base + lane
-                        skip = Int32(-1)
-                        if i < hi:
-                            c = cons_task[i]
-                            ready = c < 0  # -(c+1): waits on this event alone, ready now
-                            if ready:
-                                c = -c - 1
-                            else:
-                                p = cute.arch.atomic_add(
-                                    task_pending.iterator + c, Int32(1), sem="acq_rel", scope="gpu"
-                                )
-                                ready = p + 1 == task_nwait[c] * epoch
-                            if ready:
-                                node = task_rec[c * REC_WIDTH + R_NODE]
-                                c0 = task_rec[c * REC_WIDTH + R_C0]
-                                c1 = task_rec[c * REC_WIDTH + R_C1]
-                                if self._exists(tensors, node, c0, c1):
-                                    self._push(dev, c, stamp, num_init)
-                                else:
-                                    skip = c
-                        # rare: gather the skipped consumers into the work list, in lane order
-                        if cute.arch.vote_any_sync(skip >= 0):
-                            for src in cutlass.range_constexpr(WARP):
-                                v = cute.arch.shuffle_sync(skip, src)
-                                if v >= 0:
-                                    if n < WORK_CAP:
-                                        if lane == 0:
-                                            sWork[n] = v
-                                        n = n + 1
-                                    elif lane == 0:  # list full: queue it, the popper skips it
-                                        self._push(dev, v, stamp, num_init)
-                            cute.arch.sync_warp()
+        for j in range(task_rec[t * REC_WIDTH + R_NLO], task_rec[t * REC_WIDTH + R_NHI]):
+            e = notify_ev[j]
+            done = Int32(0)
             if lane == 0:
-                # relaxed: DONE guards no data (it only tells idle CTAs to stop polling; a task
-                # is counted after it was popped, so DONE == num_tasks implies every pushed slot
-                # was taken), and a release here would stall the lane on every task
-                cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
+                old = cute.arch.atomic_add(
+                    ev_counter.iterator + e, Int32(1), sem="acq_rel", scope=self.scope
+                )
+                if old + 1 == ev_count[e] * epoch:
+                    done = Int32(1)
+            done = cute.arch.shuffle_sync(done, 0)
+            cute.arch.sync_warp()
+            if done != 0:
+                lo = cons_ptr[e]
+                hi = cons_ptr[e + 1]
+                for base in range(lo, hi, WARP):
+                    i = base + lane
+                    if i < hi:
+                        c = cons_task[i]
+                        ready = c < 0  # -(c+1): waits on this event alone, ready now
+                        if ready:
+                            c = -c - 1
+                        else:
+                            p = cute.arch.atomic_add(
+                                task_pending.iterator + c, Int32(1), sem="acq_rel", scope="gpu"
+                            )
+                            ready = p + 1 == task_nwait[c] * epoch
+                        if ready:
+                            self._push(dev, c, stamp, num_init)
+        if lane == 0:
+            # relaxed: DONE guards no data (it only tells idle CTAs to stop polling; a task is
+            # counted after it was popped, so DONE == num_tasks implies every pushed slot was
+            # taken), and a release here would stall the lane on every task
+            cute.arch.atomic_add(state.iterator + DONE, Int32(1), sem="relaxed", scope="gpu")
 
     @cute.jit
     def _take_ticket(self, dev) -> Int32:

@@ -53,7 +53,7 @@ from ..device.config import (
 from ..device.ring import init_barriers
 from ..errors import GraphError
 from ..tileop import TileOp
-from .dynamic import WORK_CAP, DynamicQueue
+from .dynamic import DynamicQueue
 from .layout import D, DEVICE_STATE, P, PROF_WIDTH, PROGRAM
 from .lower import (
     DONE,
@@ -147,8 +147,6 @@ class _Launch:
     sRec: object  # static queue records fetched by the producer
     sDone: object  # finished task ids, consumers -> completer
     sEpiRec: object  # the staged tile's record, consumers -> storer
-    sWork: object  # completer's skipped-task work list
-    sWork2: object  # storer's
     ring: object
     epi: object
     scratch: object
@@ -222,14 +220,12 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         )
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-        sWork = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
         sRec = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
         sQueue = smem.allocate_tensor(
             Int32, cute.make_layout(w.task_slots * REC_WIDTH), byte_alignment=16
         )
         sDone = smem.allocate_tensor(Int32, cute.make_layout(w.task_slots), byte_alignment=16)
         sEpiRec = smem.allocate_tensor(Int32, cute.make_layout(REC_WIDTH), byte_alignment=16)
-        sWork2 = smem.allocate_tensor(Int32, cute.make_layout(WORK_CAP), byte_alignment=16)
         n_bars = 4 * w.task_slots + 2 * max(w.ring_stages, 1)
         bar_mem = smem.allocate_tensor(Int64, cute.make_layout(n_bars), byte_alignment=8)
         q_full = bar_mem.iterator
@@ -285,8 +281,6 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             sRec=sRec,
             sDone=sDone,
             sEpiRec=sEpiRec,
-            sWork=sWork,
-            sWork2=sWork2,
             ring=ring,
             epi=epi,
             scratch=scratch,
