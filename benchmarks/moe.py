@@ -108,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     import cutemk as mk
-    from cutemk.layers import MoeConfig, moe_graph, moe_reference
+    from cutemk.layers import moe_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
-    # the router's 128 expert columns over 8 SMs: one SM streaming its 512 KB took ~5 us
-    cfg = MoeConfig(H, I, E, TOP_K, block_m=64, block_n=64, down_block_n=128, router_block_n=16)
+    from cutemk.nn import MOE_DECODE_MAX_TOKENS, MOE_TILES, MegaMoE
+
     res = Results(
         "moe",
         meta={
@@ -123,12 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             "experts": E,
             "top_k": TOP_K,
             "max_tokens": MAX_TOKENS,
-            "tiles": {
-                "block_m": cfg.block_m,
-                "block_n": cfg.block_n,
-                "down": cfg.down_block_n,
-                "router": cfg.router_block_n,
-            },
+            "decode_max_tokens": MOE_DECODE_MAX_TOKENS,
+            "tiles": {r: MOE_TILES[("cute", r)] for r in ("decode", "prefill")},
+            "routing": "on bf16 router logits (as HF); rel_err against an fp32 reference that "
+            "rounds the logits to bf16 the same way",
             "rep": rep,
         },
     )
@@ -139,29 +137,37 @@ def main(argv: list[str] | None = None) -> int:
         w_gate_up=(torch.randn(E, 2 * I, H, device=dev, generator=gen) / H**0.5).to(dt),
         w_down=(torch.randn(E, H, I, device=dev, generator=gen) / I**0.5).to(dt),
     )
-    graph = moe_graph(mk.sym("T", max=MAX_TOKENS), cfg, dt)
-    compiled = {}
-    for s in ("static", "dynamic"):
-        t0 = time.perf_counter()
-        compiled[f"mk_{s}"] = graph.compile("cute", scheduler=s)
-        res.meta[f"compile_s_{s}"] = round(time.perf_counter() - t0, 2)
+    megas = {
+        f"mk_{s}": MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s)
+        for s in ("static", "dynamic")
+    }
+    for name, m in megas.items():
+        for regime in ("decode", "prefill"):
+            t0 = time.perf_counter()
+            m.compiled(regime)
+            res.meta[f"compile_s_{name}_{regime}"] = round(time.perf_counter() - t0, 2)
     profiled = {}
-    if args.trace:
+    if args.trace:  # separate modules: profiling adds a timestamp store per task
         for s in ("static", "dynamic"):
-            profiled[s] = graph.compile("cute", scheduler=s, profile=True)
+            profiled[s] = MegaMoE(
+                **w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s, profile=True
+            )
     hf = None if args.no_hf else hf_block(**w)
     for t in args.tokens:
         case = f"T={t}"
         x = torch.randn(t, H, device=dev, generator=gen).to(dt)
         impls = {}
-        for name, c in compiled.items():
+        for name, m in megas.items():
             t0 = time.perf_counter()
-            c(x, **w)  # plans this token count
+            m(x)  # plans this token count
             torch.cuda.synchronize()
             res.meta[f"first_call_s_{name}_T{t}"] = round(time.perf_counter() - t0, 3)
-            impls[name] = lambda c=c: c(x, **w)
+            impls[name] = lambda m=m: m(x)
+        if t <= MOE_DECODE_MAX_TOKENS:  # the prefill graph at a decode size: is the split right?
+            other = megas["mk_static"].compiled("prefill")
+            impls["mk_static[prefill tiles]"] = lambda: other(x, *w.values())
         impls["torch_graph"] = lambda: torch_moe(x, **w)
-        ref = moe_reference(x, **w, top_k=TOP_K)
+        ref = moe_reference(x, **w, top_k=TOP_K, router_dtype=dt)
         errs = {name: rel_err(fn(), ref) for name, fn in impls.items()}
         impls["torch_eager"] = impls["torch_graph"]
         errs["torch_eager"] = errs["torch_graph"]
@@ -175,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             impls["hf_eager"] = hf_call
             errs["hf_eager"] = rel_err(hf_call(), ref)
         del ref
-        for s, c in profiled.items():
+        for s, m in profiled.items():
             from cutemk.trace import node_summary
 
+            c = m.compiled(m.regime(t))
             for _ in range(3):
-                c(x, **w)
+                c(x, *w.values())
             torch.cuda.synchronize()
             summary = node_summary(c.profile_records())
             res.meta.setdefault("trace", {})[f"{case} {s}"] = summary

@@ -32,6 +32,9 @@ class MoeConfig:
     block_n: int = 32  # columns of the gate/up tile (gate and up each)
     down_block_n: int | None = None  # columns of the down tile (default: block_n)
     router_block_n: int | None = None  # expert columns of a router tile (default: all)
+    # dtype of the router logits: fp32, or None for the model's dtype (what Hugging Face's gate
+    # Linear yields, so a module built from it routes on the same numbers)
+    router_dtype: torch.dtype | None = torch.float32
 
 
 def _positive(**sizes: int) -> None:
@@ -97,7 +100,7 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         w_router,
         block_m=cfg.block_m,
         block_n=cfg.router_block_n or e,
-        out_dtype=torch.float32,
+        out_dtype=cfg.router_dtype or dtype,
         name="router",
     )
     weights, ids = g.call(ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob)
@@ -147,10 +150,15 @@ def moe_reference(
     w_down: torch.Tensor,
     top_k: int,
     norm_topk_prob: bool = True,
+    router_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Token-by-expert loop as in HF Qwen3MoeSparseMoeBlock, in fp32."""
+    """Token-by-expert loop as in HF Qwen3MoeSparseMoeBlock, in fp32; ``router_dtype`` rounds
+    the router logits to that dtype first (as a bf16 router Linear does)."""
+    logits = x.float() @ w_router.float().T
+    if router_dtype is not None:  # logits rounded as a model-dtype router Linear returns them
+        logits = logits.to(router_dtype).float()
     x, w_router, w_gate_up, w_down = (t.float() for t in (x, w_router, w_gate_up, w_down))
-    probs = torch.softmax(x @ w_router.T, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
     # ties go to the lower expert id (a stable sort; torch.topk's CPU kernel does not promise it)
     w, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     w, ids = w[:, :top_k], ids[:, :top_k]

@@ -284,3 +284,177 @@ def _check_silu(mlp: nn.Module) -> None:
             f"{type(mlp).__name__}.act_fn is {act!r}, not SiLU; MegaMLP computes "
             "down(silu(gate) * up) only"
         )
+
+
+MOE_DECODE_MAX_TOKENS = 512
+"""Largest token count :class:`MegaMoE`'s decode graph serves (64-row grouped tiles); larger
+ones go to its prefill graph (128-row tiles)."""
+
+MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
+    # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
+    # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
+    # router's 128 expert columns over 8 SMs. Prefill: 128-row tiles, wider columns.
+    ("cute", "decode"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
+    ("cute", "prefill"): dict(block_m=128, block_n=64, down_block_n=128, router_block_n=32),
+    ("interpret", "decode"): dict(block_m=16, block_n=32),
+    ("interpret", "prefill"): dict(block_m=16, block_n=32),
+}
+
+
+class MegaMoE(nn.Module):
+    """A Qwen3-MoE sparse block (router, softmax top-k, gated-SiLU experts, weighted combine)
+    as one cutemk megakernel, for x of shape (..., H) with at most ``max_tokens`` rows.
+
+    Weights (buffers): ``w_router`` (E, H), ``w_gate_up`` (E, 2I, H) = per expert cat(gate,
+    up), ``w_down`` (E, H, I): transformers 5.x's ``Qwen3MoeExperts`` layout. Routing is on
+    logits in the weights' dtype, as Hugging Face's gate Linear computes them; exact ties go to
+    the lower expert id. Two regimes, each one graph compiled on first use: ``decode`` for
+    T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill`` above (tiles in :data:`MOE_TILES`).
+    Inference only (no backward).
+    """
+
+    def __init__(
+        self,
+        w_router: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        top_k: int,
+        norm_topk_prob: bool = True,
+        max_tokens: int = 4096,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+        profile: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if backend not in (None, "cute", "interpret"):
+            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        for name, w, nd in (("w_router", w_router, 2), ("w_gate_up", w_gate_up, 3)):
+            if not isinstance(w, torch.Tensor) or w.dim() != nd:
+                raise ShapeError(f"{name} must be a {nd}-D tensor")
+        e, h = w_router.shape
+        if w_gate_up.shape[0] != e or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
+            raise ShapeError(
+                f"w_gate_up must be (E, 2I, H) with E={e}, H={h}, got {tuple(w_gate_up.shape)}"
+            )
+        inter = w_gate_up.shape[1] // 2
+        if not isinstance(w_down, torch.Tensor) or tuple(w_down.shape) != (e, h, inter):
+            got = tuple(w_down.shape) if isinstance(w_down, torch.Tensor) else type(w_down)
+            raise ShapeError(f"w_down must be (E, H, I) = {(e, h, inter)}, got {got}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= e:
+            raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
+        dtypes = {w.dtype for w in (w_router, w_gate_up, w_down)}
+        if len(dtypes) != 1 or w_down.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise DTypeError(f"MoE weights must share one of fp32/bf16/fp16, got {dtypes}")
+        if len({w.device for w in (w_router, w_gate_up, w_down)}) != 1:
+            raise DeviceError("router and expert weights must be on one device")
+        self.hidden, self.intermediate, self.num_experts = int(h), int(inter), int(e)
+        self.top_k, self.norm_topk_prob, self.max_tokens = top_k, bool(norm_topk_prob), max_tokens
+        self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        self.profile = bool(profile)  # per-task timestamps (``compiled(r).profile_records()``)
+        self.register_buffer("w_router", w_router.detach().contiguous())
+        self.register_buffer("w_gate_up", w_gate_up.detach().contiguous())
+        self.register_buffer("w_down", w_down.detach().contiguous())
+        self._compiled: dict[tuple, Any] = {}
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, max_tokens: int = 4096, **kwargs: Any) -> MegaMoE:
+        """Build from transformers' ``Qwen3MoeSparseMoeBlock``: the 5.x layout (``gate.weight``,
+        ``experts.gate_up_proj``, ``experts.down_proj``) or 4.x's list of expert MLPs."""
+        gate = getattr(block, "gate", None)
+        experts = getattr(block, "experts", None)
+        if not isinstance(getattr(gate, "weight", None), torch.Tensor) or experts is None:
+            raise ValueError(f"{type(block).__name__} has no gate.weight / experts")
+        config = getattr(block, "config", None)
+        top_k = getattr(gate, "top_k", None) or getattr(block, "top_k", None)
+        top_k = top_k or getattr(config, "num_experts_per_tok", None)
+        norm = getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", None))
+        if norm is None:
+            norm = getattr(config, "norm_topk_prob", None)
+        if top_k is None or norm is None:
+            raise ValueError(f"{type(block).__name__}: cannot find top_k / norm_topk_prob")
+        if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            w_gu, w_down = experts.gate_up_proj, experts.down_proj
+            _check_silu(experts)
+        else:  # one gated MLP module per expert
+            for mlp in experts:
+                _check_silu(mlp)
+            w_gu = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+            w_down = torch.stack([m.down_proj.weight for m in experts])
+        return cls(gate.weight, w_gu, w_down, int(top_k), bool(norm), max_tokens, **kwargs)
+
+    def regime(self, tokens: int) -> str:
+        return "decode" if tokens <= MOE_DECODE_MAX_TOKENS else "prefill"
+
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "cute" if torch.cuda.is_available() and self.w_down.is_cuda else "interpret"
+
+    def compiled(self, regime: str) -> Any:
+        """The compiled graph of a regime ('decode' | 'prefill') for the weights' current dtype
+        and device (compiled on first use, then reused for every token count it serves)."""
+        if regime not in ("decode", "prefill"):
+            raise ValueError(f"regime must be 'decode' or 'prefill', got {regime!r}")
+        backend = self.resolved_backend()
+        key = (backend, regime, self.w_down.dtype, self.w_down.device)
+        fn = self._compiled.get(key)
+        if fn is None:
+            from .layers import MoeConfig, moe_graph
+
+            limit = self.max_tokens
+            if regime == "decode":
+                limit = min(limit, MOE_DECODE_MAX_TOKENS)
+            cfg = MoeConfig(
+                self.hidden,
+                self.intermediate,
+                self.num_experts,
+                self.top_k,
+                self.norm_topk_prob,
+                router_dtype=None,
+                **MOE_TILES[(backend, regime)],
+            )
+            g = moe_graph(sym("T", max=limit), cfg, self.w_down.dtype)
+            options: dict[str, Any] = {"scheduler": self.scheduler}
+            if self.profile:
+                options["profile"] = True
+            if self.num_sms is not None:
+                options["num_sms"] = self.num_sms
+            fn = self._compiled[key] = g.compile(backend, **options)
+        return fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MegaMoE input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ShapeError(
+                f"MegaMoE input must have shape (..., {self.hidden}), got {tuple(x.shape)}"
+            )
+        if x.dtype != self.w_down.dtype:
+            raise DTypeError(f"MegaMoE input is {x.dtype}, its weights {self.w_down.dtype}")
+        if x.device != self.w_down.device:
+            raise DeviceError(f"MegaMoE input is on {x.device}, its weights {self.w_down.device}")
+        tokens = x.numel() // self.hidden
+        if tokens == 0:
+            return x.detach().new_empty(x.shape)
+        if tokens > self.max_tokens:
+            raise ShapeError(
+                f"MegaMoE got {tokens} tokens, more than max_tokens={self.max_tokens}; build it "
+                "with a larger max_tokens or split the batch"
+            )
+        with torch.no_grad():
+            x2 = x.detach().reshape(tokens, self.hidden).contiguous()
+            if x2.data_ptr() % 16:
+                x2 = x2.clone()
+            fn = self.compiled(self.regime(tokens))
+            y = fn(x2, self.w_router, self.w_gate_up, self.w_down)
+        return y.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden}, intermediate={self.intermediate}, "
+            f"experts={self.num_experts}, top_k={self.top_k}, max_tokens={self.max_tokens}"
+        )

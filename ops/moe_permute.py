@@ -33,7 +33,7 @@ from cutemk.tileop import (
     register_op,
 )
 
-UNROLL = 8
+UNROLL = 16
 """Loads each thread has in flight before it stores them (a copy is latency bound)."""
 
 

@@ -22,13 +22,18 @@ from typing import ClassVar
 
 import cutlass
 import torch
-from cutlass import Int32, cute
+from cutlass import Int16, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.errors import DataError
-from cutemk.device.config import NUM_THREADS, simt_sync
-from cutemk.symbolic import IntLike, smin
+from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP, simt_sync
+from cutemk.symbolic import IntLike, smin, upper
 from cutemk.tileop import TensorSpec, TileOp, expect_dtype, expect_ndim, full_box, register_op
+
+
+ID_BATCH = 16
+"""Routed ids a thread loads at once (its chunk is read in batches: the loads are in flight
+together instead of one token's after another's)."""
 
 
 def max_tiles(tokens: IntLike, k: int, num_experts: int, block_m: int) -> IntLike:
@@ -125,11 +130,26 @@ class MoeRouteTile(TileOp):
         t["exp_indptr"].copy_(indptr.to(torch.int32))
 
     # -- device -----------------------------------------------------------------------------
+    def _counter_layout(self) -> tuple[int, int]:
+        """(bytes per counter, row pitch in counters) of the per-thread counter table. A rank
+        within an expert is below the token count, so 16-bit counters do wherever the tokens
+        stay below 2**15 (half the shared memory of 32-bit ones, which the megakernel's ring
+        can use); the pitch keeps a row an odd number of 32-bit words apart (no bank conflicts
+        down a column), or E+1 counters for 32-bit ones."""
+        if upper(self.ids.shape[0]) < 2**15:
+            pitch = self.num_experts + 1
+            return 2, pitch + (2 - pitch % 4) % 4  # pitch = 2 (mod 4): an odd word count
+        return 4, self.num_experts + 1
+
+    def _table_bytes(self) -> int:
+        width, pitch = self._counter_layout()
+        return -(-(NUM_THREADS * pitch * width) // 16) * 16
+
     def device_smem_bytes(self) -> int:
         e = self.num_experts
-        # per-thread-chunk counters (NUM_THREADS, E) with row pitch E+1, tile starts (E+1),
-        # per-expert counts (E); all int32
-        return 4 * (NUM_THREADS * (e + 1) + (e + 1) + e)
+        # per-thread-chunk counters (NUM_THREADS, E), then tile starts (E+1) and per-expert
+        # counts (E) in int32
+        return self._table_bytes() + 4 * ((e + 1) + e)
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -142,9 +162,9 @@ class MoeRouteTile(TileOp):
 
         1. each thread counts its chunk per expert into its own smem row (no atomics), while
            row_token is filled with -1;
-        2. thread e scans column e over the chunks: sCnt[c, e] becomes the rank of chunk c's first
-           row within expert e, and sCount[e] the expert's total;
-        3. thread 0 scans the experts: tile starts and exp_indptr;
+        2. thread e scans column e over the chunks that hold tokens: sCnt[c, e] becomes the rank
+           of chunk c's first row within expert e, and sCount[e] the expert's total;
+        3. warp 0 scans the experts (shuffle scan): tile starts and exp_indptr;
         4. thread e writes expert e's tile_info rows, all threads the [-1, 0] tail;
         5. each thread walks its chunk again in token order, placing rows at tile_start*bm + rank.
 
@@ -157,47 +177,76 @@ class MoeRouteTile(TileOp):
         k = self.ids.shape[1]
         bm = self.block_m
         tokens = mIds.shape[0]
-        pitch = num_e + 1
-        base = cute.recast_ptr(smem_ptr, dtype=Int32)
-        sCnt = cute.make_tensor(base, cute.make_layout((NUM_THREADS, num_e), stride=(pitch, 1)))
-        sTileStart = cute.make_tensor(base + NUM_THREADS * pitch, cute.make_layout(num_e + 1))
-        sCount = cute.make_tensor(base + NUM_THREADS * pitch + pitch, cute.make_layout(num_e))
+        width, pitch = self._counter_layout()
+        cnt_t = Int16 if width == 2 else Int32
+        sCnt = cute.make_tensor(
+            cute.recast_ptr(smem_ptr, dtype=cnt_t),
+            cute.make_layout((NUM_THREADS, num_e), stride=(pitch, 1)),
+        )
+        base = cute.recast_ptr(smem_ptr + self._table_bytes(), dtype=Int32)
+        sTileStart = cute.make_tensor(base, cute.make_layout(num_e + 1))
+        sCount = cute.make_tensor(base + num_e + 1, cute.make_layout(num_e))
 
         chunk = (tokens + NUM_THREADS - 1) // NUM_THREADS
+        chunks = (tokens + chunk - 1) // chunk  # the chunks that hold tokens
         tok_lo = cute.min(tidx * chunk, tokens)
         tok_hi = cute.min(tok_lo + chunk, tokens)
+        id0 = tok_lo * k
+        n_ids = (tok_hi - tok_lo) * k
 
         for e in cutlass.range(num_e):
-            sCnt[tidx, e] = Int32(0)
+            sCnt[tidx, e] = cnt_t(0)
         for r in range(tidx, mRowToken.shape[0], NUM_THREADS):
             mRowToken[r] = Int32(-1)
-        for tok in range(tok_lo, tok_hi):
-            for j in cutlass.range_constexpr(k):
-                e = mIds[tok, j]
-                if e >= 0 and e < num_e:
-                    sCnt[tidx, e] = sCnt[tidx, e] + 1
+        for b0 in range(0, n_ids, ID_BATCH):
+            ids = self._load_ids(mIds, id0, b0, n_ids)
+            for u in cutlass.range_constexpr(ID_BATCH):
+                e = ids[u]
+                if b0 + u < n_ids and e >= 0 and e < num_e:
+                    sCnt[tidx, e] = sCnt[tidx, e] + cnt_t(1)
         simt_sync()
 
         for e in range(tidx, num_e, NUM_THREADS):
             run = Int32(0)
-            for c in cutlass.range(NUM_THREADS):
-                n = sCnt[c, e]
-                sCnt[c, e] = run
+            for c in range(chunks):
+                n = Int32(sCnt[c, e])
+                sCnt[c, e] = cnt_t(run)
                 run = run + n
             sCount[e] = run
         simt_sync()
 
-        if tidx == 0:
+        # tile starts and exp_indptr: an exclusive scan over the experts on warp 0, each lane
+        # summing a contiguous run of experts, the lanes joined by a shuffle scan
+        if tidx < WARP:
+            per_lane = (num_e + WARP - 1) // WARP
+            e0 = tidx * per_lane
             tiles = Int32(0)
             rows = Int32(0)
-            for e in cutlass.range(num_e):
-                sTileStart[e] = tiles
-                mIndptr[e] = rows
-                n = sCount[e]
-                rows = rows + n
-                tiles = tiles + (n + bm - 1) // bm
-            sTileStart[num_e] = tiles
-            mIndptr[num_e] = rows
+            for q in cutlass.range_constexpr(per_lane):
+                if e0 + q < num_e:
+                    n = sCount[e0 + q]
+                    rows = rows + n
+                    tiles = tiles + (n + bm - 1) // bm
+            tiles_incl = tiles
+            rows_incl = rows
+            for i in cutlass.range_constexpr(5):
+                ot = cute.arch.shuffle_sync_up(tiles_incl, 1 << i)
+                orow = cute.arch.shuffle_sync_up(rows_incl, 1 << i)
+                if tidx >= (1 << i):
+                    tiles_incl = tiles_incl + ot
+                    rows_incl = rows_incl + orow
+            t_run = tiles_incl - tiles
+            r_run = rows_incl - rows
+            for q in cutlass.range_constexpr(per_lane):
+                if e0 + q < num_e:
+                    n = sCount[e0 + q]
+                    sTileStart[e0 + q] = t_run
+                    mIndptr[e0 + q] = r_run
+                    r_run = r_run + n
+                    t_run = t_run + (n + bm - 1) // bm
+            if tidx == WARP - 1:
+                sTileStart[num_e] = tiles_incl
+                mIndptr[num_e] = rows_incl
         simt_sync()
 
         for e in range(tidx, num_e, NUM_THREADS):
@@ -210,16 +259,32 @@ class MoeRouteTile(TileOp):
             mTileInfo[i, 0] = Int32(-1)
             mTileInfo[i, 1] = Int32(0)
 
-        for tok in range(tok_lo, tok_hi):
-            for j in cutlass.range_constexpr(k):
-                e = mIds[tok, j]
-                row = Int32(-1)
-                if e >= 0 and e < num_e:
-                    rank = sCnt[tidx, e]
-                    sCnt[tidx, e] = rank + 1
-                    row = sTileStart[e] * bm + rank
-                    mRowToken[row] = tok
-                mSlotRow[tok, j] = row
+        for b0 in range(0, n_ids, ID_BATCH):
+            ids = self._load_ids(mIds, id0, b0, n_ids)
+            for u in cutlass.range_constexpr(ID_BATCH):
+                if b0 + u < n_ids:
+                    e = ids[u]
+                    flat = id0 + b0 + u
+                    tok = flat // k
+                    row = Int32(-1)
+                    if e >= 0 and e < num_e:
+                        rank = Int32(sCnt[tidx, e])
+                        sCnt[tidx, e] = cnt_t(rank + 1)
+                        row = sTileStart[e] * bm + rank
+                        mRowToken[row] = tok
+                    mSlotRow[tok, flat - tok * k] = row
+
+    @cute.jit
+    def _load_ids(self, mIds, id0: Int32, base: Int32, n_ids: Int32):
+        """``ID_BATCH`` ids of this thread's chunk from flat index ``id0 + base``, loaded
+        unconditionally (indices clamped into the chunk) so they are all in flight at once."""
+        k = self.ids.shape[1]
+        ids = []
+        for u in cutlass.range_constexpr(ID_BATCH):
+            flat = id0 + cute.min(base + u, n_ids - 1)
+            tok = flat // k
+            ids.append(mIds[tok, flat - tok * k])
+        return ids
 
 
 def moe_route(ids: TensorSpec, *, num_experts: int, block_m: int = 64) -> MoeRouteTile:

@@ -133,9 +133,12 @@ class TopkSoftmaxTile(TileOp):
                     denom = denom + cute.math.exp(vals[q] - vmax)
             for i in cutlass.range_constexpr(5):
                 denom = denom + cute.arch.shuffle_sync_bfly(denom, 1 << i)
-            rW = cute.make_rmem_tensor((self.k,), Float32)
+            # pick j's weight and id stay with lane j; a runtime loop over the picks keeps the
+            # code small (cold straight-line code in a megakernel costs instruction misses)
+            my_w = Float32(0.0)
+            my_id = Int32(-1)
             wsum = Float32(0.0)
-            for j in cutlass.range_constexpr(self.k):
+            for j in cutlass.range(self.k, unroll=1):
                 best_v = Float32(-float("inf"))
                 best_e = Int32(-1)
                 for q in cutlass.range_constexpr(per_lane):
@@ -156,17 +159,15 @@ class TopkSoftmaxTile(TileOp):
                 w = Float32(0.0)
                 if best_e >= 0:
                     w = cute.math.exp(best_v - vmax) / denom
-                rW[j] = w
                 wsum = wsum + w
-                if lane == 0:
-                    mIds[row, j] = best_e.to(mIds.element_type)
+                if lane == j:
+                    my_w = w
+                    my_id = best_e
             if lane < self.k:
-                for j in cutlass.range_constexpr(self.k):
-                    if lane == j:
-                        w = rW[j]
-                        if cutlass.const_expr(self.renormalize):
-                            w = w / wsum
-                        mWeights[row, j] = w.to(mWeights.element_type)
+                if cutlass.const_expr(self.renormalize):
+                    my_w = my_w / wsum
+                mIds[row, lane] = my_id.to(mIds.element_type)
+                mWeights[row, lane] = my_w.to(mWeights.element_type)
 
 
 def topk_softmax(

@@ -1,0 +1,72 @@
+"""cutemk.nn.MegaMoE as a drop-in for transformers' Qwen3MoeSparseMoeBlock.
+
+CPU: the interpreter backend against the HF module (fp32, transformers 5.x layout), both
+``norm_topk_prob`` settings, both regimes. GPU: the megakernel (bf16) against the HF module
+and against an fp32 reference that routes on the same bf16 logits, at T = 1, 5, 64, 300 and
+1000 (the prefill regime), both schedulers.
+"""
+
+import pytest
+import torch
+
+from cutemk.layers import moe_reference
+from cutemk.nn import MOE_DECODE_MAX_TOKENS, MegaMoE
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_moe import modeling_qwen3_moe as qm  # noqa: E402
+
+
+def hf_block(hidden, inter, experts, top_k, norm, dtype, device="cpu"):
+    cfg = qm.Qwen3MoeConfig(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+    )
+    block = qm.Qwen3MoeSparseMoeBlock(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return block.to(device, dtype).eval()
+
+
+def hf_forward(block, x):
+    with torch.no_grad():
+        out = block(x.view(1, *x.shape))
+    return (out[0] if isinstance(out, tuple) else out).view(x.shape)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in the output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_matches_hf_block_on_the_interpreter(norm):
+    block = hf_block(64, 32, 8, 2, norm, torch.float32)
+    mega = MegaMoE.from_hf(block, max_tokens=MOE_DECODE_MAX_TOKENS + 100)
+    assert mega.top_k == 2 and mega.norm_topk_prob is norm
+    for t in (1, 7, 64, MOE_DECODE_MAX_TOKENS + 37):  # the last one runs the prefill graph
+        x = torch.randn(t, 64)
+        assert rel_err(mega(x), hf_forward(block, x)) < 1e-5, f"T={t}"
+    with pytest.raises(Exception, match="max_tokens"):
+        mega(torch.randn(MOE_DECODE_MAX_TOKENS + 101, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_matches_hf_block_on_the_gpu(scheduler):
+    block = hf_block(2048, 768, 128, 8, True, torch.bfloat16, "cuda")
+    mega = MegaMoE.from_hf(block, max_tokens=1024, scheduler=scheduler)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for t in (1, 5, 64, 300, 1000):
+        x = torch.randn(t, 2048, device="cuda", generator=gen).bfloat16()
+        y = mega(x)
+        ref = moe_reference(
+            x, mega.w_router, mega.w_gate_up, mega.w_down, 8, True, router_dtype=torch.bfloat16
+        )
+        assert rel_err(y, ref) < 1e-2, f"T={t} vs fp32 reference"
+        assert rel_err(y, hf_forward(block, x)) < 2e-2, f"T={t} vs the HF module"
