@@ -107,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    import cutemk as mk
     from cutemk.layers import moe_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)

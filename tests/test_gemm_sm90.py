@@ -212,13 +212,13 @@ def test_worker_shape_checks_its_register_split():
 
 
 def test_an_op_whose_scratch_passes_the_sm_is_refused_by_name():
-    """moe_route's counting scratch grows with E: at 512 experts it passes Hopper's 227 KB,
-    which the kernel used to find out only at launch."""
+    """moe_route's counting scratch grows with E: at 1024 experts (16-bit counters) it passes
+    Hopper's 227 KB, which the kernel used to find out only at launch."""
     from cutemk.runtime import kernel_spec
 
-    g = mk.Graph("route512")
+    g = mk.Graph("route1024")
     ids = g.input("ids", (mk.sym("T", 64), 8), torch.int32)
-    tile_info, _, _, _ = g.call(ops.moe_route, ids, num_experts=512, block_m=16)
+    tile_info, _, _, _ = g.call(ops.moe_route, ids, num_experts=1024, block_m=16)
     g.output(tile_info, "tile_info")
     with pytest.raises(GraphError, match=r"moe_route needs \d+ B of shared memory"):
         kernel_spec(g, dynamic=False)
