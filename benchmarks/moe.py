@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": TOP_K,
             "max_tokens": MAX_TOKENS,
             "decode_max_tokens": MOE_DECODE_MAX_TOKENS,
-            "tiles": {r: MOE_TILES[("cute", r)] for r in ("decode", "prefill")},
+            "tiles": {r: MOE_TILES[("cute", r)] for r in ("gemv", "decode", "prefill")},
             "routing": "on bf16 router logits (as HF); rel_err against an fp32 reference that "
             "rounds the logits to bf16 the same way",
             "rep": rep,
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in ("static", "dynamic")
     }
     for name, m in megas.items():
-        for regime in ("decode", "prefill"):
+        for regime in ("gemv", "decode", "prefill"):
             t0 = time.perf_counter()
             m.compiled(regime)
             res.meta[f"compile_s_{name}_{regime}"] = round(time.perf_counter() - t0, 2)

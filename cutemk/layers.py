@@ -103,7 +103,11 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         out_dtype=cfg.router_dtype or dtype,
         name="router",
     )
-    weights, ids = g.call(ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob)
+    # a warp per token and a few tokens a tile: one token's picks are a ~2 us chain of shuffles,
+    # so tokens go to many SMs rather than one after another through a warp
+    weights, ids = g.call(
+        ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob, block_m=4
+    )
     tile_info, row_token, slot_row, _ = g.call(
         ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
     )

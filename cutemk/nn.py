@@ -287,15 +287,25 @@ def _check_silu(mlp: nn.Module) -> None:
 
 
 MOE_DECODE_MAX_TOKENS = 512
-"""Largest token count :class:`MegaMoE`'s decode graph serves (64-row grouped tiles); larger
+"""Largest token count :class:`MegaMoE`'s decode graphs serve (64-row grouped tiles); larger
 ones go to its prefill graph (128-row tiles)."""
+
+MOE_REGIME_LIMITS: dict[str, int | None] = {
+    "gemv": 16,
+    "decode": MOE_DECODE_MAX_TOKENS,
+    "prefill": None,
+}
+"""MegaMoE's regimes in order with the most tokens each serves. An expert holds at most T rows,
+so 'gemv' (decode compiled for T <= 16) loads 16-row A boxes instead of 64."""
 
 MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
     # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
     # router's 128 expert columns over 8 SMs. Prefill: 128-row tiles, wider columns.
+    ("cute", "gemv"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
     ("cute", "decode"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
     ("cute", "prefill"): dict(block_m=128, block_n=64, down_block_n=128, router_block_n=32),
+    ("interpret", "gemv"): dict(block_m=16, block_n=32),
     ("interpret", "decode"): dict(block_m=16, block_n=32),
     ("interpret", "prefill"): dict(block_m=16, block_n=32),
 }
@@ -308,8 +318,9 @@ class MegaMoE(nn.Module):
     Weights (buffers): ``w_router`` (E, H), ``w_gate_up`` (E, 2I, H) = per expert cat(gate,
     up), ``w_down`` (E, H, I): transformers 5.x's ``Qwen3MoeExperts`` layout. Routing is on
     logits in the weights' dtype, as Hugging Face's gate Linear computes them; exact ties go to
-    the lower expert id. Two regimes, each one graph compiled on first use: ``decode`` for
-    T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill`` above (tiles in :data:`MOE_TILES`).
+    the lower expert id. Three regimes (:data:`MOE_REGIME_LIMITS`), each one graph compiled on
+    first use: ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`,
+    ``prefill`` above (tiles in :data:`MOE_TILES`).
     Inference only (no backward).
     """
 
@@ -386,7 +397,11 @@ class MegaMoE(nn.Module):
         return cls(gate.weight, w_gu, w_down, int(top_k), bool(norm), max_tokens, **kwargs)
 
     def regime(self, tokens: int) -> str:
-        return "decode" if tokens <= MOE_DECODE_MAX_TOKENS else "prefill"
+        """The regime whose graph runs ``tokens`` rows."""
+        for name, limit in MOE_REGIME_LIMITS.items():
+            if limit is None or tokens <= limit:
+                return name
+        raise AssertionError("the last regime has no limit")
 
     def resolved_backend(self) -> str:
         if self.backend is not None:
@@ -394,19 +409,18 @@ class MegaMoE(nn.Module):
         return "cute" if torch.cuda.is_available() and self.w_down.is_cuda else "interpret"
 
     def compiled(self, regime: str) -> Any:
-        """The compiled graph of a regime ('decode' | 'prefill') for the weights' current dtype
+        """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for the weights' dtype
         and device (compiled on first use, then reused for every token count it serves)."""
-        if regime not in ("decode", "prefill"):
-            raise ValueError(f"regime must be 'decode' or 'prefill', got {regime!r}")
+        if regime not in MOE_REGIME_LIMITS:
+            raise ValueError(f"regime must be one of {tuple(MOE_REGIME_LIMITS)}, got {regime!r}")
         backend = self.resolved_backend()
         key = (backend, regime, self.w_down.dtype, self.w_down.device)
         fn = self._compiled.get(key)
         if fn is None:
             from .layers import MoeConfig, moe_graph
 
-            limit = self.max_tokens
-            if regime == "decode":
-                limit = min(limit, MOE_DECODE_MAX_TOKENS)
+            limit = MOE_REGIME_LIMITS[regime]
+            limit = self.max_tokens if limit is None else min(self.max_tokens, limit)
             cfg = MoeConfig(
                 self.hidden,
                 self.intermediate,

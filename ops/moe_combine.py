@@ -131,24 +131,80 @@ class MoeCombineTile(TileOp):
         t_end = cute.min(t0 + self.block_m, tokens)
         c0 = coord1 * self.block_n
         width = cute.min(c0 + self.block_n, hidden) - c0
-        total = (t_end - t0) * width
+        if cutlass.const_expr(self._words()):
+            self._combine_words(mRows, mWeights, mSlotRow, mY, t0, t_end, c0, width, tidx)
+        else:
+            total = (t_end - t0) * width
+            for base in range(0, total, NUM_THREADS * UNROLL):
+                accs = []
+                for u in cutlass.range_constexpr(UNROLL):
+                    idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
+                    tok = t0 + idx // width
+                    c = c0 + idx % width
+                    acc = Float32(0.0)
+                    for j in cutlass.range_constexpr(k):
+                        r = mSlotRow[tok, j]
+                        v = mRows[cute.max(r, 0), c].to(Float32) * mWeights[tok, j].to(Float32)
+                        if r >= 0:
+                            acc = acc + v
+                    accs.append(acc)
+                for u in cutlass.range_constexpr(UNROLL):
+                    idx = base + u * NUM_THREADS + tidx
+                    if idx < total:
+                        mY[t0 + idx // width, c0 + idx % width] = accs[u].to(mY.element_type)
+
+    def _words(self) -> bool:
+        """16-bit rows read and written as 8-byte words of 4 columns: H and block_n multiples of
+        4 (rows then start 8-byte aligned: the tensors are 16-byte aligned)."""
+        h = self.rows.shape[1]
+        return (
+            self.rows.dtype.itemsize == 2
+            and isinstance(h, int)
+            and h % 4 == 0
+            and self.block_n % 4 == 0
+        )
+
+    @cute.jit
+    def _combine_words(self, mRows, mWeights, mSlotRow, mY, t0, t_end, c0, width, tidx):
+        """The tile as 8-byte words (4 columns a word): ``UNROLL`` words a thread at a time,
+        k word loads each, all issued before their sums."""
+        k = self.weights.shape[1]
+        hidden = self.rows.shape[1]
+        row_words = hidden // 4
+        rows4 = cute.make_tensor(
+            mRows.iterator,
+            cute.make_layout((mRows.shape[0], row_words, 4), stride=(hidden, 4, 1)),
+        )
+        y4 = cute.make_tensor(
+            mY.iterator, cute.make_layout((mY.shape[0], row_words, 4), stride=(hidden, 4, 1))
+        )
+        w0 = c0 // 4
+        words = width // 4
+        total = (t_end - t0) * words
         for base in range(0, total, NUM_THREADS * UNROLL):
             accs = []
             for u in cutlass.range_constexpr(UNROLL):
                 idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
-                tok = t0 + idx // width
-                c = c0 + idx % width
-                acc = Float32(0.0)
+                tok = t0 + idx // words
+                cw = w0 + idx % words
+                acc = cute.make_rmem_tensor((4,), Float32)
+                acc.fill(0.0)
                 for j in cutlass.range_constexpr(k):
                     r = mSlotRow[tok, j]
-                    v = mRows[cute.max(r, 0), c].to(Float32) * mWeights[tok, j].to(Float32)
+                    wt = mWeights[tok, j].to(Float32)
+                    vals = cute.make_rmem_tensor((4,), mRows.element_type)
+                    cute.autovec_copy(rows4[cute.max(r, 0), cw, None], vals)
                     if r >= 0:
-                        acc = acc + v
+                        for q in cutlass.range_constexpr(4):
+                            acc[q] = acc[q] + vals[q].to(Float32) * wt
                 accs.append(acc)
             for u in cutlass.range_constexpr(UNROLL):
                 idx = base + u * NUM_THREADS + tidx
                 if idx < total:
-                    mY[t0 + idx // width, c0 + idx % width] = accs[u].to(mY.element_type)
+                    out = cute.make_rmem_tensor((4,), mY.element_type)
+                    for q in cutlass.range_constexpr(4):
+                        out[q] = accs[u][q].to(mY.element_type)
+                    cute.autovec_copy(out, y4[t0 + idx // words, w0 + idx % words, None])
 
 
 def moe_combine(

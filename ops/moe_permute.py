@@ -33,7 +33,7 @@ from cutemk.tileop import (
     register_op,
 )
 
-UNROLL = 16
+UNROLL = 32
 """Loads each thread has in flight before it stores them (a copy is latency bound)."""
 
 

@@ -89,7 +89,7 @@ def _specs(op: TileOp) -> list[TensorSpec]:
 def _fake(spec: TensorSpec):
     """A fake compact tensor: every symbolic extent (T and what derives from it) is dynamic."""
     shape = tuple(cute.sym_int() if isinstance(d, Expr) else int(d) for d in spec.shape)
-    return make_fake_compact_tensor(CUTE_DTYPE[spec.dtype], shape, assumed_align=4)
+    return make_fake_compact_tensor(CUTE_DTYPE[spec.dtype], shape, assumed_align=16)
 
 
 def _compile_ptx(op: TileOp, dump_dir: Path) -> str:
@@ -145,7 +145,10 @@ def test_moe_combine_compiles(tmp_path, dtype):
     assert _count(r"\bbar\.sync\b", ptx) == 0
     assert _count(r"\bfma\.rn\.f32\b|\bmul\.(rn\.)?f32\b", ptx) >= TOP_K
     if dtype == torch.bfloat16:
-        assert re.search(r"\bcvt\.rn\.bf16\.f32\b", ptx)
+        # 16-bit rows move as 8-byte words of 4 columns: vector loads and stores, packed casts
+        assert _count(r"\bld\.global\.v4\.b16\b", ptx) >= TOP_K
+        assert _count(r"\bst\.global\.v2\.b32\b", ptx) >= 1
+        assert re.search(r"\bcvt\.rn\.bf16x2\.f32\b", ptx)
 
 
 class _ExistsHarness:
