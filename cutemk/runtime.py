@@ -446,16 +446,6 @@ def kernel_spec(
         and all(n.args[a].producer is None for a in n.op.independent_inputs)
         for n in graph.nodes
     )
-    # a ring tile whose existence (and expert) is data loads its independent inputs once the
-    # producers of that data are done, while the rest of its events are still pending
-    split_waits = tuple(
-        n.op.ring_tile() is not None
-        and n.op.exists_on_device
-        and bool(n.op.independent_inputs)
-        and bool(n.op.data_inputs)
-        and all(n.args[a].producer is None for a in n.op.independent_inputs)
-        for n in graph.nodes
-    )
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)
     return KernelSpec(
@@ -469,7 +459,6 @@ def kernel_spec(
         is_distributed(graph),
         prefetch,
         worker_shape(ops_),
-        split_waits,
     )
 
 

@@ -3,10 +3,8 @@
 The megakernel is compiled once per graph structure; everything that depends on the bound dims
 (task list, events, queues) lives in these arrays, built on the host per token count and cached.
 Fixed-width task record (``REC_WIDTH`` int32): ``(task, node, coord0, coord1, wait_lo, wait_hi,
-notify_lo, notify_hi, wait_mid)``, indexing the CSR lists ``wait_ev``/``wait_target`` and
-``notify_ev``. A task's waits list first the events of the tasks that produce its data inputs
-(the values that decide whether the tile exists and what it loads, e.g. an MoE tile's expert),
-up to ``wait_mid``: a producer may issue weight loads once those are met, before the rest. ``task_rec`` is indexed by task id (dynamic mode); ``queue_rec`` holds the same
+notify_lo, notify_hi)``, the last four indexing the CSR lists ``wait_ev``/``wait_target`` and
+``notify_ev``. ``task_rec`` is indexed by task id (dynamic mode); ``queue_rec`` holds the same
 records in queue order (static mode), so a CTA streams its queue with coalesced loads. Notifies of
 events nobody waits on are dropped here: they could release nobody. Every array has at least one element (an
 empty array cannot be handed to the kernel as a tensor).
@@ -25,8 +23,8 @@ from ..errors import GraphError
 from ..plan import Plan
 from ..scheduling import StaticSchedule
 
-REC_WIDTH = 9
-R_TASK, R_NODE, R_C0, R_C1, R_WLO, R_WHI, R_NLO, R_NHI, R_WMID = range(REC_WIDTH)
+REC_WIDTH = 8
+R_TASK, R_NODE, R_C0, R_C1, R_WLO, R_WHI, R_NLO, R_NHI = range(REC_WIDTH)
 STATE_SIZE = 8
 # state[] slots (int32), shared by host and device
 EPOCH, HEAD, TAIL, DONE, EXITED, ABORT, BARRIER = range(7)
@@ -90,43 +88,15 @@ def _nonempty(a: np.ndarray) -> np.ndarray:
     return a if a.size else np.zeros(1, dtype=np.int32)
 
 
-def _data_waits_first(plan: Plan) -> tuple[list[list[int]], list[int]]:
-    """Each task's waits with the events of its data inputs' producers first (stable), and how
-    many those are. An event counts as a data event when any task notifying it belongs to a node
-    that produces one of the waiting node's ``data_inputs``."""
-    data_nodes = {}
-    for t in plan.tasks:
-        node = t.node
-        if node.index not in data_nodes:
-            data_nodes[node.index] = {
-                node.args[a].producer.index
-                for a in node.op.data_inputs
-                if a in node.args and node.args[a].producer is not None
-            }
-    if not any(data_nodes.values()):
-        return plan.waits, [0] * plan.num_tasks
-    producers = plan.producers()
-    waits, n_data = [], []
-    for t, w in zip(plan.tasks, plan.waits):
-        dn = data_nodes[t.node.index]
-        first = [e for e in w if any(plan.tasks[p].node.index in dn for p in producers[e])]
-        in_first = set(first)
-        rest = [e for e in w if e not in in_first]
-        waits.append(first + rest)
-        n_data.append(len(first))
-    return waits, n_data
-
-
 def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan:
     """Arrays for ``plan``; ``schedule`` (static mode) must have at most ``grid`` queues."""
     n = plan.num_tasks
     consumers = plan.consumers()
     # an explicit event of count 0 is complete from the start: it never readies a consumer
     live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
-    waits, n_data = _data_waits_first(plan)
-    wait_ptr, wait_ev = _csr(waits)
+    wait_ptr, wait_ev = _csr(plan.waits)
     wait_target = _nonempty(
-        np.asarray([plan.event_count[e] for w in waits for e in w], dtype=np.int32)
+        np.asarray([plan.event_count[e] for w in plan.waits for e in w], dtype=np.int32)
     )
     keep = [bool(c) or e in plan.shared_events for e, c in enumerate(consumers)]
     notify_ptr, notify_ev = _csr([[e for e in ns if keep[e]] for ns in plan.notifies])
@@ -142,7 +112,6 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         rec[t.tid, R_NODE] = t.node.index
         rec[t.tid, R_C0 : R_C0 + len(t.coord)] = t.coord
     rec[:n, R_WLO], rec[:n, R_WHI] = wait_ptr[:-1], wait_ptr[1:]
-    rec[:n, R_WMID] = wait_ptr[:-1] + np.asarray(n_data, dtype=np.int32).reshape(-1)[:n]
     rec[:n, R_NLO], rec[:n, R_NHI] = notify_ptr[:-1], notify_ptr[1:]
     ev_count = _nonempty(np.asarray(plan.event_count, dtype=np.int32))
     if schedule is not None:

@@ -123,9 +123,6 @@ class KernelSpec:
     distributed: bool = False  # cross-rank waits, sys-scope notifies, a barrier per launch
     prefetch: tuple[bool, ...] = ()  # per node: its independent loads may precede its waits
     worker: WorkerShape = WorkerShape()
-    # per node: its independent loads may follow the waits on its data inputs' producers and
-    # precede the rest (a tile whose existence and expert are data; ``lower.R_WMID``)
-    split_waits: tuple[bool, ...] = ()
 
 
 @dataclass
@@ -166,7 +163,6 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             # a ring tile that might not exist is decided after its events (the producer and
             # the consumers read the same settled data): nothing of it may be loaded before
             assert not (self.ring_of[k] and op.exists_on_device and spec.prefetch[k]), op.name
-            assert not (spec.split_waits and spec.split_waits[k] and spec.prefetch[k]), op.name
         # some tile reads global memory through the async proxy (TMA): every task's stores
         # are fenced into it before they are notified
         self.fence_async = any(op.reads_async_proxy() for op in spec.ops)

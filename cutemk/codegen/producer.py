@@ -14,16 +14,12 @@ from cutlass import Boolean, Int32, cute
 from ..device.config import WARP_SIZE as WARP
 from ..device.ring import producer_acquire, queue_put
 from .layout import P
-from .lower import R_C0, R_C1, R_NODE, R_TASK, R_WHI, R_WLO, R_WMID, REC_WIDTH
+from .lower import R_C0, R_C1, R_NODE, R_TASK, R_WHI, R_WLO, REC_WIDTH
 
 CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
 
 
 class ProducerRole:
-    def _split(self, k: int) -> bool:
-        """Node k's weight loads follow its data waits and precede the rest (static mode)."""
-        return bool(self.spec.split_waits and self.spec.split_waits[k]) and not self.spec.dynamic
-
     # -- producer -----------------------------------------------------------------------------
     @cute.jit
     def _issue(self, tensors, k: int, c0, c1, j, idx, bar, ring, independent: bool, dependent):
@@ -53,40 +49,10 @@ class ProducerRole:
                             r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                         )
                         self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False)
-        # (2) events. A split node (``KernelSpec.split_waits``) first waits for the producers of
-        # its data inputs, decides whether the tile exists, and if so issues its first weight
-        # slices; then it waits for the rest (its activations)
+        # (2) events
         ok = Boolean(True)
-        early = Boolean(False)  # a split node's weight slices are issued (slots armed)
         if cutlass.const_expr(not self.spec.dynamic):
-            w_lo = rec[R_WLO]
-            for k in cutlass.range_constexpr(self.num_nodes):
-                if cutlass.const_expr(self._split(k)):
-                    if node == k:
-                        ok = self._wait_all(
-                            prog, dev, t, rec[R_WLO], rec[R_WMID], epoch, lane, timeout_ns
-                        )
-                        ok = cute.arch.vote_all_sync(ok)
-                        cute.arch.sync_warp()
-                        w_lo = rec[R_WMID]
-                        if ok:
-                            early = self.spec.ops[k].device_exists(tensors[k], c0, c1)
-                        if early:
-                            pre = min(self.ring_of[k].slices, w.ring_stages)
-                            for j in cutlass.range_constexpr(pre):
-                                idx = producer_acquire(
-                                    r_full,
-                                    r_empty,
-                                    rcount + j,
-                                    w.ring_stages,
-                                    self.ring_of[k].tx_bytes,
-                                    pwait,
-                                )
-                                self._issue(
-                                    tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False
-                                )
-            if ok:
-                ok = self._wait_all(prog, dev, t, w_lo, rec[R_WHI], epoch, lane, timeout_ns)
+            ok = self._wait_all(prog, dev, t, rec[R_WLO], rec[R_WHI], epoch, lane, timeout_ns)
         if cutlass.const_expr(self.spec.distributed):
             if ok:
                 ok = self._wait_remote(prog, dev, peers, ev_off, t, epoch, lane, timeout_ns)
@@ -95,16 +61,12 @@ class ProducerRole:
         ok = cute.arch.vote_all_sync(ok)
         cute.arch.sync_warp()
         # a tile that exists by data (read after the acquire, as the consumers will) loads
-        # nothing when it does not; after an abort the data may be unsettled: none either (a
-        # split node whose weights went out completes its armed slots all the same)
+        # nothing when it does not; after an abort the data may be unsettled: none either
         live = Boolean(True)
         for k in cutlass.range_constexpr(self.num_nodes):
             if cutlass.const_expr(self.ring_of[k] is not None and self.has_exists[k]):
                 if node == k:
-                    if cutlass.const_expr(self._split(k)):
-                        live = early
-                    else:
-                        live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
+                    live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
         # (3) loads of data produced in this launch (even after an abort: the armed slots must
         # complete, their data is never read)
         if cutlass.const_expr(self.fence_async):
@@ -115,7 +77,7 @@ class ProducerRole:
                 if node == k and live:
                     pre = min(r.slices, w.ring_stages)
                     for j in cutlass.range_constexpr(pre):
-                        if cutlass.const_expr(self.spec.prefetch[k] or self._split(k)):
+                        if cutlass.const_expr(self.spec.prefetch[k]):
                             idx = (rcount + j) % w.ring_stages
                             self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, False, True)
                         else:
