@@ -1,7 +1,9 @@
 """GEMM tile op: C = A @ B^T (B in nn.Linear's (out, in) layout), one (block_m, block_n) tile a task.
 
-Optional fused epilogue ``silu_mul``: B stacks [W_gate; W_up] (2N rows) and tile n computes
-``silu(A @ W_gate[n]^T) * (A @ W_up[n]^T)``, writing an (M, N) result (Qwen3 MLP's gate/up).
+Optional fused epilogues: ``silu_mul``: B stacks [W_gate; W_up] (2N rows) and tile n computes
+``silu(A @ W_gate[n]^T) * (A @ W_up[n]^T)``, writing an (M, N) result (Qwen3 MLP's gate/up);
+``residual``: ``C = A @ B^T + R`` with R (M, N) in C's dtype, the op's third input (a
+transformer block's skip connection, e.g. after the down or output projection).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from cutemk.tileop import (
     register_op,
 )
 
-EPILOGUES = (None, "silu_mul")
+EPILOGUES = (None, "silu_mul", "residual")
 
 BLOCK_K = 32
 """K-slice staged in shared memory per main-loop step (two mma.sync k-steps of 16)."""
@@ -76,10 +78,14 @@ class GemmTile(TileOp):
     block_n: int = 64
     epilogue: Optional[str] = None
     out_dtype: Optional[torch.dtype] = None
+    r: Optional[TensorSpec] = None  # (m, n) with epilogue "residual"
 
     name: ClassVar[str] = "gemm"
-    inputs: ClassVar[tuple[str, ...]] = ("a", "b")
     outputs: ClassVar[tuple[str, ...]] = ("c",)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("a", "b", "r") if self.epilogue == "residual" else ("a", "b")
 
     def __post_init__(self) -> None:
         expect_ndim(self.a, 2, "gemm a")
@@ -97,6 +103,15 @@ class GemmTile(TileOp):
             raise ShapeError(
                 f"gemm silu_mul epilogue needs an even b.shape[0], got {self.b.shape[0]}"
             )
+        if (self.epilogue == "residual") != (self.r is not None):
+            raise ValueError("gemm: the residual epilogue takes r, and only it does")
+        if self.r is not None:
+            expect_ndim(self.r, 2, "gemm r")
+            expect_same_dim(self.r.shape[0], self.m, "gemm: r.shape[0] vs a.shape[0] (M)")
+            expect_same_dim(self.r.shape[1], self.n, "gemm: r.shape[1] vs b.shape[0] (N)")
+            out = self.out_dtype or self.a.dtype
+            if self.r.dtype != out:
+                raise TypeError(f"gemm r must have the output's dtype {out}, got {self.r.dtype}")
 
     @property
     def m(self) -> IntLike:
@@ -133,7 +148,10 @@ class GemmTile(TileOp):
         b_box = ((rows[0], rows[1]), (0, k))
         if self.epilogue == "silu_mul":  # gate rows, then up rows: one box spanning both
             b_box = ((rows[0], n + rows[1]), (0, k))
-        return {"a": (block(i, self.block_m, m), (0, k)), "b": b_box}
+        r = {"a": (block(i, self.block_m, m), (0, k)), "b": b_box}
+        if self.r is not None:
+            r["r"] = (block(i, self.block_m, m), block(j, self.block_n, n))
+        return r
 
     def writes(self, coord, env, data=None):
         m, n, _ = self._dims(env)
@@ -159,6 +177,8 @@ class GemmTile(TileOp):
             out = F.silu(gate) * up
         else:
             out = a @ t["b"][c0:c1].float().T
+        if self.r is not None:
+            out = out + t["r"][r0:r1, c0:c1].float()
         t["c"][r0:r1, c0:c1] = out.to(t["c"].dtype)
 
     # -- device -----------------------------------------------------------------------------
@@ -178,6 +198,7 @@ class GemmTile(TileOp):
             self.n,
             self.epilogue == "silu_mul",
             upper(self.m),
+            residual=self.r is not None,
         )
 
     def ring_tile(self) -> Optional[RingTile]:
@@ -191,7 +212,7 @@ class GemmTile(TileOp):
         cfg = self.sm90()
         if cfg is None:
             return ()
-        return gemm_sm90.tma_args(cfg, *tensors)
+        return gemm_sm90.tma_args(cfg, tensors[0], tensors[1], tensors[len(tensors) - 1])
 
     def reads_async_proxy(self) -> bool:
         return self.sm90() is not None
@@ -259,7 +280,8 @@ class GemmTile(TileOp):
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """The portable tile (the SIMT group): tile (coord0, coord1) of C; ``tensors`` =
-        (mA, mB, mC). mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mC: (m, n)."""
+        (mA, mB, [mR,] mC). mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mR: (m, n) with
+        the residual epilogue, mC: (m, n)."""
         self._device_tile_mma(tensors, coord0, coord1, tidx, smem_ptr)
 
     @cute.jit
@@ -272,7 +294,7 @@ class GemmTile(TileOp):
         """
         plan = self.device_plan()
         fused = self.epilogue == "silu_mul"
-        mA, mB, mC = tensors
+        mA, mB, mC = tensors[0], tensors[1], tensors[len(tensors) - 1]
         ab_dtype = _CUTE_DTYPES[self.a.dtype]
         if cutlass.const_expr(mA.element_type != ab_dtype or mB.element_type != ab_dtype):
             raise DTypeError(
@@ -334,6 +356,8 @@ class GemmTile(TileOp):
                 v = acc[i]
                 if cutlass.const_expr(fused):
                     v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[i]
+                if cutlass.const_expr(self.r is not None):
+                    v = v + tensors[2][row0 + r, col0 + c].to(Float32)
                 mC[row0 + r, col0 + c] = v.to(mC.element_type)
 
 
@@ -384,11 +408,15 @@ def _stage_rows(
 def gemm(
     a: TensorSpec,
     b: TensorSpec,
+    r: Optional[TensorSpec] = None,
     *,
     block_m: int = 64,
     block_n: int = 64,
     epilogue: Optional[str] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> GemmTile:
-    """C = A @ B^T with an optional fused epilogue (see module doc)."""
-    return GemmTile(a, b, block_m, block_n, epilogue, out_dtype)
+    """C = A @ B^T with an optional fused epilogue (see module doc); ``r`` is the residual
+    (``epilogue="residual"``, which it implies when given)."""
+    if r is not None and epilogue is None:
+        epilogue = "residual"
+    return GemmTile(a, b, block_m, block_n, epilogue, out_dtype, r)

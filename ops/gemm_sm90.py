@@ -69,12 +69,13 @@ class Sm90GemmConfig:
     out_dtype: torch.dtype
     a_rows: int  # rows of A each slice loads: bm, or the most rows A can have when fewer
     grouped: bool = False  # B is (experts, n, k); the tile's expert is tile_info[coord0, 0]
+    residual: bool = False  # the epilogue adds R (m, n), the op's third tensor
 
     @property
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
-        or (A, B, tile_info, C) when grouped."""
-        return 4 if self.grouped else 3
+        (A, B, R, C) with a residual, or (A, B, tile_info, C) when grouped."""
+        return 3 + int(self.grouped) + int(self.residual)
 
     @property
     def a_bytes(self) -> int:
@@ -120,6 +121,7 @@ def sm90_config(
     fused: bool,
     m_max: int | None = None,
     grouped: bool = False,
+    residual: bool = False,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -153,7 +155,7 @@ def sm90_config(
     else:
         a_rows = min(block_m, _round_up(max(m_max, 1), 8))
     return Sm90GemmConfig(
-        block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype, a_rows, grouped
+        block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype, a_rows, grouped, residual
     )
 
 
@@ -375,6 +377,16 @@ def compute(
     tCsC = thr_mma.partition_C(sC)
     # the previous tile's TMA store has read sC
     cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    if cutlass.const_expr(cfg.residual):  # R's rows and columns inside the tensor only
+        mR = tensors[2]
+        r0 = coord0 * cfg.bm
+        c0 = coord1 * cfg.bn
+        rows = mR.shape[0]
+        cols = mR.shape[1]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = tCcC[i]
+            if r0 + r < rows and c0 + c < cols:
+                acc[i] = acc[i] + mR[r0 + r, c0 + c].to(Float32)
     for i in cutlass.range_constexpr(cute.size(acc)):
         v = acc[i]
         if cutlass.const_expr(fused):

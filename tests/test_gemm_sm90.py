@@ -33,11 +33,21 @@ def op_for(dtype, k, n, block, epilogue=None, out_dtype=None) -> GemmTile:
 
 
 def gemm_graph(dtype, k, n, block, epilogue=None, out_dtype=None, max_t=8192):
+    """x @ w^T with the epilogue; with "residual" the graph's third input r (T, n) is added."""
     g = mk.Graph("gemm")
-    x = g.input("x", (mk.sym("T", max_t), k), dtype)
-    w = g.weight("w", (2 * n if epilogue else n, k), dtype)
+    t = mk.sym("T", max_t)
+    x = g.input("x", (t, k), dtype)
+    w = g.weight("w", (2 * n if epilogue == "silu_mul" else n, k), dtype)
+    extra = [g.input("r", (t, n), out_dtype or dtype)] if epilogue == "residual" else []
     y = g.call(
-        ops.gemm, x, w, block_m=block[0], block_n=block[1], epilogue=epilogue, out_dtype=out_dtype
+        ops.gemm,
+        x,
+        w,
+        *extra,
+        block_m=block[0],
+        block_n=block[1],
+        epilogue=epilogue,
+        out_dtype=out_dtype,
     )
     g.output(y, "y")
     return g
@@ -132,6 +142,8 @@ CONFIGS = [  # (block, epilogue, out dtype, scheduler)
     ((64, 32), "silu_mul", None, "dynamic"),
     ((64, 128), None, None, "static"),
     ((64, 256), None, torch.float32, "static"),
+    ((128, 256), "residual", None, "dynamic"),
+    ((64, 128), "residual", torch.float32, "static"),
 ]
 
 
@@ -149,14 +161,19 @@ def test_hopper_gemm_matches_reference(block, epilogue, out_dtype, scheduler):
     for n, k in PROBLEMS:
         g = gemm_graph(torch.bfloat16, k, n, block, epilogue, out_dtype, max_t=1024)
         c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
-        nb = 2 if epilogue else 1
+        nb = 2 if epilogue == "silu_mul" else 1
         w = (torch.randn(nb * n, k, device="cuda") / k**0.5).bfloat16()
         for t in TOKENS:
             x = torch.randn(t, k, device="cuda").bfloat16()
-            y = c(x, w)
+            extra = []
+            if epilogue == "residual":
+                extra = [torch.randn(t, n, device="cuda").to(out_dtype or torch.bfloat16)]
+            y = c(x, w, *extra)
             ref = x.float() @ w.float().T
-            if epilogue:
+            if epilogue == "silu_mul":
                 ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+            if extra:
+                ref = ref + extra[0].float()
             assert y.dtype == (out_dtype or torch.bfloat16)
             assert not torch.isnan(y).any(), f"T={t} N={n} K={k}: unwritten output"
             err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -222,3 +239,58 @@ def test_an_op_whose_scratch_passes_the_sm_is_refused_by_name():
     g.output(tile_info, "tile_info")
     with pytest.raises(GraphError, match=r"moe_route needs \d+ B of shared memory"):
         kernel_spec(g, dynamic=False)
+
+
+def test_residual_epilogue_compiles_and_interprets():
+    """C = A @ B^T + R: the Hopper tile reads R in its epilogue (generic loads after the task's
+    acquire), and the interpreter's reference adds it; R produced in the launch is waited on."""
+    g = gemm_graph(torch.bfloat16, 512, 256, (128, 128), "residual", max_t=1024)
+    with tempfile.TemporaryDirectory() as dump:
+        fn = compile_offline(g, "static", options=f"--keep-ptx --dump-dir={dump}")
+        ptx = fn.__ptx__ if "\n" in (fn.__ptx__ or "") else open(fn.__ptx__).read()
+    assert ptx.count("wgmma.mma_async") == 64 // 16
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+    # in-launch residual: y = x @ w2^T + (x @ w1^T), fp32 on the interpreter
+    g = mk.Graph("res_chain")
+    x = g.input("x", (mk.sym("T", 256), 64), torch.float32)
+    w1 = g.weight("w1", (48, 64), torch.float32)
+    w2 = g.weight("w2", (48, 64), torch.float32)
+    h = g.call(ops.gemm, x, w1, block_m=16, block_n=16)
+    y = g.call(ops.gemm, x, w2, h, block_m=32, block_n=16)
+    g.output(y, "y")
+    c = g.compile("interpret", num_sms=4, scheduler="dynamic", seed=1)
+    xs, a, b = torch.randn(37, 64), torch.randn(48, 64), torch.randn(48, 64)
+    torch.testing.assert_close(c(xs, a, b), xs @ b.T + xs @ a.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        GemmTile(
+            TensorSpec((T, 64), torch.float32),
+            TensorSpec((48, 64), torch.float32),
+            epilogue="residual",
+        )
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_residual_produced_in_the_launch(scheduler):
+    """y = x @ w2^T + h with h = x @ w1^T written by other SMs' TMA stores in the same launch:
+    the epilogue's generic loads of h follow the task's acquire."""
+    torch.manual_seed(3)
+    g = mk.Graph("res_chain")
+    x = g.input("x", (mk.sym("T", 1024), 512), torch.bfloat16)
+    w1 = g.weight("w1", (384, 512), torch.bfloat16)
+    w2 = g.weight("w2", (384, 512), torch.bfloat16)
+    h = g.call(ops.gemm, x, w1, block_m=128, block_n=128)
+    y = g.call(ops.gemm, x, w2, h, block_m=64, block_n=128)
+    g.output(y, "y")
+    c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+    a = (torch.randn(384, 512, device="cuda") / 22).bfloat16()
+    b = (torch.randn(384, 512, device="cuda") / 22).bfloat16()
+    for t in (1, 100, 1024):
+        xs = torch.randn(t, 512, device="cuda").bfloat16()
+        out = c(xs, a, b)
+        hb = (xs.float() @ a.float().T).bfloat16().float()  # h is stored in bf16
+        ref = xs.float() @ b.float().T + hb
+        assert not torch.isnan(out).any()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"T={t}: rel err {err:.2e}"
