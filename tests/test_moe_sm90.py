@@ -17,19 +17,27 @@ import torch
 
 import cutemk as mk
 from cutemk.layers import MoeConfig, moe_graph, moe_reference
+from cutemk.nn import MOE_TILES
 from cutemk.runtime import compile_offline
 
 SMALL = MoeConfig(512, 256, 16, 4, block_m=64, block_n=64, down_block_n=128)
 QWEN3_30B = MoeConfig(2048, 768, 128, 8, block_m=64, block_n=64, down_block_n=128)
+PREFILL = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "prefill")])
 
 
 def _count(pattern: str, ptx: str) -> int:
     return len(re.findall(pattern, ptx))
 
 
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_moe_megakernel_compiles_for_hopper(tmp_path, scheduler):
-    g = moe_graph(mk.sym("T", max=4096), QWEN3_30B, torch.bfloat16)
+@pytest.mark.parametrize(
+    "scheduler,regime",
+    [("static", "decode"), ("dynamic", "decode"), ("static", "prefill")],
+)
+def test_moe_megakernel_compiles_for_hopper(tmp_path, scheduler, regime):
+    """MegaMoE's decode and prefill graphs at Qwen3-30B-A3B's size (their tiles and the route's
+    shared memory leave room for the ring)."""
+    cfg = QWEN3_30B if regime == "decode" else PREFILL
+    g = moe_graph(mk.sym("T", max=4096), cfg, torch.bfloat16)
     compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
@@ -90,3 +98,40 @@ def test_moe_hopper_small(scheduler):
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_moe_hopper_qwen3_30b(scheduler):
     _run(QWEN3_30B, scheduler, (1, 7, 129, 1000))
+
+
+@pytest.mark.gpu
+def test_moe_hopper_hundred_routings():
+    """100 routings at Qwen3-30B-A3B's size: T from 1 to 4096 (odd counts among them), random
+    logits, all tokens' top-1 to one expert with another expert empty, and exact ties; both
+    schedulers; against the fp32 reference, and bit-identical over 10 runs each."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    kinds = ("random", "one_expert", "ties", "random")
+    tokens = (1, 3, 16, 37, 128, 255, 513, 1000, 2047, 4096)
+    compiled = {
+        s: moe_graph(mk.sym("T", max=4096), QWEN3_30B, torch.bfloat16).compile(
+            "cute", scheduler=s, watchdog=True, poison_outputs=True
+        )
+        for s in ("static", "dynamic")
+    }
+    w = _weights(QWEN3_30B, gen)
+    for case in range(100):
+        routing = kinds[case % len(kinds)]
+        t = tokens[(case * 7) % len(tokens)]
+        c = compiled["static" if case % 2 == 0 else "dynamic"]
+        wr = w["w_router"].clone()
+        if routing == "one_expert":
+            wr[:, 0] = 0.0
+            wr[3, 0] = 25.0
+            wr[5, 0] = -25.0
+        if routing == "ties":
+            wr.zero_()
+        x = torch.randn(t, QWEN3_30B.hidden, generator=gen, device="cuda").bfloat16()
+        if routing == "one_expert":
+            x[:, 0] = 4.0
+        args = dict(w, w_router=wr)
+        y = c(x, **args)
+        err = _rel_err(y, moe_reference(x, **args, top_k=QWEN3_30B.top_k))
+        assert err < 1e-2, f"case {case} ({routing}, T={t}): rel err {err:.3g}"
+        for _ in range(9):
+            assert torch.equal(c(x, **args), y), f"case {case} ({routing}, T={t}): not identical"
