@@ -24,7 +24,6 @@ from cutemk.symbolic import IntLike, cdiv, upper
 from . import gemm_sm90
 from cutemk.tileop import (
     FLOAT_DTYPES,
-    RingTile,
     TensorSpec,
     TileOp,
     block,
@@ -71,7 +70,7 @@ class GemmDevicePlan:
 
 @register_op
 @dataclass(frozen=True)
-class GemmTile(TileOp):
+class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
     a: TensorSpec  # (m, k)
     b: TensorSpec  # (n, k), or (2n, k) with epilogue "silu_mul"
     block_m: int = 64
@@ -201,22 +200,6 @@ class GemmTile(TileOp):
             residual=self.r is not None,
         )
 
-    def ring_tile(self) -> Optional[RingTile]:
-        cfg = self.sm90()
-        if cfg is None:
-            return None
-        return RingTile(cfg.k_tiles, cfg.stage_bytes, cfg.slot_bytes, cfg.epi_bytes)
-
-    def host_args(self, tensors) -> tuple:
-        """TMA descriptors of the Hopper path (built by the launch, see ``TileOp.host_args``)."""
-        cfg = self.sm90()
-        if cfg is None:
-            return ()
-        return gemm_sm90.tma_args(cfg, tensors[0], tensors[1], tensors[len(tensors) - 1])
-
-    def reads_async_proxy(self) -> bool:
-        return self.sm90() is not None
-
     def device_plan(self) -> GemmDevicePlan:
         simt = self.a.dtype == torch.float32
         if simt:
@@ -242,40 +225,6 @@ class GemmTile(TileOp):
         if self.sm90() is not None:
             return 0  # the ring and the output staging belong to the megakernel
         return self.device_plan().smem_elems() * self.a.dtype.itemsize
-
-    @cute.jit
-    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
-        gemm_sm90.load_weights(
-            self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot
-        )
-
-    @cute.jit
-    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
-        gemm_sm90.load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
-
-    @cute.jit
-    def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
-    ):
-        return gemm_sm90.compute(
-            self.sm90(),
-            tensors,
-            coord0,
-            coord1,
-            full,
-            empty,
-            count,
-            ring,
-            stages,
-            slot,
-            epi,
-            ctid,
-            wait,
-        )
-
-    @cute.jit
-    def device_store(self, tensors, coord0, coord1, epi):
-        gemm_sm90.store(self.sm90(), tensors, coord0, coord1, epi)
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):

@@ -36,6 +36,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from cutemk.device.config import EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
+from cutemk.tileop import RingTile
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
 BLOCK_K = 64
@@ -395,3 +396,58 @@ def compute(
     # generic-proxy shared-memory writes -> the TMA engine's reads
     cute.arch.fence_proxy("async.shared", space="cta")
     return count + cfg.k_tiles
+
+
+class HopperGemmOp:
+    """Mixin of the tile ops whose Hopper tile is this module's GEMM (``ops.gemm``, the grouped
+    GEMM): the ring-op half of the ``TileOp`` contract, delegating to the functions above. The
+    op supplies ``sm90()`` (its config, or None where the portable tile runs) and keeps its
+    tensors as (A, B, ..., C)."""
+
+    def ring_tile(self) -> RingTile | None:
+        cfg = self.sm90()
+        if cfg is None:
+            return None
+        return RingTile(cfg.k_tiles, cfg.stage_bytes, cfg.slot_bytes, cfg.epi_bytes)
+
+    def host_args(self, tensors) -> tuple:
+        """TMA descriptors (built by the launch, see ``TileOp.host_args``)."""
+        cfg = self.sm90()
+        if cfg is None:
+            return ()
+        return tma_args(cfg, tensors[0], tensors[1], tensors[len(tensors) - 1])
+
+    def reads_async_proxy(self) -> bool:
+        return self.sm90() is not None
+
+    @cute.jit
+    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        load_weights(self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+        load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def device_compute(
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
+    ):
+        return compute(
+            self.sm90(),
+            tensors,
+            coord0,
+            coord1,
+            full,
+            empty,
+            count,
+            ring,
+            stages,
+            slot,
+            epi,
+            ctid,
+            wait,
+        )
+
+    @cute.jit
+    def device_store(self, tensors, coord0, coord1, epi):
+        store(self.sm90(), tensors, coord0, coord1, epi)

@@ -37,7 +37,6 @@ from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
-    RingTile,
     TensorSpec,
     TileOp,
     block,
@@ -53,7 +52,7 @@ from . import gemm_sm90
 
 @register_op
 @dataclass(frozen=True)
-class MoeGroupedGemmTile(TileOp):
+class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     x: TensorSpec  # (tokens, k) gathered through row_token, or (tiles*block_m, k) padded
     w: TensorSpec  # (experts, n, k)
     tile_info: TensorSpec  # (tiles, 2) int32
@@ -191,7 +190,7 @@ class MoeGroupedGemmTile(TileOp):
             out[:valid] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
         out[valid:] = float("nan")  # padding: unspecified, poisoned for the checks
 
-    # -- device: the Hopper path ------------------------------------------------------------
+    # -- device: the Hopper path (ring methods from gemm_sm90.HopperGemmOp) ----------------
     independent_inputs: ClassVar[tuple[str, ...]] = ("w",)
 
     def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
@@ -211,57 +210,7 @@ class MoeGroupedGemmTile(TileOp):
             grouped=True,
         )
 
-    def ring_tile(self) -> Optional[RingTile]:
-        cfg = self.sm90()
-        if cfg is None:
-            return None
-        return RingTile(cfg.k_tiles, cfg.stage_bytes, cfg.slot_bytes, cfg.epi_bytes)
-
-    def host_args(self, tensors) -> tuple:
-        cfg = self.sm90()
-        if cfg is None:
-            return ()
-        mX, mW, _, mOut = tensors
-        return gemm_sm90.tma_args(cfg, mX, mW, mOut)
-
-    def reads_async_proxy(self) -> bool:
-        return self.sm90() is not None
-
-    @cute.jit
-    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
-        gemm_sm90.load_weights(
-            self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot
-        )
-
-    @cute.jit
-    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
-        gemm_sm90.load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
-
-    @cute.jit
-    def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
-    ):
-        return gemm_sm90.compute(
-            self.sm90(),
-            tensors,
-            coord0,
-            coord1,
-            full,
-            empty,
-            count,
-            ring,
-            stages,
-            slot,
-            epi,
-            ctid,
-            wait,
-        )
-
-    @cute.jit
-    def device_store(self, tensors, coord0, coord1, epi):
-        gemm_sm90.store(self.sm90(), tensors, coord0, coord1, epi)
-
-    # -- device -----------------------------------------------------------------------------
+    # -- device: the portable path ---------------------------------------------------------
     def device_smem_bytes(self) -> int:
         if self.sm90() is not None:
             return 0  # the ring and the output staging belong to the megakernel

@@ -1,7 +1,7 @@
 """Top-k softmax tile op (MoE gate): softmax over experts, top-k, optional renormalisation.
 
-One block of tokens a task, one warp per token. Outputs ``weights`` (T, k) fp32 and ``ids`` (T, k) int32, ordered by
-decreasing weight (ties go to the lower expert id, on every backend).
+One block of tokens a task, one warp per token. Outputs ``weights`` (T, k) fp32 and ``ids``
+(T, k) int32, ordered by decreasing weight (ties go to the lower expert id, on every backend).
 """
 
 from __future__ import annotations
