@@ -196,37 +196,12 @@ class MegaMLP(nn.Module):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"MegaMLP input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ShapeError(
-                f"MegaMLP input must have shape (..., {self.hidden}), got {tuple(x.shape)}"
-            )
-        if x.dtype != self.w_down.dtype:
-            raise DTypeError(
-                f"MegaMLP input has dtype {x.dtype} but its weights are {self.w_down.dtype}; "
-                "cast the input or the module (.to(dtype))"
-            )
-        if x.device != self.w_down.device:
-            raise DeviceError(
-                f"MegaMLP input is on {x.device} but its weights are on {self.w_down.device}"
-            )
-        lead = x.shape[:-1]
-        tokens = x.numel() // self.hidden
-        if tokens == 0:
+        x2 = _token_rows(self, x)
+        if x2 is None:
             return x.detach().new_empty(x.shape)
-        if tokens > self.max_tokens:
-            raise ShapeError(
-                f"MegaMLP got {tokens} tokens (input shape {tuple(x.shape)}), more than "
-                f"max_tokens={self.max_tokens}; build it with a larger max_tokens or split "
-                "the batch"
-            )
         with torch.no_grad():
-            x2 = x.detach().reshape(tokens, self.hidden).contiguous()
-            if x2.data_ptr() % 16:  # the GPU kernel's loads need 16-byte aligned rows
-                x2 = x2.clone()
-            y = self.compiled(self.regime(tokens))(x2, self.w_gate_up, self.w_down)
-        return y.reshape(*lead, self.hidden)
+            y = self.compiled(self.regime(x2.shape[0]))(x2, self.w_gate_up, self.w_down)
+        return y.reshape(x.shape)
 
     def extra_repr(self) -> str:
         return (
@@ -234,6 +209,39 @@ class MegaMLP(nn.Module):
             f"max_tokens={self.max_tokens}, backend={self.backend or 'auto'}, "
             f"scheduler={getattr(self.scheduler, 'name', self.scheduler)}"
         )
+
+
+def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (..., H) as contiguous 16-byte aligned (tokens, H) rows for ``module`` (a MegaMLP or
+    MegaMoE: ``hidden``, ``max_tokens``, weights ``w_down``), or None when it has no tokens;
+    a clear error for a wrong type, shape, dtype, device or too many tokens."""
+    name = type(module).__name__
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != module.hidden:
+        raise ShapeError(
+            f"{name} input must have shape (..., {module.hidden}), got {tuple(x.shape)}"
+        )
+    w = module.w_down
+    if x.dtype != w.dtype:
+        raise DTypeError(
+            f"{name} input has dtype {x.dtype} but its weights are {w.dtype}; cast the input or "
+            "the module (.to(dtype))"
+        )
+    if x.device != w.device:
+        raise DeviceError(f"{name} input is on {x.device} but its weights are on {w.device}")
+    tokens = x.numel() // module.hidden
+    if tokens == 0:
+        return None
+    if tokens > module.max_tokens:
+        raise ShapeError(
+            f"{name} got {tokens} tokens (input shape {tuple(x.shape)}), more than "
+            f"max_tokens={module.max_tokens}; build it with a larger max_tokens or split the batch"
+        )
+    x2 = x.detach().reshape(tokens, module.hidden).contiguous()
+    if x2.data_ptr() % 16:  # the GPU kernel's loads need 16-byte aligned rows
+        x2 = x2.clone()
+    return x2
 
 
 def _check_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -441,29 +449,11 @@ class MegaMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., H). Inference only: runs under no_grad."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"MegaMoE input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ShapeError(
-                f"MegaMoE input must have shape (..., {self.hidden}), got {tuple(x.shape)}"
-            )
-        if x.dtype != self.w_down.dtype:
-            raise DTypeError(f"MegaMoE input is {x.dtype}, its weights {self.w_down.dtype}")
-        if x.device != self.w_down.device:
-            raise DeviceError(f"MegaMoE input is on {x.device}, its weights {self.w_down.device}")
-        tokens = x.numel() // self.hidden
-        if tokens == 0:
+        x2 = _token_rows(self, x)
+        if x2 is None:
             return x.detach().new_empty(x.shape)
-        if tokens > self.max_tokens:
-            raise ShapeError(
-                f"MegaMoE got {tokens} tokens, more than max_tokens={self.max_tokens}; build it "
-                "with a larger max_tokens or split the batch"
-            )
         with torch.no_grad():
-            x2 = x.detach().reshape(tokens, self.hidden).contiguous()
-            if x2.data_ptr() % 16:
-                x2 = x2.clone()
-            fn = self.compiled(self.regime(tokens))
+            fn = self.compiled(self.regime(x2.shape[0]))
             y = fn(x2, self.w_router, self.w_gate_up, self.w_down)
         return y.reshape(x.shape)
 
