@@ -47,6 +47,9 @@ class MoeRouteTile(TileOp):
     ids: TensorSpec  # (tokens, k) int32
     num_experts: int
     block_m: int = 64
+    # each token names an expert at most once (what topk_softmax yields): an expert then holds
+    # at most T rows, which sizes the counters; the interpreter checks it
+    distinct_ids: bool = True
 
     name: ClassVar[str] = "moe_route"
     inputs: ClassVar[tuple[str, ...]] = ("ids",)
@@ -63,6 +66,10 @@ class MoeRouteTile(TileOp):
             raise ValueError(f"moe_route block_m must be a positive int, got {self.block_m!r}")
         if not isinstance(self.ids.shape[1], int):
             raise ValueError("moe_route: top-k must be a static int")
+        lo = self.ids.shape[0]
+        lo = lo if isinstance(lo, int) else lo.bounds()[0]
+        if lo < 1:
+            raise ValueError("moe_route: the token count must be at least 1 (declare its min >= 1)")
 
     @property
     def max_tiles(self) -> IntLike:
@@ -99,23 +106,36 @@ class MoeRouteTile(TileOp):
         e, bm = self.num_experts, self.block_m
         dev = ids.device
         flat = ids.reshape(-1)
-        bad = (flat < 0) | (flat >= e)
+        bad = (flat < -1) | (flat >= e)
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
             raise DataError(
                 f"moe_route: expert id {int(flat[i])} at ids[{i // k}, {i % k}] is outside "
                 f"[0, {e}) ({int(bad.sum())} of {flat.numel()} ids out of range)"
             )
-        counts = torch.bincount(flat, minlength=e)[:e]
+        if self.distinct_ids and k > 1:
+            s_ids = ids.sort(dim=1).values
+            dup = ((s_ids[:, 1:] == s_ids[:, :-1]) & (s_ids[:, 1:] >= 0)).any(dim=1)
+            if bool(dup.any()):
+                r = int(dup.nonzero()[0])
+                raise DataError(
+                    f"moe_route: token {r} names an expert twice ({ids[r].tolist()}); its ids "
+                    "must be distinct (build the op with distinct_ids=False otherwise)"
+                )
+        # -1 is "no expert" (top-k found fewer than k usable logits): the slot gets no row
+        none = flat < 0
+        flat = torch.where(none, e, flat)  # sorts after every expert
+        counts = torch.bincount(flat, minlength=e + 1)[:e]
         tiles = (counts + bm - 1) // bm
         tile_start = torch.cumsum(tiles, 0) - tiles
         indptr = torch.zeros(e + 1, dtype=torch.long, device=dev)
         indptr[1:] = torch.cumsum(counts, 0)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept
+        order = order[: int(counts.sum())]  # the slots with an expert
         sorted_e = flat[order]
-        rank = torch.arange(flat.numel(), device=dev) - indptr[sorted_e]
+        rank = torch.arange(order.numel(), device=dev) - indptr[sorted_e]
         row = tile_start[sorted_e] * bm + rank
-        slot_row = torch.empty_like(flat)
+        slot_row = torch.full_like(flat, -1)
         slot_row[order] = row
         t["slot_row"].copy_(slot_row.view(tokens, k).to(torch.int32))
         t["row_token"].fill_(-1)
@@ -132,11 +152,12 @@ class MoeRouteTile(TileOp):
     # -- device -----------------------------------------------------------------------------
     def _counter_layout(self) -> tuple[int, int]:
         """(bytes per counter, row pitch in counters) of the per-thread counter table. A rank
-        within an expert is below the token count, so 16-bit counters do wherever the tokens
-        stay below 2**15 (half the shared memory of 32-bit ones, which the megakernel's ring
-        can use); the pitch keeps a row an odd number of 32-bit words apart (no bank conflicts
-        down a column), or E+1 counters for 32-bit ones."""
-        if upper(self.ids.shape[0]) < 2**15:
+        within an expert is below the rows it can hold (the token count with distinct ids), so
+        16-bit counters do wherever those stay below 2**15: half the shared memory of 32-bit
+        ones, which the megakernel's ring can use. The pitch keeps a row an odd number of 32-bit
+        words apart (no bank conflicts down a column), or E+1 counters for 32-bit ones."""
+        rows = upper(self.ids.shape[0]) * (1 if self.distinct_ids else self.ids.shape[1])
+        if rows < 2**15:
             pitch = self.num_experts + 1
             return 2, pitch + (2 - pitch % 4) % 4  # pitch = 2 (mod 4): an odd word count
         return 4, self.num_experts + 1
@@ -168,8 +189,9 @@ class MoeRouteTile(TileOp):
         4. thread e writes expert e's tile_info rows, all threads the [-1, 0] tail;
         5. each thread walks its chunk again in token order, placing rows at tile_start*bm + rank.
 
-        Ids outside [0, E) are ignored (their slot_row is -1) so bad routing cannot write out of
-        bounds. The smem row pitch E+1 keeps both access patterns (a thread along its row, a
+        Ids outside [0, E) are ignored (their slot_row is -1), and so is a row a wrapped 16-bit
+        rank would place outside the layout (ids that break ``distinct_ids``), so bad routing
+        cannot write out of bounds. The smem row pitch E+1 keeps both access patterns (a thread along its row, a
         warp across a row) free of bank conflicts.
         """
         mIds, mTileInfo, mRowToken, mSlotRow, mIndptr = tensors
@@ -271,7 +293,11 @@ class MoeRouteTile(TileOp):
                         rank = Int32(sCnt[tidx, e])
                         sCnt[tidx, e] = cnt_t(rank + 1)
                         row = sTileStart[e] * bm + rank
-                        mRowToken[row] = tok
+                        # ids that break distinct_ids can wrap a 16-bit rank: never out of bounds
+                        if row < 0 or row >= mRowToken.shape[0]:
+                            row = Int32(-1)
+                        else:
+                            mRowToken[row] = tok
                     mSlotRow[tok, flat - tok * k] = row
 
     @cute.jit
@@ -287,5 +313,7 @@ class MoeRouteTile(TileOp):
         return ids
 
 
-def moe_route(ids: TensorSpec, *, num_experts: int, block_m: int = 64) -> MoeRouteTile:
-    return MoeRouteTile(ids, num_experts, block_m)
+def moe_route(
+    ids: TensorSpec, *, num_experts: int, block_m: int = 64, distinct_ids: bool = True
+) -> MoeRouteTile:
+    return MoeRouteTile(ids, num_experts, block_m, distinct_ids)

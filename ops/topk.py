@@ -45,8 +45,11 @@ class TopkSoftmaxTile(TileOp):
         e = self.logits.shape[1]
         if not isinstance(e, int):
             raise ValueError("topk_softmax: the number of experts must be a static int")
-        if not isinstance(self.k, int) or not 1 <= self.k <= e:
-            raise ValueError(f"topk_softmax k must be in [1, {e}], got {self.k!r}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= min(e, WARP):
+            raise ValueError(
+                f"topk_softmax k must be in [1, {min(e, WARP)}] (at most the experts and one "
+                f"pick per lane of a warp), got {self.k!r}"
+            )
         if not isinstance(self.block_m, int) or self.block_m < 1:
             raise ValueError(f"topk_softmax block_m must be a positive int, got {self.block_m!r}")
 
@@ -77,15 +80,23 @@ class TopkSoftmaxTile(TileOp):
 
     def reference(self, coord, env, t):
         r0, r1 = self._rows(coord, env)
-        p = torch.softmax(t["logits"][r0:r1].float(), dim=-1)
-        # a stable descending sort, not torch.topk: topk does not break ties to the lower
-        # expert id on every backend (the CPU one picks higher ids first)
-        w, ids = torch.sort(p, dim=-1, descending=True, stable=True)
-        w, ids = w[:, : self.k], ids[:, : self.k]
+        logits = t["logits"][r0:r1].float()
+        p = torch.softmax(logits, dim=-1)  # a NaN logit makes the row's weights NaN
+        # picks: by logit, descending, ties to the lower id (stable sorts, not torch.topk, whose
+        # CPU kernel prefers higher ids); NaN logits are never picked: they sort last and a
+        # pick that lands on one is "no expert" (-1) with weight 0
+        nan = torch.isnan(logits)
+        order = torch.sort(
+            logits.masked_fill(nan, -float("inf")), dim=-1, descending=True, stable=True
+        ).indices
+        order = order.gather(1, torch.sort(nan.gather(1, order).int(), dim=-1, stable=True).indices)
+        ids = order[:, : self.k]
+        none = nan.gather(1, ids)
+        w = torch.where(none, 0.0, p.gather(1, ids))
         if self.renormalize:
             w = w / w.sum(dim=-1, keepdim=True)
         t["weights"][r0:r1] = w
-        t["ids"][r0:r1] = ids.to(torch.int32)
+        t["ids"][r0:r1] = torch.where(none, -1, ids).to(torch.int32)
 
     # -- device -----------------------------------------------------------------------------
     def device_smem_bytes(self) -> int:

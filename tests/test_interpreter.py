@@ -149,13 +149,34 @@ def test_expert_ids_out_of_range_are_a_clear_error():
     tile_info, _, _, _ = g.call(ops.moe_route, ids, num_experts=8, block_m=4)
     g.output(tile_info, "tile_info")
     c = g.compile("interpret", num_sms=2)
-    good = torch.randint(0, 8, (5, 2), dtype=torch.int32)
+    good = torch.stack([torch.randperm(8)[:2] for _ in range(5)]).to(torch.int32)
     c(good)
-    for bad_value in (8, -1):
+    for bad_value in (8, -2):
         bad = good.clone()
         bad[3, 1] = bad_value
         with pytest.raises(mk.DataError, match=rf"expert id {bad_value} at ids\[3, 1\]"):
             c(bad)
+    # a token that names one expert twice breaks the op's distinct-ids precondition
+    dup = good.clone()
+    dup[2] = 5
+    with pytest.raises(mk.DataError, match="token 2 names an expert twice"):
+        c(dup)
+
+
+def test_no_expert_ids_get_no_row():
+    """-1 is top-k's "no expert" (a row with fewer than k usable logits): no row, slot -1."""
+    g = mk.Graph("route")
+    ids = g.input("ids", (mk.sym("T", max=64), 2), torch.int32)
+    tile_info, row_token, slot_row, indptr = g.call(ops.moe_route, ids, num_experts=8, block_m=4)
+    g.output(tile_info, "tile_info")
+    g.output(slot_row, "slot_row")
+    g.output(indptr, "indptr")
+    c = g.compile("interpret", num_sms=2)
+    ids_in = torch.tensor([[3, -1], [3, 5], [-1, -1]], dtype=torch.int32)
+    tile_info, slot_row, indptr = c(ids_in)
+    assert slot_row.tolist() == [[0, -1], [1, 4], [-1, -1]]  # expert 3: rows 0-1; 5: tile 1
+    assert indptr.tolist() == [0, 0, 0, 0, 2, 2, 3, 3, 3]
+    assert tile_info[:2].tolist() == [[3, 2], [5, 1]] and (tile_info[2:, 0] == -1).all()
 
 
 def test_a_dependency_missing_from_the_events_is_a_race_even_within_one_op():
