@@ -135,3 +135,14 @@ def test_moe_hopper_hundred_routings():
         assert err < 1e-2, f"case {case} ({routing}, T={t}): rel err {err:.3g}"
         for _ in range(9):
             assert torch.equal(c(x, **args), y), f"case {case} ({routing}, T={t}): not identical"
+
+
+def test_moe_worker_shapes_leave_a_deep_ring():
+    """MegaMoE's kernels' shared memory: the route's 16-bit counters (34 KB at E=128) leave the
+    decode graph 7 ring slots and the prefill graph 4 (as measured in benchmarks/moe.py)."""
+    from cutemk.runtime import kernel_spec
+
+    decode = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
+    for cfg, stages in ((decode, 7), (PREFILL, 4)):
+        w = kernel_spec(moe_graph(mk.sym("T", max=4096), cfg, torch.bfloat16), False).worker
+        assert w.ring_stages == stages and w.scratch_bytes <= 35 * 1024, w
