@@ -102,10 +102,10 @@ class MoeCombineTile(TileOp):
 
     def reference(self, coord, env, t):
         (t0, t1), (c0, c1), _ = self._boxes(coord, env)
-        idx = t["slot_row"][t0:t1].long()  # (bt, k); -1: no row, adds nothing
+        idx = t["slot_row"][t0:t1].long()  # (bt, k); -1: no row, the token's output is NaN
         gathered = t["rows"][idx.clamp(min=0), c0:c1].float()  # (bt, k, bn)
         terms = gathered * t["weights"][t0:t1].unsqueeze(-1)
-        y = torch.where((idx >= 0).unsqueeze(-1), terms, 0.0).sum(dim=1)
+        y = torch.where((idx >= 0).unsqueeze(-1), terms, float("nan")).sum(dim=1)
         t["y"][t0:t1, c0:c1] = y.to(t["y"].dtype)
 
     # -- device -----------------------------------------------------------------------------
@@ -121,7 +121,8 @@ class MoeCombineTile(TileOp):
         The tile's outputs are one flat range, consecutive threads on consecutive columns (each
         gathered row is read coalesced); a thread takes ``UNROLL`` outputs at a time with all
         their loads unconditional (clamped indices), so k * UNROLL of them are in flight. A slot
-        with no row (-1: an expert id that was out of range) adds nothing.
+        with no row (-1: top-k found no usable logit, or the id was out of range) makes the
+        token's output NaN: bad routing data shows in that token, never silently.
         """
         mRows, mWeights, mSlotRow, mY = tensors
         k = self.weights.shape[1]
@@ -147,6 +148,8 @@ class MoeCombineTile(TileOp):
                         v = mRows[cute.max(r, 0), c].to(Float32) * mWeights[tok, j].to(Float32)
                         if r >= 0:
                             acc = acc + v
+                        else:
+                            acc = Float32(float("nan"))
                     accs.append(acc)
                 for u in cutlass.range_constexpr(UNROLL):
                     idx = base + u * NUM_THREADS + tidx
@@ -197,6 +200,8 @@ class MoeCombineTile(TileOp):
                     if r >= 0:
                         for q in cutlass.range_constexpr(4):
                             acc[q] = acc[q] + vals[q].to(Float32) * wt
+                    else:
+                        acc.fill(float("nan"))
                 accs.append(acc)
             for u in cutlass.range_constexpr(UNROLL):
                 idx = base + u * NUM_THREADS + tidx

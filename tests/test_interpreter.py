@@ -6,6 +6,7 @@ import torch
 import cutemk as mk
 from cutemk import ops
 from cutemk.layers import MoeConfig, mlp_graph, mlp_reference, moe_graph, moe_reference
+from cutemk.tileop import TensorSpec
 
 CFG = MoeConfig(hidden=64, intermediate=32, num_experts=8, top_k=2, block_m=16, block_n=32)
 
@@ -193,3 +194,35 @@ def test_a_dependency_missing_from_the_events_is_a_race_even_within_one_op():
     with pytest.raises(mk.RaceError, match=r"synthetic_dag\w*\[2\] reads"):
         for seed in range(20):
             bad.compile("interpret", num_sms=3, scheduler="dynamic", seed=seed)(*full)
+
+
+def test_nan_router_rows_give_nan_tokens_and_leave_the_rest_exact():
+    """A token whose router logits are NaN (a NaN in its hidden state reaches every logit; top-k
+    then finds no expert: ids -1, no rows) comes out NaN, as in HF/torch; the others are exact."""
+    gen = torch.Generator().manual_seed(4)
+    w = moe_weights(CFG, gen)
+    c = moe_graph(mk.sym("T", max=64), CFG).compile("interpret", num_sms=4, seed=2)
+    x = torch.randn(9, CFG.hidden, generator=gen)
+    x[4, 7] = float("nan")
+    y = c(x, **w)
+    assert torch.isnan(y[4]).all()
+    keep = torch.arange(9) != 4
+    ref = moe_reference(x[keep], **w, top_k=CFG.top_k)
+    assert rel_err(y[keep], ref) < 1e-5
+
+
+def test_top_k_never_picks_a_nan_logit():
+    """One NaN logit: never picked, the token's weights NaN (softmax over a NaN row)."""
+    op = ops.topk_softmax(TensorSpec((mk.sym("T", max=8), 6), torch.float32), k=3)
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [[1.0, 2.0, nan, 2.0, -inf, 0.0], [nan] * 6, [1.0, nan, nan, nan, nan, -inf]]
+    )
+    t = {
+        "logits": logits,
+        "weights": torch.zeros(3, 3),
+        "ids": torch.zeros(3, 3, dtype=torch.int32),
+    }
+    op.reference((0,), {"T": 3}, t)
+    assert t["ids"].tolist() == [[1, 3, 0], [-1, -1, -1], [0, 5, -1]]
+    assert torch.isnan(t["weights"]).all()
