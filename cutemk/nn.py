@@ -187,10 +187,7 @@ class MegaMLP(nn.Module):
                 fuse_silu=True,
                 down_block=down,
             )
-            options: dict[str, Any] = {"scheduler": self.scheduler}
-            if self.num_sms is not None:
-                options["num_sms"] = self.num_sms
-            fn = self._compiled[key] = g.compile(backend, **options)
+            fn = self._compiled[key] = _compile(self, g, backend)
         return fn
 
     # -- forward ----------------------------------------------------------------------------
@@ -209,6 +206,16 @@ class MegaMLP(nn.Module):
             f"max_tokens={self.max_tokens}, backend={self.backend or 'auto'}, "
             f"scheduler={getattr(self.scheduler, 'name', self.scheduler)}"
         )
+
+
+def _compile(module: nn.Module, g: Any, backend: str) -> Any:
+    """``g`` compiled with the module's scheduler, SM count and profiling choice."""
+    options: dict[str, Any] = {"scheduler": module.scheduler}
+    if getattr(module, "profile", False):
+        options["profile"] = True
+    if module.num_sms is not None:
+        options["num_sms"] = module.num_sms
+    return g.compile(backend, **options)
 
 
 def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -439,12 +446,7 @@ class MegaMoE(nn.Module):
                 **MOE_TILES[(backend, regime)],
             )
             g = moe_graph(sym("T", max=limit), cfg, self.w_down.dtype)
-            options: dict[str, Any] = {"scheduler": self.scheduler}
-            if self.profile:
-                options["profile"] = True
-            if self.num_sms is not None:
-                options["num_sms"] = self.num_sms
-            fn = self._compiled[key] = g.compile(backend, **options)
+            fn = self._compiled[key] = _compile(self, g, backend)
         return fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
