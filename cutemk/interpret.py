@@ -27,7 +27,7 @@ from .binding import bind, env_key, poison_
 from .comm import PeerTable, peer_key
 from .errors import DeadlockError, RaceError
 from .graph import Graph
-from .plan import Plan, instantiate, node_regions
+from .plan import Plan, dump_stage, instantiate, node_regions
 from .costmodel import H200
 from .scheduling import (
     SchedulingMode,
@@ -115,6 +115,7 @@ class InterpretedGraph:
             check_static_schedule(
                 self.plan(env), sched, self.num_sms
             )  # custom policies are checked too
+            dump_stage(self.plan(env), "schedule", {"queues": [list(q) for q in sched.queues]})
             self._schedules[key] = sched
         return self._schedules[key]
 

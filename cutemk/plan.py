@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import GraphError
 from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
@@ -263,13 +265,32 @@ def instantiate(graph: Graph, env: Bindings) -> Plan:
     # explicit events add ordering to the automatic ones, never replace them: an event declared
     # on a producer -> consumer pair must not drop the data dependencies derived from regions
     _automatic_events(graph, plan)
-    dump_dir = os.environ.get("CUTEMK_DUMP")
-    if dump_dir:
-        tag = "_".join(f"{k}{v}" for k, v in sorted(env.items()))
-        path = Path(dump_dir) / f"{graph.name}_{tag or 'static'}.plan.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(plan.describe(), indent=1))
+    dump_stage(plan, "plan", plan.describe())
     return plan
+
+
+def dump_stage(plan: Plan, stage: str, payload: Any) -> Path | None:
+    """Under ``CUTEMK_DUMP=dir``, write one stage of building a launch for ``plan``'s dims:
+    ``<graph>_<dims>.<stage>.json`` (a JSON-able payload) or ``.npz`` (a dict of numpy arrays).
+    The stages: ``plan`` (the task graph), ``schedule`` (static queues), ``lowered`` (the
+    arrays the megakernel reads). Returns the path, or None when dumping is off."""
+    dump_dir = os.environ.get("CUTEMK_DUMP")
+    if not dump_dir:
+        return None
+    tag = "_".join(f"{k}{v}" for k, v in sorted(plan.env.items())) or "static"
+    path = Path(dump_dir) / f"{plan.graph.name}_{tag}.{stage}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if (
+        isinstance(payload, dict)
+        and payload
+        and all(isinstance(v, np.ndarray) for v in payload.values())
+    ):
+        path = path.with_name(path.name + ".npz")
+        np.savez(path, **payload)
+    else:
+        path = path.with_name(path.name + ".json")
+        path.write_text(json.dumps(payload, indent=1))
+    return path
 
 
 def _ev(d, env):

@@ -48,7 +48,7 @@ from .codegen.megakernel import (
 )
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
-from .plan import Plan, instantiate
+from .plan import Plan, dump_stage, instantiate
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
 from .tileop import TileOp
@@ -157,8 +157,10 @@ class CuteGraph:
         if not self.dynamic:
             sched = self.scheduler.build(plan, self.num_sms)
             check_static_schedule(plan, sched, self.num_sms)
+            dump_stage(plan, "schedule", {"queues": [list(q) for q in sched.queues]})
         low = lower(plan, sched, self.num_sms)
         arrays = low.program_arrays()
+        dump_stage(plan, "lowered", arrays)
         prog_np, _ = pack_int32([arrays[k] for k in PROGRAM])
         n = max(plan.num_tasks, 1)
         sizes = {

@@ -243,3 +243,28 @@ def test_one_kernel_key_for_same_structure_different_dags():
     assert kernel_spec(a, dynamic=True) == kernel_spec(b, dynamic=True)
     assert kernel_spec(a, dynamic=True) != kernel_spec(a, dynamic=False)
     assert kernel_spec(a, dynamic=True) != kernel_spec(a, dynamic=True, watchdog=True)
+
+
+def test_dump_writes_each_stage(tmp_path, monkeypatch):
+    """CUTEMK_DUMP=dir: the plan, the static schedule and the lowered arrays of a launch."""
+    import json
+
+    from cutemk.layers import mlp_graph
+    from cutemk.plan import dump_stage
+
+    monkeypatch.setenv("CUTEMK_DUMP", str(tmp_path))
+    g = mlp_graph(mk.sym("T", max=64), 32, 48, block_m=16, block_n=16)
+    c = g.compile("interpret", num_sms=3, scheduler="static")
+    c(torch.randn(20, 32), torch.randn(96, 32), torch.randn(32, 48))
+    plan_doc = json.loads((tmp_path / "qwen3_mlp_T20.plan.json").read_text())
+    queues = json.loads((tmp_path / "qwen3_mlp_T20.schedule.json").read_text())["queues"]
+    assert len(queues) == 3 and sorted(t for q in queues for t in q) == list(
+        range(len(plan_doc["tasks"]))
+    )
+    plan = c.plan({"T": 20})
+    low = lower(plan, c.schedule({"T": 20}), 3)
+    path = dump_stage(plan, "lowered", low.program_arrays())
+    with np.load(path) as z:
+        assert np.array_equal(z["queue_rec"], low.queue_rec)
+    monkeypatch.delenv("CUTEMK_DUMP")
+    assert dump_stage(plan, "lowered", low.program_arrays()) is None
