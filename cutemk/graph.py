@@ -202,6 +202,12 @@ class Graph:
             for a, v in node.args.items():
                 if v.producer is not None and v.producer.index >= node.index:
                     raise GraphError(f"{node.name}.{a} reads {v.name} before it is produced")
+            node.op.check_producers(
+                {
+                    a: (v.producer.op if v.producer is not None else None)
+                    for a, v in node.args.items()
+                }
+            )
 
     def compile(self, backend: str | None = None, **options: Any):
         """Compile for a backend: 'cute' (one persistent CuTe DSL kernel; the default where a

@@ -163,6 +163,11 @@ class TileOp:
         """Compute one tile with torch, writing its outputs in place into ``t``."""
         raise NotImplementedError
 
+    def check_producers(self, producers: Mapping[str, TileOp | None]) -> None:
+        """Called by ``Graph.validate`` with the op producing each input (None for a leaf):
+        raise ``GraphError`` where they disagree on something the shapes do not show (e.g.
+        the number of experts the routing and the expert weights assume)."""
+
     # -- device contract (CuTe DSL; see the module docstring) -------------------------------
     exists_on_device: ClassVar[bool] = False
     """True if :meth:`device_exists` reads data to decide whether a tile exists."""

@@ -33,7 +33,7 @@ from cutlass import Boolean, Float32, Int32, cute
 from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
-from cutemk.errors import ShapeError
+from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -112,6 +112,21 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             raise ValueError(
                 f"moe_grouped_gemm expert_rows must be a positive int, got {self.expert_rows!r}"
             )
+
+    def check_producers(self, producers) -> None:
+        route = producers.get("tile_info")
+        if getattr(route, "name", None) == "moe_route":
+            experts = self.w.shape[0]
+            if experts != route.num_experts:
+                raise GraphError(
+                    f"moe_grouped_gemm has weights of {experts} experts but its tiles come from "
+                    f"a moe_route over {route.num_experts}"
+                )
+            if route.block_m != self.block_m:
+                raise GraphError(
+                    f"moe_grouped_gemm block_m={self.block_m} differs from its moe_route's "
+                    f"{route.block_m}"
+                )
 
     @property
     def n(self):

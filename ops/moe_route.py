@@ -25,7 +25,7 @@ import torch
 from cutlass import Int16, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.errors import DataError
+from cutemk.errors import DataError, GraphError
 from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP, simt_sync
 from cutemk.symbolic import IntLike, smin, upper
 from cutemk.tileop import TensorSpec, TileOp, expect_dtype, expect_ndim, full_box, register_op
@@ -70,6 +70,16 @@ class MoeRouteTile(TileOp):
         lo = lo if isinstance(lo, int) else lo.bounds()[0]
         if lo < 1:
             raise ValueError("moe_route: the token count must be at least 1 (declare its min >= 1)")
+
+    def check_producers(self, producers) -> None:
+        src = producers.get("ids")
+        if getattr(src, "name", None) == "topk_softmax":
+            width = src.logits.shape[1]
+            if width != self.num_experts:
+                raise GraphError(
+                    f"moe_route routes to {self.num_experts} experts but its ids come from a "
+                    f"top-k over {width} router logits"
+                )
 
     @property
     def max_tiles(self) -> IntLike:

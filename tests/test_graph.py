@@ -206,3 +206,23 @@ def test_a_dim_that_is_never_negative_is_accepted():
     g = mk.Graph("halves")
     t = mk.sym("T", 256)
     g.input("x", (t - t // 2, 8))  # interval bounds say (-127, 256); it is never negative
+
+
+def test_moe_expert_counts_must_agree_at_build():
+    """The router's width, moe_route's experts and the expert weights' E are checked when the
+    graph is built, naming the ops (they would otherwise only disagree in the data)."""
+    from cutemk import ops
+
+    t = mk.sym("T", max=64)
+    for route_e, weight_e, match in ((16, 8, "top-k over 8"), (8, 16, "weights of 16 experts")):
+        g = mk.Graph("moe_mismatch")
+        x = g.input("x", (t, 32))
+        logits = g.call(ops.gemm, x, g.weight("w_router", (8, 32)), block_m=16, block_n=8)
+        _, ids = g.call(ops.topk_softmax, logits, k=2)
+        tile_info, row_token, _, _ = g.call(ops.moe_route, ids, num_experts=route_e, block_m=16)
+        xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=16)
+        w = g.weight("w", (weight_e, 24, 32))
+        y = g.call(ops.moe_grouped_gemm, xp, w, tile_info, block_m=16, block_n=8)
+        g.output(y, "y")
+        with pytest.raises(mk.GraphError, match=match):
+            g.compile("interpret")
