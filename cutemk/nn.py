@@ -145,10 +145,7 @@ class MegaMLP(nn.Module):
     # -- graphs -----------------------------------------------------------------------------
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
-        for name, limit in REGIME_LIMITS.items():
-            if limit is None or tokens <= limit:
-                return name
-        raise AssertionError("the last regime has no limit")
+        return _regime(REGIME_LIMITS, tokens)
 
     def regimes(self) -> tuple[str, ...]:
         """The regimes this module can run: those starting below ``max_tokens``."""
@@ -206,6 +203,15 @@ class MegaMLP(nn.Module):
             f"max_tokens={self.max_tokens}, backend={self.backend or 'auto'}, "
             f"scheduler={getattr(self.scheduler, 'name', self.scheduler)}"
         )
+
+
+def _regime(limits: dict[str, int | None], tokens: int) -> str:
+    """The first regime of ``limits`` (in order, the most tokens each serves) that takes
+    ``tokens``."""
+    for name, limit in limits.items():
+        if limit is None or tokens <= limit:
+            return name
+    raise AssertionError("the last regime has no limit")
 
 
 def _compile(module: nn.Module, g: Any, backend: str) -> Any:
@@ -413,10 +419,7 @@ class MegaMoE(nn.Module):
 
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
-        for name, limit in MOE_REGIME_LIMITS.items():
-            if limit is None or tokens <= limit:
-                return name
-        raise AssertionError("the last regime has no limit")
+        return _regime(MOE_REGIME_LIMITS, tokens)
 
     def resolved_backend(self) -> str:
         if self.backend is not None:

@@ -167,8 +167,8 @@ class MoePermuteTile(TileOp):
                 idx = base + u * NUM_THREADS + tidx
                 if idx < total:
                     dst[r0 + idx // width, idx % width] = vals[u]
-        # the next task's sSrc writes must not pass this tile's reads
-        simt_sync()
+        # no barrier here: the worker meets the SIMT group after every tile, before the next
+        # task's sSrc writes
 
 
 def moe_permute(
