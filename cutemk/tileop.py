@@ -188,19 +188,30 @@ class TileOp:
         """Device twin of :meth:`exists` (only called where ``exists_on_device``)."""
         raise NotImplementedError(f"{self.name}: exists_on_device without device_exists")
 
+    def device_task_word(self, tensors, coord0, coord1):
+        """Ring op with ``exists_on_device``: the Int32 of launch data its loads depend on
+        (a grouped GEMM's expert), read by the producer warp once per task, after the task's
+        events, and passed to both load phases as ``word``; the slices never re-read it."""
+        raise NotImplementedError(f"{self.name}: exists_on_device without device_task_word")
+
     def device_tile(self, tensors, coord0, coord1, tidx, smem_ptr) -> None:
         """SIMT op: one tile on the SIMT group; ``tidx`` in ``[0, NUM_THREADS)``, ``smem_ptr``
         1024-byte aligned scratch of :meth:`device_smem_bytes`. ``tensors`` are the op's
         ``inputs + outputs`` (+ peer tables) + ``host_args``."""
         raise NotImplementedError(f"op {self.name} has no device function")
 
-    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+    def device_load_independent(
+        self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
+    ):
         """Ring op, producer warp: slice ``kt``'s loads of ``independent_inputs`` into ring slot
         ``idx`` completing on mbarrier ``bar`` (``ring``: the ring's base, ``stages`` slots of
-        ``slot`` bytes)."""
+        ``slot`` bytes). ``word``: :meth:`device_task_word` where ``exists_on_device`` (such
+        ops' loads all follow the acquire), else 0."""
         raise NotImplementedError
 
-    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+    def device_load_dependent(
+        self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
+    ):
         """Ring op, producer warp: slice ``kt``'s other loads (issued after the acquire and a
         generic-to-async proxy fence)."""
         raise NotImplementedError

@@ -282,7 +282,7 @@ def _copy_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32, idx: Int32, ba
 def load_weights(
     cfg: cutlass.Constexpr,
     tensors,
-    coord0: Int32,
+    expert: Int32,
     coord1: Int32,
     kt: Int32,
     idx: Int32,
@@ -291,13 +291,12 @@ def load_weights(
     stages,
     slot,
 ):
-    """Producer warp: B (and the up half) of slice ``kt`` into slot ``idx``; grouped, of the
-    tile's expert ``tile_info[coord0, 0]`` (``coord0`` is the row tile)."""
+    """Producer warp: B (and the up half) of slice ``kt`` into slot ``idx``; grouped, of
+    ``expert`` (the task word: ``tile_info[coord0, 0]``, read once per task)."""
     _, sB, sU = _ring_views(cfg, ring, stages, slot)
     x = cfg.extra0
     tma_b, tma_u = tensors[x + 3], tensors[x + 5]
     if cutlass.const_expr(cfg.grouped):
-        expert = tensors[2][coord0, 0]
         tma_b = tma_b[None, None, expert]
         tma_u = tma_u[None, None, expert]
     _copy_slice(tensors[x + 2], tma_b, sB, coord1, cfg.bn, kt, idx, bar)
@@ -421,11 +420,15 @@ class HopperGemmOp:
         return self.sm90() is not None
 
     @cute.jit
-    def device_load_independent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
-        load_weights(self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot)
+    def device_load_independent(
+        self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
+    ):
+        load_weights(self.sm90(), tensors, word, coord1, kt, idx, bar, ring, stages, slot)
 
     @cute.jit
-    def device_load_dependent(self, tensors, coord0, coord1, kt, idx, bar, ring, stages, slot):
+    def device_load_dependent(
+        self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
+    ):
         load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
 
     @cute.jit

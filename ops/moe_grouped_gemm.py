@@ -243,6 +243,12 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         return mTileInfo[coord0, 0] >= 0
 
     @cute.jit
+    def device_task_word(self, tensors, coord0: Int32, coord1: Int32) -> Int32:
+        """The tile's expert, which the weight loads of every slice take as a coordinate."""
+        mTileInfo = tensors[2]
+        return mTileInfo[coord0, 0]
+
+    @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """out[row tile coord0, cols block coord1]; ``tensors`` = (mX, mW, mTileInfo,
         [mRowToken,] mOut).

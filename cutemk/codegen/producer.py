@@ -22,13 +22,15 @@ CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per 
 class ProducerRole:
     # -- producer -----------------------------------------------------------------------------
     @cute.jit
-    def _issue(self, tensors, k: int, c0, c1, j, idx, bar, ring, independent: bool, dependent):
+    def _issue(
+        self, tensors, k: int, c0, c1, word, j, idx, bar, ring, independent: bool, dependent
+    ):
         op = self.spec.ops[k]
         stages, slot = self.w.ring_stages, self.w.slot_bytes
         if cutlass.const_expr(independent):
-            op.device_load_independent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
+            op.device_load_independent(tensors[k], c0, c1, word, j, idx, bar, ring, stages, slot)
         if cutlass.const_expr(dependent):
-            op.device_load_dependent(tensors[k], c0, c1, j, idx, bar, ring, stages, slot)
+            op.device_load_dependent(tensors[k], c0, c1, word, j, idx, bar, ring, stages, slot)
 
     @cute.jit
     def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
@@ -48,7 +50,9 @@ class ProducerRole:
                         idx = producer_acquire(
                             r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                         )
-                        self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, False)
+                        self._issue(
+                            tensors, k, c0, c1, Int32(0), j, idx, r_full + idx, ring, True, False
+                        )
         # (2) events
         ok = Boolean(True)
         if cutlass.const_expr(not self.spec.dynamic):
@@ -62,11 +66,15 @@ class ProducerRole:
         cute.arch.sync_warp()
         # a tile that exists by data (read after the acquire, as the consumers will) loads
         # nothing when it does not; after an abort the data may be unsettled: none either
+        # the task word is read here once (not by every slice's loads)
         live = Boolean(True)
+        word = Int32(0)
         for k in cutlass.range_constexpr(self.num_nodes):
             if cutlass.const_expr(self.ring_of[k] is not None and self.has_exists[k]):
                 if node == k:
                     live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
+                    if live:
+                        word = self.spec.ops[k].device_task_word(tensors[k], c0, c1)
         # (3) loads of data produced in this launch (even after an abort: the armed slots must
         # complete, their data is never read)
         if cutlass.const_expr(self.fence_async):
@@ -79,12 +87,16 @@ class ProducerRole:
                     for j in cutlass.range_constexpr(pre):
                         if cutlass.const_expr(self.spec.prefetch[k]):
                             idx = (rcount + j) % w.ring_stages
-                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, False, True)
+                            self._issue(
+                                tensors, k, c0, c1, word, j, idx, r_full + idx, ring, False, True
+                            )
                         else:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
-                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
+                            self._issue(
+                                tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
+                            )
         # (4) hand the task over
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
         if ok:
@@ -102,7 +114,9 @@ class ProducerRole:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
-                            self._issue(tensors, k, c0, c1, j, idx, r_full + idx, ring, True, True)
+                            self._issue(
+                                tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
+                            )
                         rcount = rcount + r.slices
         return ok, qcount, rcount
 
