@@ -1,6 +1,7 @@
 """Tile sweep of the MoE megakernel (tuning aid): the Qwen3-30B-A3B block of ``moe.py`` built
 with each given tile set, static scheduler, CUDA-graph replays, and the per-node trace of the
-grouped GEMMs. A tile set is ``BMxBNxDOWN`` (gate/up block_m x block_n, down block_n).
+grouped GEMMs. A tile set is ``BMxBNxDOWN[xCHUNK]`` (gate/up block_m x block_n, down block_n,
+tokens per routing tile; without CHUNK the routing is one task).
 
 Run: python benchmarks/moe_tiles.py --tokens 1024 4096 --tiles 128x64x128 128x128x128
 """
@@ -36,10 +37,16 @@ def main(argv=None) -> int:
     }
     res = Results("moe_tiles", meta={"scheduler": args.scheduler, "tiles": args.tiles})
     for tiles in args.tiles:
-        bm, bn, dn = (int(v) for v in tiles.split("x"))
+        bm, bn, dn, *chunk = (int(v) for v in tiles.split("x"))
         for regime in ("gemv", "decode", "prefill"):  # one tile set for every token count
             old = mknn.MOE_TILES[("cute", regime)]
-            mknn.MOE_TILES[("cute", regime)] = dict(old, block_m=bm, block_n=bn, down_block_n=dn)
+            mknn.MOE_TILES[("cute", regime)] = dict(
+                old,
+                block_m=bm,
+                block_n=bn,
+                down_block_n=dn,
+                route_chunk=chunk[0] if chunk else None,
+            )
         plain = mknn.MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=args.scheduler)
         # profiling adds a timestamp store per task: a separate module, not the timed one
         m = (

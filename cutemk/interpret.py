@@ -279,7 +279,14 @@ class _Simulation:
         for out, box in ((o, b) for o, r in writes.items() for b in r):
             v = node.results.get(out)
             if v is not None and not box_is_empty(box):
-                self.writer[v.name][box_slices(box)] = t
+                w = self.writer[v.name][box_slices(box)]
+                for wt in np.unique(w[(w >= 0) & (w != t)]).tolist():
+                    if not (self.anc[t] >> wt) & 1:
+                        raise RaceError(
+                            f"tasks {self.plan.tasks[wt].label} and {task.label} both write "
+                            f"{v.name} (box {list(box)}) and no event orders them"
+                        )
+                w[...] = t
 
     # -- static -------------------------------------------------------------------------------
     def run_static(self, sched: StaticSchedule) -> None:

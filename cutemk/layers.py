@@ -35,6 +35,9 @@ class MoeConfig:
     # dtype of the router logits: fp32, or None for the model's dtype (what Hugging Face's gate
     # Linear yields, so a module built from it routes on the same numbers)
     router_dtype: torch.dtype | None = torch.float32
+    # tokens per routing tile: None routes in one task (ops.moe_route), an int spreads the
+    # routing over many SMs (ops.moe_route_count / _layout / _place), for large token counts
+    route_chunk: int | None = None
 
 
 def _positive(**sizes: int) -> None:
@@ -108,9 +111,29 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
     weights, ids = g.call(
         ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob, block_m=4
     )
-    tile_info, row_token, slot_row, _ = g.call(
-        ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
-    )
+    if cfg.route_chunk is None:
+        tile_info, row_token, slot_row, _ = g.call(
+            ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
+        )
+    else:
+        counts = g.call(ops.moe_route_count, ids, num_experts=e, chunk=cfg.route_chunk)
+        tile_info, _, chunk_base = g.call(
+            ops.moe_route_layout,
+            counts,
+            num_experts=e,
+            block_m=cfg.block_m,
+            tokens=tokens,
+            top_k=cfg.top_k,
+        )
+        row_token, slot_row = g.call(
+            ops.moe_route_place,
+            ids,
+            chunk_base,
+            tile_info,
+            num_experts=e,
+            block_m=cfg.block_m,
+            chunk=cfg.route_chunk,
+        )
     # token rows into the grouped layout, so both grouped GEMMs read whole tiles (TMA)
     xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=cfg.block_m)
     act = g.call(

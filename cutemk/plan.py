@@ -166,26 +166,34 @@ class _WriteIndex:
     """Which producer tiles write which cells of one tensor.
 
     Cells are the grid formed by every producer box boundary, so intersecting a consumer's box
-    with all producer boxes costs only the cells it covers.
+    with all producer boxes costs only the cells it covers. Tiles of one op write disjoint
+    boxes, except for an op's ``scatter_outputs`` (``overlap``): their boxes are supersets of
+    data-dependent writes, and a cell then maps to every tile that may write it.
     """
 
-    def __init__(self, value_name: str, boxes: list[tuple[int, Box]]) -> None:
+    def __init__(
+        self, value_name: str, boxes: list[tuple[int, Box]], overlap: bool = False
+    ) -> None:
         self.name = value_name
         boxes = [(t, b) for t, b in boxes if not box_is_empty(b)]
         ndim = len(boxes[0][1]) if boxes else 0
         self.bps = [sorted({x for _, b in boxes for x in b[d]}) for d in range(ndim)]
-        self.cells: dict[tuple[int, ...], int] = {}
+        self.cells: dict[tuple[int, ...], int | frozenset[int]] = {}
         for t, b in boxes:
             ranges = [
                 range(bisect_left(bp, lo), bisect_left(bp, hi)) for bp, (lo, hi) in zip(self.bps, b)
             ]
             for cell in itertools.product(*ranges):
                 prev = self.cells.setdefault(cell, t)
-                if prev != t:
+                if prev == t:
+                    continue
+                if not overlap:
                     raise GraphError(
                         f"tasks {prev} and {t} both write the same part of "
                         f"{value_name}: tiles of one op must write disjoint boxes"
                     )
+                prev = prev if isinstance(prev, frozenset) else frozenset((prev,))
+                self.cells[cell] = prev | {t}
         self._memo: dict[Box, frozenset[int]] = {}
 
     def query(self, box: Box) -> frozenset[int]:
@@ -198,8 +206,14 @@ class _WriteIndex:
                 j0 = max(bisect_right(bp, lo) - 1, 0)
                 j1 = bisect_left(bp, hi)
                 ranges.append(range(j0, min(j1, len(bp) - 1)))
-            found = (self.cells.get(c) for c in itertools.product(*ranges))
-            hit = frozenset(t for t in found if t is not None)
+            found: set[int] = set()
+            for c in itertools.product(*ranges):
+                w = self.cells.get(c)
+                if isinstance(w, frozenset):
+                    found |= w
+                elif w is not None:
+                    found.add(w)
+            hit = frozenset(found)
             self._memo[box] = hit
         return hit
 
@@ -306,7 +320,7 @@ def _automatic_events(graph: Graph, plan: Plan) -> None:
             for t in plan.node_tasks[node.index]:
                 w = node_regions(node, "writes", plan.tasks[t].coord, env)
                 boxes += [(t, b) for b in w.get(oname, ())]
-            index[v.name] = _WriteIndex(v.name, boxes)
+            index[v.name] = _WriteIndex(v.name, boxes, oname in node.op.scatter_outputs)
     for cons in graph.nodes:
         by_producer: dict[int, list[str]] = {}
         for arg, v in cons.args.items():

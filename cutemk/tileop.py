@@ -138,6 +138,12 @@ class TileOp:
     data_inputs: ClassVar[tuple[str, ...]] = ()
     """Inputs whose values (not only shapes) decide the task grid or regions."""
 
+    scatter_outputs: ClassVar[tuple[str, ...]] = ()
+    """Outputs the tiles write at data-dependent places (a scatter): without ``data`` their
+    write boxes are supersets that may overlap between tiles (a reader then waits for every
+    tile that may write its box); with ``data`` they are exact, and the interpreter checks
+    that no two unordered tiles write the same element."""
+
     def cost(self, coord: Coord, env: Bindings) -> float:
         """Estimated microseconds for one tile on one SM (see ``cutemk.costmodel``)."""
         return 1.0

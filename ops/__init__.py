@@ -10,6 +10,14 @@ from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
 from .moe_permute import MoePermuteTile, moe_permute
 from .moe_route import MoeRouteTile, max_tiles, moe_route
+from .moe_route_split import (
+    MoeRouteCountTile,
+    MoeRouteLayoutTile,
+    MoeRoutePlaceTile,
+    moe_route_count,
+    moe_route_layout,
+    moe_route_place,
+)
 from .reduce_scatter import ReduceScatterTile, reduce_scatter
 from .rmsnorm import RmsNormTile, rmsnorm
 from .silu_mul import SiluMulTile, silu_mul
@@ -32,6 +40,12 @@ __all__ = [
     "MoeRouteTile",
     "max_tiles",
     "moe_route",
+    "MoeRouteCountTile",
+    "moe_route_count",
+    "MoeRouteLayoutTile",
+    "moe_route_layout",
+    "MoeRoutePlaceTile",
+    "moe_route_place",
     "RmsNormTile",
     "rmsnorm",
     "SiluMulTile",

@@ -111,35 +111,16 @@ class MoeRouteTile(TileOp):
         return tile_time_us(20.0 * t * k, 16.0 * t * k, torch.float32)
 
     def reference(self, coord, env, t):
+        check_ids(t["ids"], self.num_experts, self.distinct_ids, "moe_route")
         ids = t["ids"].long()
         tokens, k = ids.shape
         e, bm = self.num_experts, self.block_m
         dev = ids.device
-        flat = ids.reshape(-1)
-        bad = (flat < -1) | (flat >= e)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise DataError(
-                f"moe_route: expert id {int(flat[i])} at ids[{i // k}, {i % k}] is outside "
-                f"[0, {e}) ({int(bad.sum())} of {flat.numel()} ids out of range)"
-            )
-        if self.distinct_ids and k > 1:
-            s_ids = ids.sort(dim=1).values
-            dup = ((s_ids[:, 1:] == s_ids[:, :-1]) & (s_ids[:, 1:] >= 0)).any(dim=1)
-            if bool(dup.any()):
-                r = int(dup.nonzero()[0])
-                raise DataError(
-                    f"moe_route: token {r} names an expert twice ({ids[r].tolist()}); its ids "
-                    "must be distinct (build the op with distinct_ids=False otherwise)"
-                )
         # -1 is "no expert" (top-k found fewer than k usable logits): the slot gets no row
-        none = flat < 0
-        flat = torch.where(none, e, flat)  # sorts after every expert
+        flat = ids.reshape(-1)
+        flat = torch.where(flat < 0, e, flat)  # sorts after every expert
         counts = torch.bincount(flat, minlength=e + 1)[:e]
-        tiles = (counts + bm - 1) // bm
-        tile_start = torch.cumsum(tiles, 0) - tiles
-        indptr = torch.zeros(e + 1, dtype=torch.long, device=dev)
-        indptr[1:] = torch.cumsum(counts, 0)
+        tile_start, indptr, tile_info = route_layout(counts, bm, t["tile_info"].shape[0])
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept
         order = order[: int(counts.sum())]  # the slots with an expert
         sorted_e = flat[order]
@@ -150,13 +131,7 @@ class MoeRouteTile(TileOp):
         t["slot_row"].copy_(slot_row.view(tokens, k).to(torch.int32))
         t["row_token"].fill_(-1)
         t["row_token"][row] = (order // k).to(torch.int32)
-        n = int(tiles.sum())
-        t["tile_info"][:, 0] = -1
-        t["tile_info"][:, 1] = 0
-        tile_e = torch.repeat_interleave(torch.arange(e, device=dev), tiles)
-        j = torch.arange(n, device=dev) - tile_start[tile_e]
-        t["tile_info"][:n, 0] = tile_e.to(torch.int32)
-        t["tile_info"][:n, 1] = torch.clamp(counts[tile_e] - j * bm, max=bm).to(torch.int32)
+        t["tile_info"].copy_(tile_info.to(torch.int32))
         t["exp_indptr"].copy_(indptr.to(torch.int32))
 
     # -- device -----------------------------------------------------------------------------
@@ -247,49 +222,9 @@ class MoeRouteTile(TileOp):
             sCount[e] = run
         simt_sync()
 
-        # tile starts and exp_indptr: an exclusive scan over the experts on warp 0, each lane
-        # summing a contiguous run of experts, the lanes joined by a shuffle scan
-        if tidx < WARP:
-            per_lane = (num_e + WARP - 1) // WARP
-            e0 = tidx * per_lane
-            tiles = Int32(0)
-            rows = Int32(0)
-            for q in cutlass.range_constexpr(per_lane):
-                if e0 + q < num_e:
-                    n = sCount[e0 + q]
-                    rows = rows + n
-                    tiles = tiles + (n + bm - 1) // bm
-            tiles_incl = tiles
-            rows_incl = rows
-            for i in cutlass.range_constexpr(5):
-                ot = cute.arch.shuffle_sync_up(tiles_incl, 1 << i)
-                orow = cute.arch.shuffle_sync_up(rows_incl, 1 << i)
-                if tidx >= (1 << i):
-                    tiles_incl = tiles_incl + ot
-                    rows_incl = rows_incl + orow
-            t_run = tiles_incl - tiles
-            r_run = rows_incl - rows
-            for q in cutlass.range_constexpr(per_lane):
-                if e0 + q < num_e:
-                    n = sCount[e0 + q]
-                    sTileStart[e0 + q] = t_run
-                    mIndptr[e0 + q] = r_run
-                    r_run = r_run + n
-                    t_run = t_run + (n + bm - 1) // bm
-            if tidx == WARP - 1:
-                sTileStart[num_e] = tiles_incl
-                mIndptr[num_e] = rows_incl
+        scan_experts(sCount, sTileStart, mIndptr, num_e, bm, tidx)
         simt_sync()
-
-        for e in range(tidx, num_e, NUM_THREADS):
-            n = sCount[e]
-            t0 = sTileStart[e]
-            for i in range((n + bm - 1) // bm):
-                mTileInfo[t0 + i, 0] = e
-                mTileInfo[t0 + i, 1] = cute.min(n - i * bm, bm)
-        for i in range(sTileStart[num_e] + tidx, mTileInfo.shape[0], NUM_THREADS):
-            mTileInfo[i, 0] = Int32(-1)
-            mTileInfo[i, 1] = Int32(0)
+        write_tile_info(mTileInfo, sCount, sTileStart, num_e, bm, tidx)
 
         for b0 in range(0, n_ids, ID_BATCH):
             ids = self._load_ids(mIds, id0, b0, n_ids)
@@ -321,6 +256,107 @@ class MoeRouteTile(TileOp):
             tok = flat // k
             ids.append(mIds[tok, flat - tok * k])
         return ids
+
+
+def check_ids(
+    ids: torch.Tensor, num_experts: int, distinct: bool, op: str, first_row: int = 0
+) -> None:
+    """Interpreter check of routed ids (T, k) (rows from ``first_row`` on): each in [0, E) or
+    -1 ("no expert"), and with ``distinct`` no expert twice in a token; a ``DataError`` naming
+    the first bad id."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    bad = (flat < -1) | (flat >= num_experts)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise DataError(
+            f"{op}: expert id {int(flat[i])} at ids[{first_row + i // k}, {i % k}] is outside "
+            f"[0, {num_experts}) ({int(bad.sum())} of {flat.numel()} ids out of range)"
+        )
+    if distinct and k > 1:
+        s_ids = ids.sort(dim=1).values
+        dup = ((s_ids[:, 1:] == s_ids[:, :-1]) & (s_ids[:, 1:] >= 0)).any(dim=1)
+        if bool(dup.any()):
+            r = int(dup.nonzero()[0])
+            raise DataError(
+                f"{op}: token {first_row + r} names an expert twice ({ids[r].tolist()}); its ids "
+                "must be distinct (build the op with distinct_ids=False otherwise)"
+            )
+
+
+def route_layout(counts: torch.Tensor, block_m: int, max_tiles: int):
+    """The grouped layout of per-expert row counts (E,): (tile_start (E,), exp_indptr (E+1,),
+    tile_info (max_tiles, 2) with ``[-1, 0]`` past the last tile), int64."""
+    counts = counts.long()
+    e, dev = counts.numel(), counts.device
+    tiles = (counts + block_m - 1) // block_m
+    tile_start = torch.cumsum(tiles, 0) - tiles
+    indptr = torch.zeros(e + 1, dtype=torch.long, device=dev)
+    indptr[1:] = torch.cumsum(counts, 0)
+    info = torch.zeros(max_tiles, 2, dtype=torch.long, device=dev)
+    info[:, 0] = -1
+    n = int(tiles.sum())
+    tile_e = torch.repeat_interleave(torch.arange(e, device=dev), tiles)
+    j = torch.arange(n, device=dev) - tile_start[tile_e]
+    info[:n, 0] = tile_e
+    info[:n, 1] = torch.clamp(counts[tile_e] - j * block_m, max=block_m)
+    return tile_start, indptr, info
+
+
+@cute.jit
+def scan_experts(
+    sCount, sTileStart, mIndptr, num_e: cutlass.Constexpr, bm: cutlass.Constexpr, tidx: Int32
+):
+    """Warp 0 of the SIMT group: from the per-expert row counts ``sCount`` (E,), the tile
+    starts ``sTileStart`` (E+1,) and ``exp_indptr``: an exclusive scan over the experts, each
+    lane summing a contiguous run of experts, the lanes joined by a shuffle scan."""
+    if tidx < WARP:
+        per_lane = (num_e + WARP - 1) // WARP
+        e0 = tidx * per_lane
+        tiles = Int32(0)
+        rows = Int32(0)
+        for q in cutlass.range_constexpr(per_lane):
+            if e0 + q < num_e:
+                n = sCount[e0 + q]
+                rows = rows + n
+                tiles = tiles + (n + bm - 1) // bm
+        tiles_incl = tiles
+        rows_incl = rows
+        for i in cutlass.range_constexpr(5):
+            ot = cute.arch.shuffle_sync_up(tiles_incl, 1 << i)
+            orow = cute.arch.shuffle_sync_up(rows_incl, 1 << i)
+            if tidx >= (1 << i):
+                tiles_incl = tiles_incl + ot
+                rows_incl = rows_incl + orow
+        t_run = tiles_incl - tiles
+        r_run = rows_incl - rows
+        for q in cutlass.range_constexpr(per_lane):
+            if e0 + q < num_e:
+                n = sCount[e0 + q]
+                sTileStart[e0 + q] = t_run
+                mIndptr[e0 + q] = r_run
+                r_run = r_run + n
+                t_run = t_run + (n + bm - 1) // bm
+        if tidx == WARP - 1:
+            sTileStart[num_e] = tiles_incl
+            mIndptr[num_e] = rows_incl
+
+
+@cute.jit
+def write_tile_info(
+    mTileInfo, sCount, sTileStart, num_e: cutlass.Constexpr, bm: cutlass.Constexpr, tidx: Int32
+):
+    """SIMT group, after :func:`scan_experts`: thread e writes expert e's ``[e, valid]`` tile
+    rows, all threads the ``[-1, 0]`` rows past the last tile."""
+    for e in range(tidx, num_e, NUM_THREADS):
+        n = sCount[e]
+        t0 = sTileStart[e]
+        for i in range((n + bm - 1) // bm):
+            mTileInfo[t0 + i, 0] = e
+            mTileInfo[t0 + i, 1] = cute.min(n - i * bm, bm)
+    for i in range(sTileStart[num_e] + tidx, mTileInfo.shape[0], NUM_THREADS):
+        mTileInfo[i, 0] = Int32(-1)
+        mTileInfo[i, 1] = Int32(0)
 
 
 def moe_route(

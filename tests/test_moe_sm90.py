@@ -138,11 +138,12 @@ def test_moe_hopper_hundred_routings():
 
 
 def test_moe_worker_shapes_leave_a_deep_ring():
-    """MegaMoE's kernels' shared memory: the route's 16-bit counters (34 KB at E=128) leave the
-    decode graph 7 ring slots and the prefill graph 4 (as measured in benchmarks/moe.py)."""
+    """MegaMoE's kernels' shared memory: the one-task route's 16-bit counters (34 KB at E=128)
+    leave the decode graph 7 ring slots; the prefill graph's routing spread over SMs needs 2 KB,
+    which leaves it 5 (the ring depth measured to matter most at prefill sizes)."""
     from cutemk.runtime import kernel_spec
 
     decode = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
-    for cfg, stages in ((decode, 7), (PREFILL, 4)):
+    for cfg, stages, scratch in ((decode, 7, 35 * 1024), (PREFILL, 5, 2048)):
         w = kernel_spec(moe_graph(mk.sym("T", max=4096), cfg, torch.bfloat16), False).worker
-        assert w.ring_stages == stages and w.scratch_bytes <= 35 * 1024, w
+        assert w.ring_stages == stages and w.scratch_bytes <= scratch, w
