@@ -1,9 +1,10 @@
 """Tile sweep of the MoE megakernel (tuning aid): the Qwen3-30B-A3B block of ``moe.py`` built
 with each given tile set, static scheduler, CUDA-graph replays, and the per-node trace of the
-grouped GEMMs. A tile set is ``BMxBNxDOWN[xCHUNK]`` (gate/up block_m x block_n, down block_n,
-tokens per routing tile; without CHUNK the routing is one task).
+grouped GEMMs. A tile set is ``BMxBNxDOWN[xcCHUNK][xmCOMBINE]``: gate/up block_m x block_n,
+down block_n, then optionally the tokens per routing tile (without it the routing is one task)
+and per combine tile.
 
-Run: python benchmarks/moe_tiles.py --tokens 1024 4096 --tiles 128x64x128 128x128x128
+Run: python benchmarks/moe_tiles.py --tokens 1024 4096 --tiles 128x64x128 128x64x128xc64xm16
 """
 
 from __future__ import annotations
@@ -37,16 +38,13 @@ def main(argv=None) -> int:
     }
     res = Results("moe_tiles", meta={"scheduler": args.scheduler, "tiles": args.tiles})
     for tiles in args.tiles:
-        bm, bn, dn, *chunk = (int(v) for v in tiles.split("x"))
+        bm, bn, dn, *more = tiles.split("x")
+        fields = {"block_m": int(bm), "block_n": int(bn), "down_block_n": int(dn)}
+        for m in more:  # cNN: tokens per routing tile, mNN: tokens per combine tile
+            fields["route_chunk" if m[0] == "c" else "combine_block_m"] = int(m[1:])
+        fields.setdefault("route_chunk", None)
         for regime in ("gemv", "decode", "prefill"):  # one tile set for every token count
-            old = mknn.MOE_TILES[("cute", regime)]
-            mknn.MOE_TILES[("cute", regime)] = dict(
-                old,
-                block_m=bm,
-                block_n=bn,
-                down_block_n=dn,
-                route_chunk=chunk[0] if chunk else None,
-            )
+            mknn.MOE_TILES[("cute", regime)] = dict(mknn.MOE_TILES[("cute", regime)], **fields)
         plain = mknn.MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=args.scheduler)
         # profiling adds a timestamp store per task: a separate module, not the timed one
         m = (

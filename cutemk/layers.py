@@ -38,6 +38,8 @@ class MoeConfig:
     # tokens per routing tile: None routes in one task (ops.moe_route), an int spreads the
     # routing over many SMs (ops.moe_route_count / _layout / _place), for large token counts
     route_chunk: int | None = None
+    # tokens per combine tile (512 columns each): a few, so small token counts spread over SMs
+    combine_block_m: int = 4
 
 
 def _positive(**sizes: int) -> None:
@@ -158,7 +160,7 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         name="experts_down",
     )
     # a few tokens a tile: the gather is latency bound, so spread it over many SMs
-    y = g.call(ops.moe_combine, down, weights, slot_row, block_m=4, block_n=512)
+    y = g.call(ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512)
     g.output(y, "y")
     return g
 

@@ -323,11 +323,16 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
     # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
     # router's 128 expert columns over 8 SMs. Prefill: 128-row tiles, wider columns, the
-    # routing spread over SMs in chunks of 128 tokens (one task routes 32K slots in ~100 us).
+    # routing spread over SMs in chunks of 64 tokens (one task routes 32K slots in ~100 us).
     ("cute", "gemv"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
     ("cute", "decode"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
     ("cute", "prefill"): dict(
-        block_m=128, block_n=64, down_block_n=128, router_block_n=32, route_chunk=128
+        block_m=128,
+        block_n=64,
+        down_block_n=128,
+        router_block_n=32,
+        route_chunk=64,
+        combine_block_m=16,
     ),
     ("interpret", "gemv"): dict(block_m=16, block_n=32),
     ("interpret", "decode"): dict(block_m=16, block_n=32),

@@ -15,7 +15,7 @@ import torch
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -110,7 +110,9 @@ class MoeCombineTile(TileOp):
 
     # -- device -----------------------------------------------------------------------------
     def device_smem_bytes(self) -> int:
-        return 0  # a pure gather-reduce: nothing is reused across threads
+        # the tile's slot rows (int32) and weights (fp32), staged once: the gathers then wait
+        # on one load each, not on a slot_row load first
+        return 8 * self.block_m * self.weights.shape[1]
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -132,8 +134,21 @@ class MoeCombineTile(TileOp):
         t_end = cute.min(t0 + self.block_m, tokens)
         c0 = coord1 * self.block_n
         width = cute.min(c0 + self.block_n, hidden) - c0
+        bm = self.block_m
+        sRow = cute.make_tensor(
+            cute.recast_ptr(smem_ptr, dtype=Int32), cute.make_layout((bm, k), stride=(k, 1))
+        )
+        sW = cute.make_tensor(
+            cute.recast_ptr(smem_ptr + 4 * bm * k, dtype=Float32),
+            cute.make_layout((bm, k), stride=(k, 1)),
+        )
+        for i in range(tidx, (t_end - t0) * k, NUM_THREADS):
+            tl = i // k
+            sRow[tl, i - tl * k] = mSlotRow[t0 + tl, i - tl * k]
+            sW[tl, i - tl * k] = mWeights[t0 + tl, i - tl * k].to(Float32)
+        simt_sync()
         if cutlass.const_expr(self._words()):
-            self._combine_words(mRows, mWeights, mSlotRow, mY, t0, t_end, c0, width, tidx)
+            self._combine_words(mRows, sRow, sW, mY, t0, t_end, c0, width, tidx)
         else:
             total = (t_end - t0) * width
             for base in range(0, total, NUM_THREADS * UNROLL):
@@ -144,8 +159,8 @@ class MoeCombineTile(TileOp):
                     c = c0 + idx % width
                     acc = Float32(0.0)
                     for j in cutlass.range_constexpr(k):
-                        r = mSlotRow[tok, j]
-                        v = mRows[cute.max(r, 0), c].to(Float32) * mWeights[tok, j].to(Float32)
+                        r = sRow[tok - t0, j]
+                        v = mRows[cute.max(r, 0), c].to(Float32) * sW[tok - t0, j]
                         if r >= 0:
                             acc = acc + v
                         else:
@@ -168,9 +183,10 @@ class MoeCombineTile(TileOp):
         )
 
     @cute.jit
-    def _combine_words(self, mRows, mWeights, mSlotRow, mY, t0, t_end, c0, width, tidx):
+    def _combine_words(self, mRows, sRow, sW, mY, t0, t_end, c0, width, tidx):
         """The tile as 8-byte words (4 columns a word): ``UNROLL`` words a thread at a time,
-        k word loads each, all issued before their sums."""
+        k word loads each, all issued before their sums (slot rows and weights staged in
+        ``sRow`` / ``sW``, indexed by the tile's token)."""
         k = self.weights.shape[1]
         hidden = self.rows.shape[1]
         row_words = hidden // 4
@@ -193,8 +209,8 @@ class MoeCombineTile(TileOp):
                 acc = cute.make_rmem_tensor((4,), Float32)
                 acc.fill(0.0)
                 for j in cutlass.range_constexpr(k):
-                    r = mSlotRow[tok, j]
-                    wt = mWeights[tok, j].to(Float32)
+                    r = sRow[tok - t0, j]
+                    wt = sW[tok - t0, j]
                     vals = cute.make_rmem_tensor((4,), mRows.element_type)
                     cute.autovec_copy(rows4[cute.max(r, 0), cw, None], vals)
                     if r >= 0:

@@ -19,10 +19,12 @@ from cutemk.runtime import compile_offline
 OUTS = ("tile_info", "row_token", "slot_row", "exp_indptr")
 
 
-def _graph(num_e: int, k: int, block_m: int, chunk: int, max_t: int) -> mk.Graph:
+def _graph(
+    num_e: int, k: int, block_m: int, chunk: int, max_t: int, distinct: bool = False
+) -> mk.Graph:
     g = mk.Graph("route_split")
     ids = g.input("ids", (mk.sym("T", min=1, max=max_t), k), torch.int32)
-    single = g.call(ops.moe_route, ids, num_experts=num_e, block_m=block_m, distinct_ids=False)
+    single = g.call(ops.moe_route, ids, num_experts=num_e, block_m=block_m, distinct_ids=distinct)
     counts = g.call(ops.moe_route_count, ids, num_experts=num_e, chunk=chunk)
     tile_info, indptr, base = g.call(
         ops.moe_route_layout,
@@ -120,9 +122,16 @@ def test_split_route_matches_moe_route_on_the_gpu(scheduler):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     gen = torch.Generator().manual_seed(7)
-    for num_e, k, bm, chunk in ((128, 8, 128, 128), (512, 10, 64, 64), (16, 4, 64, 32)):
-        c = _graph(num_e, k, bm, chunk, max_t=4096).compile("cute", scheduler=scheduler)
-        for kind in ("random", "one_hot", "few_experts", "none"):
+    # E=512 (Qwen3-Next): moe_route fits its shared memory only with 16-bit counters, which
+    # need distinct ids, so that case leaves out the repeated ids
+    for num_e, k, bm, chunk, distinct in (
+        (128, 8, 128, 64, False),
+        (512, 10, 64, 64, True),
+        (16, 4, 64, 32, False),
+    ):
+        c = _graph(num_e, k, bm, chunk, 4096, distinct).compile("cute", scheduler=scheduler)
+        kinds = ("random", "one_hot", "none") + (() if distinct else ("few_experts",))
+        for kind in kinds:
             for t in (1, 7, 129, 1000, 4096):
                 ids = _ids(t, k, num_e, kind, gen, "cuda")
                 out = c(ids)
