@@ -82,9 +82,9 @@ class MoeCombineTile(TileOp):
         if data is not None and k:
             # the span of rows it gathers: all inside existing tiles, which are written whole
             rows = data["slot_row"][tr[0] : tr[1]].reshape(-1)
-            rows = rows[rows >= 0]  # -1: no row (an expert id that was out of range)
-            if rows.numel():
-                r["rows"] = ((int(rows.min()), int(rows.max()) + 1), hc)
+            rows = rows[rows >= 0]  # -1: no row (no usable logit, or an id out of range)
+            span = (int(rows.min()), int(rows.max()) + 1) if rows.numel() else (0, 0)
+            r["rows"] = (span, hc)  # no rows at all (every slot bad): it reads none
         return r
 
     def writes(self, coord, env, data=None):

@@ -1,0 +1,103 @@
+"""Fuzz: random MoE layers, routings and token counts against torch.
+
+Each case draws a layer (experts, top-k, tiles, one-task or chunked routing), a token count
+(odd ones included) and a routing: random logits, exact ties (identical router rows), or bad
+rows (tokens whose activations are NaN or inf, so their router logits are). A token with a bad
+row must come out all NaN (as the Hugging Face block gives it) and every other token must match
+the fp32 torch reference. CPU: the interpreter (race checker on). GPU (``gpu``): the bf16
+megakernel with both schedulers, outputs NaN-poisoned before each launch, bit-identical on a
+second launch.
+"""
+
+import random
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk.layers import MoeConfig, moe_graph, moe_reference
+
+ROUTINGS = ("random", "ties", "bad_rows")
+
+
+def _case(rng: random.Random, gpu: bool):
+    """(cfg, T values, routing) of one fuzz case."""
+    e = rng.choice([4, 8, 16] if not gpu else [8, 16, 64])
+    k = rng.randint(1, min(4, e))
+    if gpu:  # the Hopper tiles: 64-row grouped tiles, TMA-aligned widths
+        h, i = rng.choice([(256, 128), (512, 256)])
+        tiles = dict(block_m=64, block_n=64, down_block_n=128)
+        max_t = 4096
+    else:
+        h, i = rng.choice([(32, 16), (64, 32)])
+        tiles = dict(block_m=16, block_n=32)
+        max_t = 96
+    chunk = rng.choice([None, 3, 16] if not gpu else [None, 32, 64])
+    cfg = MoeConfig(h, i, e, k, norm_topk_prob=rng.random() < 0.7, route_chunk=chunk, **tiles)
+    ts = sorted({1, rng.randint(2, 17), rng.randint(18, max_t), max_t - rng.randint(0, 3)})
+    return cfg, ts, rng.choice(ROUTINGS), max_t
+
+
+def _inputs(cfg: MoeConfig, t: int, routing: str, gen: torch.Generator, device, dtype):
+    e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
+    w = {
+        "w_router": torch.randn(e, h, generator=gen),
+        "w_gate_up": torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+        "w_down": torch.randn(e, h, i, generator=gen) / i**0.5,
+    }
+    if routing == "ties":  # experts 1 and 2 (and 0 and 3) share router rows: exact ties
+        w["w_router"][2] = w["w_router"][1]
+        w["w_router"][3] = w["w_router"][0]
+    x = torch.randn(t, h, generator=gen)
+    bad = torch.zeros(t, dtype=torch.bool)
+    if routing == "bad_rows":
+        bad = torch.rand(t, generator=gen) < 0.2
+        x[bad] = float("nan")
+        if t > 1:  # one row of infinities (its logits are inf or NaN)
+            x[t // 2] = float("inf")
+            bad[t // 2] = True
+    cast = {k: v.to(device, dtype) for k, v in w.items()}
+    return x.to(device, dtype), cast, bad.to(device)
+
+
+def _check(y: torch.Tensor, x, w, cfg: MoeConfig, bad: torch.Tensor, tol: float, what: str):
+    ref = moe_reference(x, **w, top_k=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
+    assert torch.isnan(y[bad]).all(), f"{what}: a token with a bad row is not all NaN"
+    good = ~bad
+    if good.any():
+        yg, rg = y[good].float(), ref[good]
+        assert torch.isfinite(yg).all(), f"{what}: a good token came out non-finite"
+        err = ((yg - rg).norm() / rg.norm().clamp_min(1e-6)).item()
+        assert err < tol, f"{what}: rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fuzz_moe_interpreted(seed):
+    rng = random.Random(seed)
+    cfg, ts, routing, max_t = _case(rng, gpu=False)
+    gen = torch.Generator().manual_seed(seed)
+    scheduler = rng.choice(["static", "dynamic"])
+    c = moe_graph(mk.sym("T", max=max_t), cfg).compile("interpret", scheduler=scheduler, seed=seed)
+    for t in ts:
+        x, w, bad = _inputs(cfg, t, routing, gen, "cpu", torch.float32)
+        _check(c(x, **w), x, w, cfg, bad, 1e-4, f"seed {seed} {cfg} {routing} T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzz_moe_on_the_gpu(seed):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rng = random.Random(1000 + seed)
+    cfg, ts, routing, max_t = _case(rng, gpu=True)
+    gen = torch.Generator().manual_seed(seed)
+    g = moe_graph(mk.sym("T", max=max_t), cfg, torch.bfloat16)
+    for scheduler in ("static", "dynamic"):
+        c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+        for t in ts:
+            x, w, bad = _inputs(cfg, t, routing, gen, "cuda", torch.bfloat16)
+            y = c(x, **w)
+            _check(y, x, w, cfg, bad, 2e-2, f"seed {seed} {cfg} {routing} {scheduler} T={t}")
+            yy = c(x, **w)
+            same = (yy == y) | (torch.isnan(yy) & torch.isnan(y))
+            assert same.all(), f"seed {seed} T={t}: a second launch differs"
