@@ -12,6 +12,8 @@ A :class:`Plan` is what schedulers and backends consume. Its invariants:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
 import os
@@ -196,6 +198,32 @@ class _WriteIndex:
                 self.cells[cell] = prev | {t}
         self._memo: dict[Box, frozenset[int]] = {}
 
+    @classmethod
+    def from_arrays(
+        cls, value_name: str, tasks: np.ndarray, boxes: np.ndarray, overlap: bool = False
+    ) -> _WriteIndex:
+        """The index of one box per task given as arrays (``region_arrays``' form): where each
+        box is one cell of the grid of box edges and no two share a cell (a tiling), built with
+        array operations; otherwise as from the box list."""
+        keep = (boxes[:, :, 1] > boxes[:, :, 0]).all(axis=1)
+        tasks, boxes = tasks[keep], boxes[keep]
+        if len(boxes):
+            ndim = boxes.shape[1]
+            bps = [np.unique(boxes[:, d, :]) for d in range(ndim)]
+            lo = np.stack([np.searchsorted(bps[d], boxes[:, d, 0]) for d in range(ndim)], 1)
+            hi = np.stack([np.searchsorted(bps[d], boxes[:, d, 1]) for d in range(ndim)], 1)
+            if (hi - lo == 1).all():
+                cells = dict(zip(map(tuple, lo.tolist()), tasks.tolist()))
+                if len(cells) == len(tasks):
+                    self = cls.__new__(cls)
+                    self.name = value_name
+                    self.bps = [bp.tolist() for bp in bps]
+                    self.cells = cells
+                    self._memo = {}
+                    return self
+        pairs = [(t, tuple(map(tuple, b))) for t, b in zip(tasks.tolist(), boxes.tolist())]
+        return cls(value_name, pairs, overlap)
+
     def query(self, box: Box) -> frozenset[int]:
         if box_is_empty(box) or not self.cells:
             return frozenset()
@@ -258,27 +286,94 @@ def node_regions(
     return out
 
 
+PER_TILE = False
+"""Plan through the per-tile ``reads``/``writes``/``cost`` even where an op offers the array
+forms (``TileOp.region_arrays``): the reference the array path is tested against."""
+
+
+def _grid_coords(grid: tuple[int, ...]) -> np.ndarray:
+    """Every coordinate of ``grid`` in row-major order (``itertools.product``'s): (n, rank)."""
+    if not grid:
+        return np.zeros((1, 0), dtype=np.int64)
+    return np.indices(grid, dtype=np.int64).reshape(len(grid), -1).T
+
+
+def _region_arrays(node: Node, which: str, env: Bindings, coords: np.ndarray):
+    """The op's ``region_arrays``, checked like :func:`node_regions`; None where it has none."""
+    if PER_TILE:
+        return None
+    op = node.op
+    arrays = op.region_arrays(which, env, coords)
+    if arrays is None:
+        return None
+    tensors = {**node.args, **node.results} if which == "reads" else node.results
+    for name, a in arrays.items():
+        if name not in tensors:
+            raise GraphError(
+                f"{op.name}.region_arrays({which!r}) names {name!r}, not a tensor of it"
+            )
+        want = (len(coords), tensors[name].spec.ndim, 2)
+        if tuple(a.shape) != want:
+            raise GraphError(
+                f"{op.name}.region_arrays({which!r}) gives {name} shape {a.shape}, not {want}"
+            )
+    if which == "reads":
+        for name, v in node.args.items():
+            if v.producer is not None and name not in arrays:
+                raise GraphError(
+                    f"{op.name}.region_arrays('reads') declares nothing for {name!r}, which "
+                    f"{v.producer.name} produces: its dependency would be lost"
+                )
+    return arrays
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic collector paused: building a plan allocates ~10 objects per task and
+    none of them form cycles, yet each allocation burst made the collector walk every live
+    object (a third of the planning time at 13K tasks)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def instantiate(graph: Graph, env: Bindings) -> Plan:
     """Bind every sym of ``graph`` to a value and build the concrete task graph."""
+    with no_gc():
+        return _instantiate(graph, env)
+
+
+def _instantiate(graph: Graph, env: Bindings) -> Plan:
     env = dict(env)
     shapes = {v.name: v.spec.concrete(env) for v in graph.values}
     tasks: list[Task] = []
     node_tasks: list[range] = []
+    coords: list[np.ndarray] = []
     for node in graph.nodes:
         grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in node.op.grid()))
         start = len(tasks)
         for coord in itertools.product(*(range(n) for n in grid)):
             tasks.append(Task(len(tasks), node, coord))
         node_tasks.append(range(start, len(tasks)))
+        coords.append(_grid_coords(grid))
     plan = Plan(graph, env, tasks, node_tasks, shapes)
     plan.waits = [[] for _ in tasks]
     plan.notifies = [[] for _ in tasks]
     plan.remote_waits = [[] for _ in tasks]
-    plan.cost = [float(t.node.op.cost(t.coord, env)) for t in tasks]
+    plan.cost = []
+    for node in graph.nodes:
+        c = None if PER_TILE else node.op.cost_array(env, coords[node.index])
+        if c is None:
+            c = [node.op.cost(tasks[t].coord, env) for t in node_tasks[node.index]]
+        plan.cost += [float(v) for v in np.asarray(c, dtype=np.float64).reshape(-1).tolist()]
     _explicit_events(graph, plan)
     # explicit events add ordering to the automatic ones, never replace them: an event declared
     # on a producer -> consumer pair must not drop the data dependencies derived from regions
-    _automatic_events(graph, plan)
+    _automatic_events(graph, plan, coords)
     dump_stage(plan, "plan", plan.describe())
     return plan
 
@@ -311,15 +406,24 @@ def _ev(d, env):
     return d if isinstance(d, int) else d.eval(env)
 
 
-def _automatic_events(graph: Graph, plan: Plan) -> None:
+def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> None:
     env = plan.env
     index: dict[str, _WriteIndex] = {}
     for node in graph.nodes:
+        tasks = plan.node_tasks[node.index]
+        arrays = _region_arrays(node, "writes", env, coords[node.index])
+        if arrays is not None:
+            ids = np.arange(tasks.start, tasks.stop, dtype=np.int64)
+            for oname, v in node.results.items():
+                overlap = oname in node.op.scatter_outputs
+                if oname in arrays:
+                    index[v.name] = _WriteIndex.from_arrays(v.name, ids, arrays[oname], overlap)
+                else:
+                    index[v.name] = _WriteIndex(v.name, [], overlap)
+            continue
+        writes_of = [node_regions(node, "writes", plan.tasks[t].coord, env) for t in tasks]
         for oname, v in node.results.items():
-            boxes = []
-            for t in plan.node_tasks[node.index]:
-                w = node_regions(node, "writes", plan.tasks[t].coord, env)
-                boxes += [(t, b) for b in w.get(oname, ())]
+            boxes = [(t, b) for t, w in zip(tasks, writes_of) for b in w.get(oname, ())]
             index[v.name] = _WriteIndex(v.name, boxes, oname in node.op.scatter_outputs)
     for cons in graph.nodes:
         by_producer: dict[int, list[str]] = {}
@@ -329,10 +433,48 @@ def _automatic_events(graph: Graph, plan: Plan) -> None:
         if not by_producer:
             continue
         tasks = plan.node_tasks[cons.index]
-        reads_of = [node_regions(cons, "reads", plan.tasks[t].coord, env) for t in tasks]
+        if not len(tasks):
+            continue
+        arrays = _region_arrays(cons, "reads", env, coords[cons.index])
+        reads_of = None
+        if arrays is None:
+            reads_of = [node_regions(cons, "reads", plan.tasks[t].coord, env) for t in tasks]
         for p_idx, args in by_producer.items():
             prod = graph.nodes[p_idx]
             groups: dict[frozenset[int], int] = {}
+
+            def event_of(reads: dict[str, list[Box]], args=args, prod=prod, groups=groups) -> int:
+                """The event a tile with these reads of ``prod``'s outputs waits on (-1: none):
+                tiles whose reads reach the same producer tiles share one."""
+                sources: frozenset[int] = frozenset()
+                for a in args:
+                    for box in reads[a]:
+                        sources |= index[cons.args[a].name].query(box)
+                if not sources:
+                    return -1
+                eid = groups.get(sources, -1)
+                if eid < 0:
+                    eid = plan.new_event(f"{prod.name}->{cons.name}#{len(groups)}", len(sources))
+                    groups[sources] = eid
+                    for p in sorted(sources):
+                        plan.notifies[p].append(eid)
+                return eid
+
+            if arrays is not None:
+                # the distinct reads, in the order tiles first make them: events are numbered
+                # exactly as the per-tile path numbers them
+                keys = np.concatenate([arrays[a].reshape(len(tasks), -1) for a in args], axis=1)
+                _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+                eid_of = np.full(len(first), -1, dtype=np.int64)
+                for u in np.argsort(first, kind="stable").tolist():
+                    i = int(first[u])
+                    eid_of[u] = event_of(
+                        {a: [tuple(map(tuple, arrays[a][i].tolist()))] for a in args}
+                    )
+                for t, eid in zip(tasks, eid_of[inverse.reshape(-1)].tolist()):
+                    if eid >= 0:
+                        plan.waits[t].append(eid)
+                continue
             # tiles that read the same boxes share their event: the producer set (a frozenset
             # that can hold thousands of tiles) is built and hashed once per distinct read
             by_boxes: dict[tuple, int] = {}
@@ -340,21 +482,7 @@ def _automatic_events(graph: Graph, plan: Plan) -> None:
                 key = tuple(tuple(reads[a]) for a in args)
                 eid = by_boxes.get(key)
                 if eid is None:
-                    sources: frozenset[int] = frozenset()
-                    for a in args:
-                        for box in reads[a]:
-                            sources |= index[cons.args[a].name].query(box)
-                    eid = -1
-                    if sources:
-                        eid = groups.get(sources, -1)
-                        if eid < 0:
-                            eid = plan.new_event(
-                                f"{prod.name}->{cons.name}#{len(groups)}", len(sources)
-                            )
-                            groups[sources] = eid
-                            for p in sorted(sources):
-                                plan.notifies[p].append(eid)
-                    by_boxes[key] = eid
+                    eid = by_boxes[key] = event_of(reads)
                 if eid >= 0:
                     plan.waits[t].append(eid)
 

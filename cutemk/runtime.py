@@ -48,7 +48,7 @@ from .codegen.megakernel import (
 )
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
-from .plan import Plan, dump_stage, instantiate
+from .plan import Plan, dump_stage, instantiate, no_gc
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
 from .tileop import TileOp
@@ -150,6 +150,10 @@ class CuteGraph:
         self._buffers[env_key(plan.env)] = self._build_buffers(plan)
 
     def _build_buffers(self, plan: Plan) -> _Buffers:
+        with no_gc():  # schedule and lowering allocate per task (see plan.no_gc)
+            return self._build_buffers_now(plan)
+
+    def _build_buffers_now(self, plan: Plan) -> _Buffers:
         if self.spec.distributed:
             plan.check_distributed(self.dynamic)
             self._check_same_plan_everywhere(plan)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence, Union
 
+import numpy as np
 import torch
 
 from .errors import DTypeError, ShapeError
@@ -98,6 +99,22 @@ def box_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
+def blocks(index: np.ndarray, size: int, extent: int) -> np.ndarray:
+    """:func:`block` of every index at once: (n, 2) intervals."""
+    lo = np.minimum(index * size, extent)
+    return np.stack([lo, np.minimum(index * size + size, extent)], axis=1)
+
+
+def span(lo: int, hi: int, n: int) -> np.ndarray:
+    """The interval [lo, hi) for n tiles: (n, 2)."""
+    return np.broadcast_to(np.array([lo, hi], dtype=np.int64), (n, 2))
+
+
+def boxes(*intervals: np.ndarray) -> np.ndarray:
+    """Per-dim (n, 2) intervals -> (n, ndim, 2) boxes, one per tile."""
+    return np.stack(intervals, axis=1).astype(np.int64, copy=False)
+
+
 class TileOp:
     """Base class of tile operators. Subclasses are frozen dataclasses."""
 
@@ -128,6 +145,25 @@ class TileOp:
     def exists(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor]) -> bool:
         """False when data computed earlier in the launch says this tile has no work."""
         return True
+
+    def region_arrays(
+        self, which: str, env: Bindings, coords: np.ndarray
+    ) -> dict[str, np.ndarray] | None:
+        """Optional: :meth:`reads` (``which == "reads"``) or :meth:`writes` without data for
+        the tiles ``coords`` (n, grid rank) at once, one box per tile and tensor, each an
+        int64 array (n, ndim, 2) equal to what the per-tile method gives. Planning a new token
+        count then costs array operations instead of a Python call per tile. None (the
+        default): the per-tile methods are called."""
+        return None
+
+    uniform_cost: ClassVar[bool] = False
+    """True if :meth:`cost` does not depend on the tile (only on the bound dims)."""
+
+    def cost_array(self, env: Bindings, coords: np.ndarray) -> np.ndarray | None:
+        """:meth:`cost` of the tiles ``coords`` at once (n,), or None (then per tile)."""
+        if self.uniform_cost and len(coords):
+            return np.full(len(coords), float(self.cost(tuple(coords[0].tolist()), env)))
+        return None
 
     peer_values: ClassVar[tuple[str, ...]] = ()
     """Inputs/outputs that other ranks' tiles read or write (distributed ops): the runtime puts

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import cutlass
+import numpy as np
 import torch
 import torch.nn.functional as F
 from cutlass import BFloat16, Float16, Float32, Int32, cute
@@ -27,10 +28,13 @@ from cutemk.tileop import (
     TensorSpec,
     TileOp,
     block,
+    blocks,
+    boxes,
     expect_dtype,
     expect_ndim,
     expect_same_dim,
     register_op,
+    span,
 )
 
 EPILOGUES = (None, "silu_mul", "residual")
@@ -156,6 +160,22 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         m, n, _ = self._dims(env)
         i, j = coord
         return {"c": (block(i, self.block_m, m), block(j, self.block_n, n))}
+
+    uniform_cost: ClassVar[bool] = True
+
+    def region_arrays(self, which, env, coords):
+        m, n, k = self._dims(env)
+        rows = blocks(coords[:, 0], self.block_m, m)
+        cols = blocks(coords[:, 1], self.block_n, n)
+        if which == "writes":
+            return {"c": boxes(rows, cols)}
+        b_rows = cols.copy()
+        if self.epilogue == "silu_mul":  # gate rows, then up rows: one box spanning both
+            b_rows[:, 1] += n
+        r = {"a": boxes(rows, span(0, k, len(coords))), "b": boxes(b_rows, span(0, k, len(coords)))}
+        if self.r is not None:
+            r["r"] = boxes(rows, cols)
+        return r
 
     def cost(self, coord, env):
         _, _, k = self._dims(env)

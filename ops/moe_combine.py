@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import cutlass
+import numpy as np
 import torch
 from cutlass import Float32, Int32, cute
 
@@ -22,11 +23,14 @@ from cutemk.tileop import (
     TensorSpec,
     TileOp,
     block,
+    blocks,
+    boxes,
     expect_dtype,
     expect_ndim,
     expect_same_dim,
     full_box,
     register_op,
+    span,
 )
 
 
@@ -90,6 +94,21 @@ class MoeCombineTile(TileOp):
     def writes(self, coord, env, data=None):
         tr, hc, _ = self._boxes(coord, env)
         return {"y": (tr, hc)}
+
+    uniform_cost: ClassVar[bool] = True
+
+    def region_arrays(self, which, env, coords):
+        t, k = self.weights.concrete(env)
+        h = self.rows.concrete(env)[1]
+        tr = blocks(coords[:, 0], self.block_m, t)
+        if which == "writes":
+            return {"y": boxes(tr, blocks(coords[:, 1], self.block_n, h))}
+        n_t = len(coords)
+        return {
+            "weights": boxes(tr, span(0, k, n_t)),
+            "slot_row": boxes(tr, span(0, k, n_t)),
+            "rows": boxes(*(span(0, d, n_t) for d in self.rows.concrete(env))),
+        }
 
     def cost(self, coord, env):
         _, k = self.weights.concrete(env)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import cutlass
+import numpy as np
 import torch
 import torch.nn.functional as F
 from cutlass import Boolean, Float32, Int32, cute
@@ -40,11 +41,14 @@ from cutemk.tileop import (
     TensorSpec,
     TileOp,
     block,
+    blocks,
+    boxes,
     expect_dtype,
     expect_ndim,
     expect_same_dim,
     full_box,
     register_op,
+    span,
 )
 
 from . import gemm_sm90
@@ -177,6 +181,26 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         rows = self._ev(self.tile_info.shape[0], env) * self.block_m
         n = self._ev(self.n, env)
         return {"out": (block(i, self.block_m, rows), block(j, self.block_n, n))}
+
+    uniform_cost: ClassVar[bool] = True
+
+    def region_arrays(self, which, env, coords):
+        n_t = len(coords)
+        i = coords[:, 0]
+        rows = blocks(i, self.block_m, self._ev(self.tile_info.shape[0], env) * self.block_m)
+        if which == "writes":
+            return {"out": boxes(rows, blocks(coords[:, 1], self.block_n, self._ev(self.n, env)))}
+        w = self.w.concrete(env)
+        r = {
+            "tile_info": boxes(np.stack([i, i + 1], axis=1), span(0, 2, n_t)),
+            "w": boxes(*(span(0, d, n_t) for d in w)),
+        }
+        if self.row_token is None:
+            r["x"] = boxes(rows, span(0, self._ev(self.x.shape[1], env), n_t))
+        else:
+            r["row_token"] = boxes(rows)
+            r["x"] = boxes(*(span(0, d, n_t) for d in self.x.concrete(env)))
+        return r
 
     def cost(self, coord, env):
         k = self._ev(self.x.shape[1], env)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import cutlass
+import numpy as np
 import torch
 from cutlass import Boolean, Int32, Int64, cute
 
@@ -26,11 +27,14 @@ from cutemk.tileop import (
     TensorSpec,
     TileOp,
     block,
+    blocks,
+    boxes,
     expect_dtype,
     expect_ndim,
     expect_same_dim,
     full_box,
     register_op,
+    span,
 )
 
 UNROLL = 32
@@ -97,6 +101,20 @@ class MoePermuteTile(TileOp):
 
     def writes(self, coord, env, data=None):
         return {"xp": (self._rows(coord, env), (0, self.x.concrete(env)[1]))}
+
+    uniform_cost: ClassVar[bool] = True
+
+    def region_arrays(self, which, env, coords):
+        n_t, i = len(coords), coords[:, 0]
+        rows = blocks(i, self.block_m, self.row_token.concrete(env)[0])
+        x = self.x.concrete(env)
+        if which == "writes":
+            return {"xp": boxes(rows, span(0, x[1], n_t))}
+        return {
+            "tile_info": boxes(np.stack([i, i + 1], axis=1), span(0, 2, n_t)),
+            "row_token": boxes(rows),
+            "x": boxes(*(span(0, d, n_t) for d in x)),
+        }
 
     def cost(self, coord, env):
         es = self.x.dtype.itemsize

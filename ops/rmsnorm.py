@@ -17,9 +17,12 @@ from cutemk.tileop import (
     TensorSpec,
     TileOp,
     block,
+    blocks,
+    boxes,
     expect_dtype,
     expect_ndim,
     register_op,
+    span,
 )
 
 
@@ -66,6 +69,16 @@ class RmsNormTile(TileOp):
     def writes(self, coord, env, data=None):
         rows, cols = self._dims(env)
         return {"y": (block(coord[0], self.block_m, rows), (0, cols))}
+
+    uniform_cost: ClassVar[bool] = True
+
+    def region_arrays(self, which, env, coords):
+        rows, cols = self._dims(env)
+        n_t = len(coords)
+        b = boxes(blocks(coords[:, 0], self.block_m, rows), span(0, cols, n_t))
+        if which == "writes":
+            return {"y": b}
+        return {"x": b, "weight": boxes(span(0, cols, n_t))}
 
     def cost(self, coord, env):
         _, cols = self._dims(env)

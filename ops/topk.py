@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import cutlass
+import numpy as np
 import torch
 from cutlass import Float32, Int32, cute
 
@@ -21,9 +22,12 @@ from cutemk.tileop import (
     TensorSpec,
     TileOp,
     block,
+    blocks,
+    boxes,
     expect_dtype,
     expect_ndim,
     register_op,
+    span,
 )
 
 
@@ -73,6 +77,17 @@ class TopkSoftmaxTile(TileOp):
     def writes(self, coord, env, data=None):
         r = self._rows(coord, env)
         return {"weights": (r, (0, self.k)), "ids": (r, (0, self.k))}
+
+    uniform_cost: ClassVar[bool] = True
+
+    def region_arrays(self, which, env, coords):
+        t = self.logits.shape[0]
+        rows = blocks(coords[:, 0], self.block_m, t if isinstance(t, int) else t.eval(env))
+        n_t = len(coords)
+        if which == "writes":
+            b = boxes(rows, span(0, self.k, n_t))
+            return {"weights": b, "ids": b}
+        return {"logits": boxes(rows, span(0, self.logits.shape[1], n_t))}
 
     def cost(self, coord, env):
         e = self.logits.shape[1]

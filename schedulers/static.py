@@ -72,14 +72,18 @@ class StaticScheduler:
         heapq.heapify(heap)
         hop = self.hw.hop_us
         ready = np.zeros(num_sms)
+        start = np.zeros(num_sms)
         while heap:
             _, _, t = heapq.heappop(heap)
-            ready[:] = 0.0
             if g.waits[t] or g.extra[t]:
                 _ready_times(g, t, latest, finish, sm_of, hop, ready)
-            start = np.maximum(ready, sm_free)
-            sm = int(np.argmin(start))
-            finish[t] = float(start[sm]) + plan.cost[t]
+                np.maximum(ready, sm_free, out=start)
+                sm = int(start.argmin())
+                begin = float(start[sm])
+            else:  # ready at once: the SM that frees first
+                sm = int(sm_free.argmin())
+                begin = float(sm_free[sm])
+            finish[t] = begin + plan.cost[t]
             sm_free[sm] = finish[t]
             sm_of[t] = sm
             queues[sm].append(t)
