@@ -115,7 +115,9 @@ class InterpretedGraph:
             check_static_schedule(
                 self.plan(env), sched, self.num_sms
             )  # custom policies are checked too
-            dump_stage(self.plan(env), "schedule", {"queues": [list(q) for q in sched.queues]})
+            dump_stage(
+                self.plan(env), "schedule", lambda: {"queues": [list(q) for q in sched.queues]}
+            )
             self._schedules[key] = sched
         return self._schedules[key]
 

@@ -374,18 +374,21 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
     # explicit events add ordering to the automatic ones, never replace them: an event declared
     # on a producer -> consumer pair must not drop the data dependencies derived from regions
     _automatic_events(graph, plan, coords)
-    dump_stage(plan, "plan", plan.describe())
+    dump_stage(plan, "plan", plan.describe)
     return plan
 
 
 def dump_stage(plan: Plan, stage: str, payload: Any) -> Path | None:
     """Under ``CUTEMK_DUMP=dir``, write one stage of building a launch for ``plan``'s dims:
-    ``<graph>_<dims>.<stage>.json`` (a JSON-able payload) or ``.npz`` (a dict of numpy arrays).
+    ``<graph>_<dims>.<stage>.json`` (a JSON-able payload) or ``.npz`` (a dict of numpy arrays;
+    ``payload`` may be a function making it, called only when dumping).
     The stages: ``plan`` (the task graph), ``schedule`` (static queues), ``lowered`` (the
     arrays the megakernel reads). Returns the path, or None when dumping is off."""
     dump_dir = os.environ.get("CUTEMK_DUMP")
     if not dump_dir:
         return None
+    if callable(payload):  # built only when dumping
+        payload = payload()
     tag = "_".join(f"{k}{v}" for k, v in sorted(plan.env.items())) or "static"
     path = Path(dump_dir) / f"{plan.graph.name}_{tag}.{stage}"
     path.parent.mkdir(parents=True, exist_ok=True)
