@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import torch_ops
 from .errors import DeviceError, DTypeError, ShapeError
 from .layers import mlp_graph
 from .symbolic import sym
@@ -96,6 +97,7 @@ class MegaMLP(nn.Module):
         num_sms: int | None = None,
     ) -> None:
         super().__init__()
+        torch_ops.handle_of(self)  # the custom op finds the module by it
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if backend not in (None, "cute", "interpret"):
@@ -193,9 +195,13 @@ class MegaMLP(nn.Module):
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
-        with torch.no_grad():
-            y = self.compiled(self.regime(x2.shape[0]))(x2, self.w_gate_up, self.w_down)
+        y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, torch_ops.handle_of(self))
         return y.reshape(x.shape)
+
+    def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
+        """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""
+        with torch.no_grad():
+            return self.compiled(self.regime(x2.shape[0]))(_aligned(x2), w_gate_up, w_down)
 
     def extra_repr(self) -> str:
         return (
@@ -225,7 +231,7 @@ def _compile(module: nn.Module, g: Any, backend: str) -> Any:
 
 
 def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` (..., H) as contiguous 16-byte aligned (tokens, H) rows for ``module`` (a MegaMLP or
+    """``x`` (..., H) as contiguous (tokens, H) rows for ``module`` (a MegaMLP or
     MegaMoE: ``hidden``, ``max_tokens``, weights ``w_down``), or None when it has no tokens;
     a clear error for a wrong type, shape, dtype, device or too many tokens."""
     name = type(module).__name__
@@ -251,10 +257,12 @@ def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             f"{name} got {tokens} tokens (input shape {tuple(x.shape)}), more than "
             f"max_tokens={module.max_tokens}; build it with a larger max_tokens or split the batch"
         )
-    x2 = x.detach().reshape(tokens, module.hidden).contiguous()
-    if x2.data_ptr() % 16:  # the GPU kernel's loads need 16-byte aligned rows
-        x2 = x2.clone()
-    return x2
+    return x.detach().reshape(tokens, module.hidden).contiguous()
+
+
+def _aligned(x2: torch.Tensor) -> torch.Tensor:
+    """``x2``, copied where its rows are not 16-byte aligned (the GPU kernel's loads need it)."""
+    return x2.clone() if x2.data_ptr() % 16 else x2
 
 
 def _check_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -367,6 +375,7 @@ class MegaMoE(nn.Module):
         profile: bool = False,
     ) -> None:
         super().__init__()
+        torch_ops.handle_of(self)  # the custom op finds the module by it
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if backend not in (None, "cute", "interpret"):
@@ -465,10 +474,15 @@ class MegaMoE(nn.Module):
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
+        handle = torch_ops.handle_of(self)
+        y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, handle)
+        return y.reshape(x.shape)
+
+    def _launch(self, x2, w_router, w_gate_up, w_down):
+        """The megakernel call behind ``torch.ops.cutemk.mega_moe`` (real tensors)."""
         with torch.no_grad():
             fn = self.compiled(self.regime(x2.shape[0]))
-            y = fn(x2, self.w_router, self.w_gate_up, self.w_down)
-        return y.reshape(x.shape)
+            return fn(_aligned(x2), w_router, w_gate_up, w_down)
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,77 @@
+"""The drop-in modules under ``torch.compile``: their megakernel call is a ``torch.library``
+custom op with a fake implementation, so a module using them compiles with ``fullgraph=True``
+(no graph break) and gives the eager result, at several token counts. CPU: the interpreter
+backend through dynamo + AOT autograd. GPU (``gpu``): ``mode="reduce-overhead"`` (CUDA-graph
+capture) on the megakernel."""
+
+import copy
+
+import pytest
+import torch
+
+from cutemk import torch_ops
+from cutemk.nn import MegaMLP, MegaMoE
+
+
+def _mlp(backend, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    h, i = 64, 128
+    w = [torch.randn(i, h, generator=g) / 8, torch.randn(i, h, generator=g) / 8]
+    w.append(torch.randn(h, i, generator=g) / 11)
+    return MegaMLP(*w, max_tokens=256, backend=backend).to(device, dtype)
+
+
+def _moe(backend, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    e, h, i = 8, 64, 32
+    return MegaMoE(
+        torch.randn(e, h, generator=g),
+        torch.randn(e, 2 * i, h, generator=g) / 8,
+        torch.randn(e, h, i, generator=g) / 6,
+        top_k=2,
+        max_tokens=256,
+        backend=backend,
+    ).to(device, dtype)
+
+
+class _Block(torch.nn.Module):
+    """A residual block around the module, so the compiled graph has torch ops on both sides."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x + self.inner(torch.nn.functional.gelu(x))
+
+
+@pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_fullgraph_compile_matches_eager(make, compile_backend):
+    block = _Block(make("interpret"))
+    compiled = torch.compile(block, fullgraph=True, backend=compile_backend, dynamic=True)
+    gen = torch.Generator().manual_seed(2)
+    for t in (3, 17, 64):
+        x = torch.randn(2, t, 64, generator=gen)
+        torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+
+
+def test_copies_get_their_own_handle():
+    m = _mlp("interpret")
+    c = copy.deepcopy(m)
+    assert torch_ops.handle_of(m) != torch_ops.handle_of(c)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(c(x), m(x), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
+def test_reduce_overhead_captures_the_megakernel(make):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    block = _Block(make(None, "cuda", torch.bfloat16))
+    compiled = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for t in (5, 5, 5, 40):
+        x = torch.randn(t, 64, device="cuda", generator=gen).bfloat16()
+        torch.testing.assert_close(compiled(x).float(), block(x).float(), rtol=2e-2, atol=2e-2)
