@@ -47,6 +47,12 @@ def test_moe_megakernel_compiles_for_hopper(tmp_path, scheduler, regime):
     assert _count(r"wgmma\.mma_async", ptx) >= 3
     assert _count(r"fence\.proxy\.async", ptx) >= 2
     assert _count(r"setmaxnreg", ptx) == 2
+    # mbarriers live in the kernel's own shared memory (no op's scratch overlaps them) and are
+    # initialised once, in the prologue, before any wait on them: none is ever re-initialised,
+    # so the PTX lifecycle needs no mbarrier.inval
+    inits = [m.start() for m in re.finditer(r"mbarrier\.init\.", ptx)]
+    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait", ptx)]
+    assert inits and waits and max(inits) < min(waits)
 
 
 def _weights(cfg: MoeConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
