@@ -74,7 +74,16 @@ def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
         ) from None
 
 
-class MegaMLP(nn.Module):
+class _KeyedModule(nn.Module):
+    """A module whose megakernel runs through a ``cutemk`` custom op keyed by its launch
+    configuration (``_cutemk_key``, see :func:`cutemk.torch_ops.key_of`)."""
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        torch_ops.key_of(self)  # a copy or a reloaded module can serve its key
+
+
+class MegaMLP(_KeyedModule):
     """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` as a cutemk megakernel, for x of shape
     (..., H) with at most ``max_tokens`` rows once flattened.
 
@@ -97,7 +106,6 @@ class MegaMLP(nn.Module):
         num_sms: int | None = None,
     ) -> None:
         super().__init__()
-        torch_ops.handle_of(self)  # the custom op finds the module by it
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if backend not in (None, "cute", "interpret"):
@@ -110,6 +118,12 @@ class MegaMLP(nn.Module):
         self.register_buffer("w_gate_up", w_gate_up)
         self.register_buffer("w_down", w_down.detach().contiguous())
         self._compiled: dict[tuple, Any] = {}
+        # the custom op's key: everything but the weights that decides the kernels it runs
+        self._cutemk_key = (
+            f"MegaMLP(h={self.hidden}, i={self.intermediate}, max={max_tokens}, "
+            f"backend={backend}, scheduler={scheduler!r}, sms={num_sms})"
+        )
+        torch_ops.key_of(self)
 
     @classmethod
     def from_hf(
@@ -158,19 +172,22 @@ class MegaMLP(nn.Module):
             lower = limit if limit is not None else lower
         return tuple(out)
 
-    def resolved_backend(self) -> str:
+    def resolved_backend(self, like: torch.Tensor | None = None) -> str:
+        """The backend for weights like ``like`` (default: this module's)."""
         if self.backend is not None:
             return self.backend
-        cuda = torch.cuda.is_available() and self.w_down.is_cuda
+        cuda = torch.cuda.is_available() and (self.w_down if like is None else like).is_cuda
         return "cute" if cuda else "interpret"
 
-    def compiled(self, regime: str) -> Any:
-        """The compiled graph of a regime for the weights' current dtype and device (compiled
-        on first use, then cached: every token count of the regime reuses it)."""
+    def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
+        """The compiled graph of a regime for weights of ``like``'s dtype and device (default:
+        this module's weights), compiled on first use, then cached: every token count of the
+        regime reuses it."""
         if regime not in self.regimes():
             raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
-        backend = self.resolved_backend()
-        key = (backend, regime, self.w_down.dtype, self.w_down.device)
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
         fn = self._compiled.get(key)
         if fn is None:
             limit = REGIME_LIMITS[regime]
@@ -180,7 +197,7 @@ class MegaMLP(nn.Module):
                 sym("T", max=limit),
                 self.hidden,
                 self.intermediate,
-                self.w_down.dtype,
+                like.dtype,
                 block_m,
                 block_n,
                 fuse_silu=True,
@@ -195,13 +212,14 @@ class MegaMLP(nn.Module):
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
-        y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, torch_ops.handle_of(self))
+        y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, torch_ops.key_of(self))
         return y.reshape(x.shape)
 
     def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
         """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""
         with torch.no_grad():
-            return self.compiled(self.regime(x2.shape[0]))(_aligned(x2), w_gate_up, w_down)
+            fn = self.compiled(self.regime(x2.shape[0]), like=w_down)
+            return fn(_aligned(x2), w_gate_up, w_down)
 
     def extra_repr(self) -> str:
         return (
@@ -348,7 +366,7 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
 }
 
 
-class MegaMoE(nn.Module):
+class MegaMoE(_KeyedModule):
     """A Qwen3-MoE sparse block (router, softmax top-k, gated-SiLU experts, weighted combine)
     as one cutemk megakernel, for x of shape (..., H) with at most ``max_tokens`` rows.
 
@@ -375,7 +393,6 @@ class MegaMoE(nn.Module):
         profile: bool = False,
     ) -> None:
         super().__init__()
-        torch_ops.handle_of(self)  # the custom op finds the module by it
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if backend not in (None, "cute", "interpret"):
@@ -407,6 +424,12 @@ class MegaMoE(nn.Module):
         self.register_buffer("w_gate_up", w_gate_up.detach().contiguous())
         self.register_buffer("w_down", w_down.detach().contiguous())
         self._compiled: dict[tuple, Any] = {}
+        self._cutemk_key = (
+            f"MegaMoE(h={self.hidden}, i={self.intermediate}, e={self.num_experts}, "
+            f"k={top_k}, norm={self.norm_topk_prob}, max={max_tokens}, backend={backend}, "
+            f"scheduler={scheduler!r}, sms={num_sms}, profile={self.profile})"
+        )
+        torch_ops.key_of(self)
 
     @classmethod
     def from_hf(cls, block: nn.Module, max_tokens: int = 4096, **kwargs: Any) -> MegaMoE:
@@ -438,18 +461,22 @@ class MegaMoE(nn.Module):
         """The regime whose graph runs ``tokens`` rows."""
         return _regime(MOE_REGIME_LIMITS, tokens)
 
-    def resolved_backend(self) -> str:
+    def resolved_backend(self, like: torch.Tensor | None = None) -> str:
+        """The backend for weights like ``like`` (default: this module's)."""
         if self.backend is not None:
             return self.backend
-        return "cute" if torch.cuda.is_available() and self.w_down.is_cuda else "interpret"
+        cuda = torch.cuda.is_available() and (self.w_down if like is None else like).is_cuda
+        return "cute" if cuda else "interpret"
 
-    def compiled(self, regime: str) -> Any:
-        """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for the weights' dtype
-        and device (compiled on first use, then reused for every token count it serves)."""
+    def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
+        """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for weights of
+        ``like``'s dtype and device (default: this module's weights), compiled on first use,
+        then reused for every token count it serves."""
         if regime not in MOE_REGIME_LIMITS:
             raise ValueError(f"regime must be one of {tuple(MOE_REGIME_LIMITS)}, got {regime!r}")
-        backend = self.resolved_backend()
-        key = (backend, regime, self.w_down.dtype, self.w_down.device)
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
         fn = self._compiled.get(key)
         if fn is None:
             from .layers import MoeConfig, moe_graph
@@ -465,7 +492,7 @@ class MegaMoE(nn.Module):
                 router_dtype=None,
                 **MOE_TILES[(backend, regime)],
             )
-            g = moe_graph(sym("T", max=limit), cfg, self.w_down.dtype)
+            g = moe_graph(sym("T", max=limit), cfg, like.dtype)
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
 
@@ -474,14 +501,14 @@ class MegaMoE(nn.Module):
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
-        handle = torch_ops.handle_of(self)
-        y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, handle)
+        key = torch_ops.key_of(self)
+        y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
         return y.reshape(x.shape)
 
     def _launch(self, x2, w_router, w_gate_up, w_down):
         """The megakernel call behind ``torch.ops.cutemk.mega_moe`` (real tensors)."""
         with torch.no_grad():
-            fn = self.compiled(self.regime(x2.shape[0]))
+            fn = self.compiled(self.regime(x2.shape[0]), like=w_down)
             return fn(_aligned(x2), w_router, w_gate_up, w_down)
 
     def extra_repr(self) -> str:

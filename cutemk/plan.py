@@ -324,6 +324,13 @@ def _region_arrays(node: Node, which: str, env: Bindings, coords: np.ndarray):
                     f"{op.name}.region_arrays('reads') declares nothing for {name!r}, which "
                     f"{v.producer.name} produces: its dependency would be lost"
                 )
+    else:
+        for name in node.results:
+            if name not in arrays:
+                raise GraphError(
+                    f"{op.name}.region_arrays('writes') declares nothing for its output "
+                    f"{name!r}: its readers would wait for no tile"
+                )
     return arrays
 
 

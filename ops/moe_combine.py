@@ -87,8 +87,8 @@ class MoeCombineTile(TileOp):
             # the span of rows it gathers: all inside existing tiles, which are written whole
             rows = data["slot_row"][tr[0] : tr[1]].reshape(-1)
             rows = rows[rows >= 0]  # -1: no row (no usable logit, or an id out of range)
-            span = (int(rows.min()), int(rows.max()) + 1) if rows.numel() else (0, 0)
-            r["rows"] = (span, hc)  # no rows at all (every slot bad): it reads none
+            gathered = (int(rows.min()), int(rows.max()) + 1) if rows.numel() else (0, 0)
+            r["rows"] = (gathered, hc)  # no rows at all (every slot bad): it reads none
         return r
 
     def writes(self, coord, env, data=None):

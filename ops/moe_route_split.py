@@ -38,6 +38,7 @@ from cutemk.tileop import (
     block,
     expect_dtype,
     expect_ndim,
+    expect_same_dim,
     full_box,
     register_op,
 )
@@ -50,8 +51,10 @@ ROUNDS_BATCH = 8
 
 
 def _check_chunk(op_name: str, chunk) -> None:
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"{op_name} chunk must be a positive int (tokens a tile), got {chunk!r}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= 2**20:
+        raise ValueError(
+            f"{op_name} chunk must be an int in [1, 2**20] (tokens a tile), got {chunk!r}"
+        )
 
 
 def _check_experts(op_name: str, num_experts) -> None:
@@ -150,6 +153,14 @@ class MoeRouteCountTile(_ChunkedIds, TileOp):
         _check_experts("moe_route_count", self.num_experts)
         _check_chunk("moe_route_count", self.chunk)
 
+    def check_producers(self, producers) -> None:
+        src = producers.get("ids")
+        if getattr(src, "name", None) == "topk_softmax" and src.logits.shape[1] != self.num_experts:
+            raise GraphError(
+                f"moe_route_count routes to {self.num_experts} experts but its ids come from a "
+                f"top-k over {src.logits.shape[1]} router logits"
+            )
+
     def output_specs(self):
         return {"chunk_count": TensorSpec((self._chunks(), self.num_experts), torch.int32)}
 
@@ -227,6 +238,16 @@ class MoeRouteLayoutTile(TileOp):
             raise ValueError(
                 f"moe_route_layout block_m must be a positive int, got {self.block_m!r}"
             )
+
+    def check_producers(self, producers) -> None:
+        count = producers.get("chunk_count")
+        if getattr(count, "name", None) == "moe_route_count":
+            # tokens and top_k size tile_info: smaller than the counted ids, the layout would
+            # write tiles past it
+            expect_same_dim(
+                self.tokens, count.ids.shape[0], "moe_route_layout tokens vs the counted ids"
+            )
+            expect_same_dim(self.top_k, count.ids.shape[1], "moe_route_layout top_k vs the ids")
 
     @property
     def max_tiles(self) -> IntLike:
@@ -335,6 +356,12 @@ class MoeRoutePlaceTile(_ChunkedIds, TileOp):
                 f"moe_route_place over {self.num_experts} experts got chunk_base of "
                 f"{self.chunk_base.shape[1]}"
             )
+        # one chunk_base row per tile: the counts must have been taken in chunks of this size
+        expect_same_dim(
+            self.chunk_base.shape[0],
+            self._chunks(),
+            f"moe_route_place (chunk={self.chunk}) chunk_base rows vs its chunks of tokens",
+        )
 
     def check_producers(self, producers) -> None:
         layout = producers.get("chunk_base")

@@ -92,6 +92,32 @@ def test_split_route_refuses_ids_out_of_range_interpreted():
         c(ids)
 
 
+def test_split_route_parts_must_agree():
+    """The layout's token count and top-k size tile_info, and the place op reads one chunk_base
+    row per chunk: a mismatch with the counted ids would write or read past a buffer on the
+    device, so the graph refuses it when built."""
+    from cutemk.errors import ShapeError
+
+    T = mk.sym("T", min=1, max=100)
+    g = mk.Graph("mismatch")
+    ids = g.input("ids", (T, 2), torch.int32)
+    counts = g.call(ops.moe_route_count, ids, num_experts=8, chunk=16)
+    layout = dict(num_experts=8, block_m=4, top_k=2)
+    tile_info, _, base = g.call(ops.moe_route_layout, counts, tokens=T, **layout)
+    with pytest.raises(ShapeError, match="chunk_base rows"):
+        g.call(ops.moe_route_place, ids, base, tile_info, num_experts=8, block_m=4, chunk=8)
+    for bad in (dict(tokens=T // 2, top_k=2), dict(tokens=T, top_k=1)):
+        h = mk.Graph("mismatch2")
+        ids2 = h.input("ids", (T, 2), torch.int32)
+        c2 = h.call(ops.moe_route_count, ids2, num_experts=8, chunk=16)
+        ti, _, b2 = h.call(ops.moe_route_layout, c2, num_experts=8, block_m=4, **bad)
+        rt, sr = h.call(ops.moe_route_place, ids2, b2, ti, num_experts=8, block_m=4, chunk=16)
+        h.output(rt, "row_token")
+        h.output(sr, "slot_row")
+        with pytest.raises(ShapeError, match="moe_route_layout"):
+            h.validate()
+
+
 def test_split_route_compiles_for_hopper(tmp_path):
     g = mk.Graph("route_split_only")
     ids = g.input("ids", (mk.sym("T", min=1, max=4096), 8), torch.int32)

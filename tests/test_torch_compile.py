@@ -56,12 +56,27 @@ def test_fullgraph_compile_matches_eager(make, compile_backend):
         torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
 
 
-def test_copies_get_their_own_handle():
+def test_copies_and_layers_share_a_key_and_never_recompile():
+    """Modules of one configuration run the same kernels: a deep copy (its original gone,
+    in a new dtype) still runs, and twelve layers compiled one by one compile once."""
     m = _mlp("interpret")
-    c = copy.deepcopy(m)
-    assert torch_ops.handle_of(m) != torch_ops.handle_of(c)
-    x = torch.randn(5, 64)
-    torch.testing.assert_close(c(x), m(x), rtol=0, atol=0)
+    c = copy.deepcopy(m).to(torch.bfloat16)
+    assert torch_ops.key_of(m) == torch_ops.key_of(c)
+    want = c(torch.ones(3, 64, dtype=torch.bfloat16))
+    del m
+    twin = _mlp("interpret")  # built while c lives, then c goes: twin alone runs the key
+    del c
+    c = twin.to(torch.bfloat16)
+    compiled = torch.compile(c, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(torch.ones(3, 64, dtype=torch.bfloat16)), want)
+    torch._dynamo.reset()
+    layers = [_moe("interpret") for _ in range(12)]
+    x = torch.randn(4, 64)
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        for layer in layers:
+            torch.testing.assert_close(
+                torch.compile(layer, fullgraph=True, backend="eager")(x), layer(x)
+            )
 
 
 @pytest.mark.gpu
