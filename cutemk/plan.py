@@ -277,13 +277,19 @@ def node_regions(
             boxes.append(tuple((int(lo), int(hi)) for lo, hi in box))
         out[name] = boxes
     if which == "reads":
-        for name, v in node.args.items():
-            if v.producer is not None and name not in out:
-                raise GraphError(
-                    f"{op.name}.reads() declares nothing for {name!r}, which "
-                    f"{v.producer.name} produces: its dependency would be lost"
-                )
+        _check_produced_inputs_read(node, out, "reads()")
     return out
+
+
+def _check_produced_inputs_read(node: Node, declared, method: str) -> None:
+    """Every input another node produces is among the declared reads (else its dependency
+    would be lost)."""
+    for name, v in node.args.items():
+        if v.producer is not None and name not in declared:
+            raise GraphError(
+                f"{node.op.name}.{method} declares nothing for {name!r}, which "
+                f"{v.producer.name} produces: its dependency would be lost"
+            )
 
 
 PER_TILE = False
@@ -318,12 +324,7 @@ def _region_arrays(node: Node, which: str, env: Bindings, coords: np.ndarray):
                 f"{op.name}.region_arrays({which!r}) gives {name} shape {a.shape}, not {want}"
             )
     if which == "reads":
-        for name, v in node.args.items():
-            if v.producer is not None and name not in arrays:
-                raise GraphError(
-                    f"{op.name}.region_arrays('reads') declares nothing for {name!r}, which "
-                    f"{v.producer.name} produces: its dependency would be lost"
-                )
+        _check_produced_inputs_read(node, arrays, "region_arrays('reads')")
     else:
         for name in node.results:
             if name not in arrays:
