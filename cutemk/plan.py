@@ -233,17 +233,37 @@ class _WriteIndex:
             for bp, (lo, hi) in zip(self.bps, box):
                 j0 = max(bisect_right(bp, lo) - 1, 0)
                 j1 = bisect_left(bp, hi)
-                ranges.append(range(j0, min(j1, len(bp) - 1)))
-            found: set[int] = set()
-            for c in itertools.product(*ranges):
-                w = self.cells.get(c)
-                if isinstance(w, frozenset):
-                    found |= w
-                elif w is not None:
-                    found.add(w)
-            hit = frozenset(found)
-            self._memo[box] = hit
+                ranges.append((j0, min(j1, len(bp) - 1)))
+            hit = self._memo[box] = self.in_cells(tuple(ranges))
         return hit
+
+    def cell_ranges(self, boxes: np.ndarray) -> np.ndarray:
+        """:meth:`query`'s cell ranges of many boxes (n, ndim, 2) at once: (n, ndim, 2) half-open
+        cell index ranges, empty (lo == hi) where the box is empty or nothing is indexed."""
+        n, ndim = boxes.shape[0], boxes.shape[1]
+        out = np.zeros((n, ndim, 2), dtype=np.int64)
+        if not self.cells:
+            return out
+        empty = (boxes[:, :, 1] <= boxes[:, :, 0]).any(axis=1)
+        for d, bp in enumerate(self.bps):
+            bp = np.asarray(bp, dtype=np.int64)
+            j0 = np.maximum(np.searchsorted(bp, boxes[:, d, 0], side="right") - 1, 0)
+            j1 = np.minimum(np.searchsorted(bp, boxes[:, d, 1], side="left"), len(bp) - 1)
+            out[:, d, 0] = j0
+            out[:, d, 1] = np.maximum(j1, j0)
+        out[empty] = 0
+        return out
+
+    def in_cells(self, ranges: tuple[tuple[int, int], ...]) -> frozenset[int]:
+        """The tasks writing the cells of the per-dim index ranges ``ranges``."""
+        found: set[int] = set()
+        for c in itertools.product(*(range(lo, hi) for lo, hi in ranges)):
+            w = self.cells.get(c)
+            if isinstance(w, frozenset):
+                found |= w
+            elif w is not None:
+                found.add(w)
+        return frozenset(found)
 
 
 def node_regions(
@@ -454,13 +474,19 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
             prod = graph.nodes[p_idx]
             groups: dict[frozenset[int], int] = {}
 
-            def event_of(reads: dict[str, list[Box]], args=args, prod=prod, groups=groups) -> int:
-                """The event a tile with these reads of ``prod``'s outputs waits on (-1: none):
-                tiles whose reads reach the same producer tiles share one."""
-                sources: frozenset[int] = frozenset()
-                for a in args:
-                    for box in reads[a]:
-                        sources |= index[cons.args[a].name].query(box)
+            def event_of(
+                reads: dict[str, list[Box]] | None,
+                sources: frozenset[int] = frozenset(),
+                args=args,
+                prod=prod,
+                groups=groups,
+            ) -> int:
+                """The event a tile with these reads of ``prod``'s outputs (or these producer
+                tiles) waits on (-1: none): tiles that reach the same producer tiles share one."""
+                if reads is not None:
+                    for a in args:
+                        for box in reads[a]:
+                            sources |= index[cons.args[a].name].query(box)
                 if not sources:
                     return -1
                 eid = groups.get(sources, -1)
@@ -472,16 +498,21 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                 return eid
 
             if arrays is not None:
-                # the distinct reads, in the order tiles first make them: events are numbered
-                # exactly as the per-tile path numbers them
-                keys = np.concatenate([arrays[a].reshape(len(tasks), -1) for a in args], axis=1)
+                # reads as cell ranges of the producer's write index: tiles reading different
+                # boxes over the same cells reach the same producer tiles. The distinct ranges
+                # go in the order tiles first make them, so events are numbered exactly as the
+                # per-tile path numbers them.
+                idxs = [index[cons.args[a].name] for a in args]
+                rngs = [ix.cell_ranges(arrays[a]) for ix, a in zip(idxs, args)]
+                keys = np.concatenate([r.reshape(len(tasks), -1) for r in rngs], axis=1)
                 _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
                 eid_of = np.full(len(first), -1, dtype=np.int64)
                 for u in np.argsort(first, kind="stable").tolist():
                     i = int(first[u])
-                    eid_of[u] = event_of(
-                        {a: [tuple(map(tuple, arrays[a][i].tolist()))] for a in args}
-                    )
+                    sources: frozenset[int] = frozenset()
+                    for ix, r in zip(idxs, rngs):
+                        sources |= ix.in_cells(tuple(map(tuple, r[i].tolist())))
+                    eid_of[u] = event_of(None, sources)
                 for t, eid in zip(tasks, eid_of[inverse.reshape(-1)].tolist()):
                     if eid >= 0:
                         plan.waits[t].append(eid)
