@@ -58,6 +58,15 @@ class Plan:
     shared_events: set[int] = field(default_factory=set)
     """Events other ranks may wait on: kept (notified) even with no local waiter."""
     cost: list[float] = field(default_factory=list)
+    coords: list[np.ndarray] = field(default_factory=list)
+    """Per node: its tasks' coordinates (tasks, grid rank), in task order."""
+
+    def coords_of(self, node: int) -> np.ndarray:
+        """Node ``node``'s task coordinates as an int array (tasks, grid rank)."""
+        if node < len(self.coords):
+            return self.coords[node]
+        ts = self.node_tasks[node]
+        return np.asarray([self.tasks[t].coord for t in ts], dtype=np.int64).reshape(len(ts), -1)
 
     @property
     def num_tasks(self) -> int:
@@ -388,7 +397,7 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
             tasks.append(Task(len(tasks), node, coord))
         node_tasks.append(range(start, len(tasks)))
         coords.append(_grid_coords(grid))
-    plan = Plan(graph, env, tasks, node_tasks, shapes)
+    plan = Plan(graph, env, tasks, node_tasks, shapes, coords=coords)
     plan.waits = [[] for _ in tasks]
     plan.notifies = [[] for _ in tasks]
     plan.remote_waits = [[] for _ in tasks]

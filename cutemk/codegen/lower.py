@@ -88,32 +88,66 @@ def _nonempty(a: np.ndarray) -> np.ndarray:
     return a if a.size else np.zeros(1, dtype=np.int32)
 
 
-def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan:
-    """Arrays for ``plan``; ``schedule`` (static mode) must have at most ``grid`` queues."""
+def _ptr(counts: np.ndarray) -> np.ndarray:
+    ptr = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=ptr[1:])
+    return ptr
+
+
+def _task_records(plan: Plan) -> np.ndarray:
+    """(tasks, REC_WIDTH) records without the wait / notify ranges: task, node, coords."""
     n = plan.num_tasks
-    consumers = plan.consumers()
+    rec = np.zeros((max(n, 1), REC_WIDTH), dtype=np.int32)
+    for node in plan.graph.nodes:
+        ts = plan.node_tasks[node.index]
+        if not len(ts):
+            continue
+        rank = len(plan.tasks[ts[0]].coord)
+        if rank > 2:
+            raise GraphError(f"{node.name}: task grids of more than 2 dims are not lowered yet")
+        rec[ts.start : ts.stop, R_NODE] = node.index
+        if rank:
+            rec[ts.start : ts.stop, R_C0 : R_C0 + rank] = plan.coords_of(node.index)
+    rec[:n, R_TASK] = np.arange(n, dtype=np.int32)
+    return rec
+
+
+def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan:
+    """Arrays for ``plan``; ``schedule`` (static mode) must have at most ``grid`` queues.
+
+    Built array-at-a-time: each task's waits and notifies are flattened once, and the
+    per-event consumer lists come from a stable sort of the wait entries by event (so each
+    event's consumers stay in task order)."""
+    n = plan.num_tasks
+    ev_count_all = np.asarray(plan.event_count, dtype=np.int64)
+    n_ev = len(ev_count_all)
+    wait_ptr, wait_flat = _csr(plan.waits)
+    n_w = int(wait_ptr[-1])
+    wait_flat = wait_flat[:n_w].astype(np.int64)
+    wait_task = np.repeat(np.arange(n, dtype=np.int64), np.diff(wait_ptr))
     # an explicit event of count 0 is complete from the start: it never readies a consumer
-    live_waits = [[e for e in w if plan.event_count[e] > 0] for w in plan.waits]
-    wait_ptr, wait_ev = _csr(plan.waits)
-    wait_target = _nonempty(
-        np.asarray([plan.event_count[e] for w in plan.waits for e in w], dtype=np.int32)
-    )
-    keep = [bool(c) or e in plan.shared_events for e, c in enumerate(consumers)]
-    notify_ptr, notify_ev = _csr([[e for e in ns if keep[e]] for ns in plan.notifies])
+    live = ev_count_all[wait_flat] > 0 if n_w else np.zeros(0, dtype=bool)
+    nlive = np.bincount(wait_task[live], minlength=n).astype(np.int32)
+    wait_ev = _nonempty(wait_flat.astype(np.int32))
+    wait_target = _nonempty(ev_count_all[wait_flat].astype(np.int32))
+    has_cons = np.bincount(wait_flat, minlength=n_ev) > 0
+    keep = has_cons.copy()
+    if plan.shared_events:
+        keep[np.fromiter(plan.shared_events, dtype=np.int64)] = True
+    note_ptr, note_flat = _csr(plan.notifies)
+    note_flat = note_flat[: int(note_ptr[-1])].astype(np.int64)
+    note_task = np.repeat(np.arange(n, dtype=np.int64), np.diff(note_ptr))
+    kept = keep[note_flat] if len(note_flat) else np.zeros(0, dtype=bool)
+    notify_ptr = _ptr(np.bincount(note_task[kept], minlength=n))
+    notify_ev = _nonempty(note_flat[kept].astype(np.int32))
     remote = plan.remote_waits or [[] for _ in range(n)]
     rwait_ptr, rwait_ev = _csr([[e for _, e in w] for w in remote])
     _, rwait_rank = _csr([[r for r, _ in w] for w in remote])
     _, rwait_target = _csr([[plan.event_count[e] for _, e in w] for w in remote])
-    rec = np.zeros((max(n, 1), REC_WIDTH), dtype=np.int32)
-    for t in plan.tasks:
-        if len(t.coord) > 2:
-            raise GraphError(f"{t.node.name}: task grids of more than 2 dims are not lowered yet")
-        rec[t.tid, R_TASK] = t.tid
-        rec[t.tid, R_NODE] = t.node.index
-        rec[t.tid, R_C0 : R_C0 + len(t.coord)] = t.coord
+    rec = _task_records(plan)
     rec[:n, R_WLO], rec[:n, R_WHI] = wait_ptr[:-1], wait_ptr[1:]
     rec[:n, R_NLO], rec[:n, R_NHI] = notify_ptr[:-1], notify_ptr[1:]
-    ev_count = _nonempty(np.asarray(plan.event_count, dtype=np.int32))
+    ev_count = _nonempty(ev_count_all.astype(np.int32))
     if schedule is not None:
         if schedule.num_sms > grid:
             raise GraphError(f"static schedule has {schedule.num_sms} queues for {grid} CTAs")
@@ -122,15 +156,15 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         queues = [()] * grid
     queue_ptr, queue_tasks = _csr([list(q) for q in queues])
     queue_rec = rec[queue_tasks] if n else rec
-    # a consumer that waits on one event only is stored as -(c + 1): completing that event
-    # readies it, with no pending-count atomic
-    cons_ptr, cons_task = _csr(
-        [
-            [c if len(live_waits[c]) > 1 else -c - 1 for c in cs] if plan.event_count[e] > 0 else []
-            for e, cs in enumerate(consumers)
-        ]
-    )
-    init = sorted((t for t in range(n) if not live_waits[t]), key=plan.ready_key)
+    # each event's consumers (events of count 0 have none): a consumer that waits on one event
+    # only is stored as -(c + 1): completing that event readies it, with no pending-count atomic
+    order = np.argsort(wait_flat, kind="stable")
+    ev_sorted, cons = wait_flat[order], wait_task[order]
+    counted = ev_count_all[ev_sorted] > 0 if n_w else np.zeros(0, dtype=bool)
+    ev_sorted, cons = ev_sorted[counted], cons[counted]
+    cons_ptr = _ptr(np.bincount(ev_sorted, minlength=n_ev))
+    cons_task = _nonempty(np.where(nlive[cons] > 1, cons, -cons - 1).astype(np.int32))
+    init = sorted(np.flatnonzero(nlive == 0).tolist(), key=plan.ready_key)
     return LoweredPlan(
         num_tasks=n,
         num_events=plan.num_events,
@@ -143,7 +177,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         queue_rec=np.ascontiguousarray(queue_rec).reshape(-1),
         cons_ptr=cons_ptr,
         cons_task=cons_task,
-        task_nwait=_nonempty(np.asarray([len(w) for w in live_waits], dtype=np.int32)),
+        task_nwait=_nonempty(nlive),
         init_tasks=_nonempty(np.asarray(init, dtype=np.int32)),
         rwait_ptr=rwait_ptr,
         rwait_ev=rwait_ev,
