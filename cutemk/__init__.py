@@ -65,6 +65,10 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(".nn", __name__)
+    if name == "warmup":
+        from .prepare import warmup
+
+        return warmup
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -165,12 +165,11 @@ class MegaMLP(_KeyedModule):
 
     def regimes(self) -> tuple[str, ...]:
         """The regimes this module can run: those starting below ``max_tokens``."""
-        out, lower = [], 0
-        for name, limit in REGIME_LIMITS.items():
-            if lower < self.max_tokens:
-                out.append(name)
-            lower = limit if limit is not None else lower
-        return tuple(out)
+        return tuple(r for r, _ in regime_starts(REGIME_LIMITS, self.max_tokens))
+
+    def regime_starts(self) -> list[tuple[str, int]]:
+        """(regime, its smallest token count) of each regime this module runs."""
+        return regime_starts(REGIME_LIMITS, self.max_tokens)
 
     def resolved_backend(self, like: torch.Tensor | None = None) -> str:
         """The backend for weights like ``like`` (default: this module's)."""
@@ -227,6 +226,17 @@ class MegaMLP(_KeyedModule):
             f"max_tokens={self.max_tokens}, backend={self.backend or 'auto'}, "
             f"scheduler={getattr(self.scheduler, 'name', self.scheduler)}"
         )
+
+
+def regime_starts(limits: dict[str, int | None], max_tokens: int) -> list[tuple[str, int]]:
+    """(regime, its smallest token count) of the regimes of ``limits`` (in order, the most
+    tokens each serves) that a module of ``max_tokens`` runs."""
+    out, lower = [], 0
+    for name, limit in limits.items():
+        if lower < max_tokens:
+            out.append((name, lower + 1))
+        lower = limit if limit is not None else lower
+    return out
 
 
 def _regime(limits: dict[str, int | None], tokens: int) -> str:
@@ -460,6 +470,14 @@ class MegaMoE(_KeyedModule):
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
         return _regime(MOE_REGIME_LIMITS, tokens)
+
+    def regimes(self) -> tuple[str, ...]:
+        """The regimes this module can run: those starting below ``max_tokens``."""
+        return tuple(r for r, _ in regime_starts(MOE_REGIME_LIMITS, self.max_tokens))
+
+    def regime_starts(self) -> list[tuple[str, int]]:
+        """(regime, its smallest token count) of each regime this module runs."""
+        return regime_starts(MOE_REGIME_LIMITS, self.max_tokens)
 
     def resolved_backend(self, like: torch.Tensor | None = None) -> str:
         """The backend for weights like ``like`` (default: this module's)."""

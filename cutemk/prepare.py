@@ -1,0 +1,118 @@
+"""Warm-up: compile what a module or a compiled graph runs, and plan token counts, before
+serving (``cutemk.warmup``).
+
+A drop-in module (``cutemk.nn.MegaMLP`` / ``MegaMoE``) compiles one kernel per regime on the
+first call that needs it, and every new token count is planned on its first call. A server
+would rather pay both at start: :func:`warmup` runs one launch at the smallest token count of
+each regime (which compiles its kernel and plans that count) and plans the token counts it is
+given, with a progress bar where ``tqdm`` is installed, and reports what it did.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .errors import ShapeError
+
+
+@dataclass
+class WarmupReport:
+    """What :func:`warmup` did: one ``(step, seconds)`` row per launch or plan."""
+
+    steps: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.steps)
+
+    def summary(self) -> str:
+        lines = [f"warm-up: {len(self.steps)} steps, {self.seconds:.2f} s"]
+        slow = sorted(self.steps, key=lambda r: -r[1])[:5]
+        lines += [f"  {name}: {s * 1e3:.1f} ms" for name, s in slow]
+        return "\n".join(lines)
+
+
+def _progress(total: int, enabled: bool | None):
+    if enabled is False:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    if enabled is None and not sys.stderr.isatty():
+        return None
+    return tqdm(total=total, desc="cutemk warm-up", unit="step")
+
+
+def warmup(obj: Any, tokens: Iterable[int] = (), progress: bool | None = None) -> WarmupReport:
+    """Prepare ``obj`` for serving.
+
+    ``obj``: a ``MegaMLP`` / ``MegaMoE`` (every regime's kernel is compiled by one launch at
+    its smallest token count, on zeros) or a graph compiled with one symbolic dim (nothing
+    to launch). ``tokens``: token counts to plan now (each at most the module's or graph's
+    max). ``progress``: a tqdm bar (None: when stderr is a terminal)."""
+    tokens = [int(t) for t in tokens]
+    if hasattr(obj, "regime_starts") and hasattr(obj, "compiled"):
+        return _warm_module(obj, tokens, progress)
+    if hasattr(obj, "plan") and hasattr(obj, "graph"):
+        return _warm_graph(obj, tokens, progress)
+    raise TypeError(
+        f"warmup takes a cutemk.nn module or a compiled graph, got {type(obj).__name__}"
+    )
+
+
+def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> WarmupReport:
+    for t in tokens:
+        if not 1 <= t <= module.max_tokens:
+            raise ShapeError(f"warmup token count {t} is outside [1, {module.max_tokens}]")
+    starts = module.regime_starts()
+    report = WarmupReport()
+    bar = _progress(len(starts) + len(tokens), progress)
+    w = module.w_down
+    with torch.no_grad():
+        for regime, t in starts:
+            t0 = time.perf_counter()
+            module(torch.zeros(t, module.hidden, dtype=w.dtype, device=w.device))
+            if w.is_cuda:
+                torch.cuda.synchronize(w.device)
+            report.steps.append((f"{regime}: compile + launch at T={t}", time.perf_counter() - t0))
+            if bar is not None:
+                bar.update(1)
+        for t in tokens:
+            t0 = time.perf_counter()
+            module.compiled(module.regime(t)).plan({"T": t})
+            report.steps.append((f"plan T={t}", time.perf_counter() - t0))
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return report
+
+
+def _warm_graph(compiled: Any, tokens: list[int], progress: bool | None) -> WarmupReport:
+    syms = compiled.graph.syms()
+    if tokens and len(syms) != 1:
+        raise ValueError(
+            f"warmup plans token counts of graphs with one symbolic dim; {compiled.graph.name} "
+            f"has {sorted(syms)}"
+        )
+    report = WarmupReport()
+    bar = _progress(len(tokens), progress)
+    for t in tokens:
+        ((name, s),) = syms.items()
+        lo, hi = s.bounds()
+        if not lo <= t <= hi:
+            raise ShapeError(f"warmup: {name}={t} is outside [{lo}, {hi}]")
+        t0 = time.perf_counter()
+        compiled.plan({name: t})
+        report.steps.append((f"plan {name}={t}", time.perf_counter() - t0))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return report

@@ -1,0 +1,61 @@
+"""``cutemk.warmup``: compiles every regime of a drop-in module by one launch, plans the token
+counts it is given (so their first calls plan nothing), refuses counts past the max, and
+plans compiled graphs' counts. CPU: the interpreter backend."""
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk import ops
+from cutemk.errors import ShapeError
+from cutemk.nn import MegaMLP, MegaMoE
+
+
+def _moe():
+    g = torch.Generator().manual_seed(0)
+    return MegaMoE(
+        torch.randn(8, 64, generator=g),
+        torch.randn(8, 64, 64, generator=g) / 8,
+        torch.randn(8, 64, 32, generator=g) / 6,
+        top_k=2,
+        max_tokens=600,
+        backend="interpret",
+    )
+
+
+def test_module_warmup_compiles_each_regime_and_plans_counts():
+    m = _moe()
+    report = mk.warmup(m, tokens=[3, 40, 600], progress=False)
+    assert [r for r, _ in m.regime_starts()] == ["gemv", "decode", "prefill"]
+    assert len(report.steps) == 3 + 3 and report.seconds > 0
+    names = [name for name, _ in report.steps]
+    assert names[:3] == [
+        "gemv: compile + launch at T=1",
+        "decode: compile + launch at T=17",
+        "prefill: compile + launch at T=513",
+    ]
+    for t in (3, 40, 600):  # planned: the compiled graph holds the plan already
+        assert (("T", t),) in m.compiled(m.regime(t))._plans, t
+    with pytest.raises(ShapeError, match="outside"):
+        mk.warmup(m, tokens=[601], progress=False)
+
+
+def test_mlp_and_graph_warmup():
+    g = torch.Generator().manual_seed(1)
+    mlp = MegaMLP(
+        torch.randn(32, 16, generator=g),
+        torch.randn(32, 16, generator=g),
+        torch.randn(16, 32, generator=g),
+        max_tokens=20,
+        backend="interpret",
+    )
+    assert len(mk.warmup(mlp, progress=False).steps) == len(mlp.regimes()) == 2
+    graph = mk.Graph("one_gemm")
+    x = graph.input("x", (mk.sym("T", max=64), 16))
+    graph.output(graph.call(ops.gemm, x, graph.weight("w", (16, 16))), "y")
+    c = graph.compile("interpret")
+    assert len(mk.warmup(c, tokens=[1, 64], progress=False).steps) == 2
+    with pytest.raises(ShapeError):
+        mk.warmup(c, tokens=[65], progress=False)
+    with pytest.raises(TypeError):
+        mk.warmup(object())
