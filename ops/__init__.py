@@ -5,6 +5,12 @@ same name as the module, used with ``Graph.call``: ``g.call(ops.gemm, x, w, bloc
 """
 
 from .all_gather import AllGatherTile, all_gather
+from .attention_decode import (
+    AttentionCombineTile,
+    AttentionDecodeTile,
+    attention_combine,
+    attention_decode,
+)
 from .gemm import GemmTile, gemm
 from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
@@ -27,6 +33,10 @@ from .topk import TopkSoftmaxTile, topk_softmax
 __all__ = [
     "AllGatherTile",
     "all_gather",
+    "AttentionCombineTile",
+    "attention_combine",
+    "AttentionDecodeTile",
+    "attention_decode",
     "ReduceScatterTile",
     "reduce_scatter",
     "GemmTile",

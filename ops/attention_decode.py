@@ -1,0 +1,435 @@
+"""Decode attention over a paged KV cache, split along the sequence (flash-decoding).
+
+One query token per sequence (decode), grouped-query attention (``Hq = G * Hkv``), keys and
+values in pages: ``k_cache`` / ``v_cache`` (num_pages, page_size, Hkv, D), ``page_table``
+(B, max_pages) int32 naming sequence b's pages in order, ``seq_lens`` (B,) int32 (data: which
+tiles exist is decided at run time).
+
+- ``attention_decode`` tile (b, h * S + s): the G query heads of KV head h over tokens
+  [s * split, (s + 1) * split) of sequence b: per head the running max ``m`` (log2 units), the
+  sum ``l`` of exp2(score - m) and the unnormalised output ``o`` -> ``part_o`` (B, Hq, S, D)
+  and ``part_ml`` (B, Hq, S, 2), fp32. Splits past the sequence do not exist.
+- ``attention_combine`` tile (b, hq): the splits of one query head merged in split order (a
+  fixed order: bit-identical runs) -> ``out`` (B, Hq, D) in q's dtype.
+
+Bad data never leaves a buffer: a length outside [1, the page table's capacity] makes that
+sequence's output NaN (its tiles read at most the capacity), and a page id outside the cache
+makes the heads that meet it NaN (the load goes to page 0); the references do the same.
+
+Decode attention reads every key and value once and does 4 FLOPs per element, so it is bound
+by memory, not by the tensor cores: the tile runs on the SIMT group. Each warp walks its own
+tokens of the split with the G heads' online softmax in registers (a lane holds D/32
+dimensions of each head's q and o), loading ``UNROLL`` tokens' K and V rows at once; the four
+warps' partial results are merged through shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import cutlass
+import torch
+from cutlass import Boolean, Float32, Int32, cute
+
+from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.device.config import WARP_SIZE as WARP
+from cutemk.errors import ShapeError
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    expect_dtype,
+    expect_ndim,
+    expect_same_dim,
+    full_box,
+    register_op,
+)
+
+WARPS = NUM_THREADS // WARP
+UNROLL = 4
+"""Tokens whose K and V rows a warp loads at once."""
+LOG2E = math.log2(math.e)
+
+
+def _checked_config(q: TensorSpec, k_cache: TensorSpec, v_cache: TensorSpec) -> tuple[int, int]:
+    """(G, D) of a valid q / cache pair."""
+    expect_ndim(q, 3, "attention q")
+    expect_ndim(k_cache, 4, "attention k_cache")
+    expect_ndim(v_cache, 4, "attention v_cache")
+    expect_dtype(q, FLOAT_DTYPES, "attention q")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != q.dtype:
+            raise TypeError(f"attention {name} must have q's dtype {q.dtype}, got {c.dtype}")
+    for i in range(4):
+        expect_same_dim(k_cache.shape[i], v_cache.shape[i], f"attention k/v cache dim {i}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if not all(isinstance(v, int) for v in (hq, d, hkv, k_cache.shape[1])):
+        raise ShapeError("attention: heads, head dim and page size must be static ints")
+    expect_same_dim(k_cache.shape[3], d, "attention: head dim of q vs the cache")
+    if hq % hkv:
+        raise ShapeError(f"attention: {hq} query heads is not a multiple of {hkv} KV heads")
+    if d % WARP or d > 8 * WARP:
+        raise ShapeError(f"attention: head dim {d} must be a multiple of 32, at most 256")
+    return hq // hkv, d
+
+
+@register_op
+@dataclass(frozen=True)
+class AttentionDecodeTile(TileOp):
+    q: TensorSpec  # (B, Hq, D)
+    k_cache: TensorSpec  # (pages, page_size, Hkv, D)
+    v_cache: TensorSpec  # (pages, page_size, Hkv, D)
+    page_table: TensorSpec  # (B, max_pages) int32
+    seq_lens: TensorSpec  # (B,) int32
+    split: int = 256  # tokens a tile
+    scale: float | None = None  # softmax scale (default 1/sqrt(D))
+
+    name: ClassVar[str] = "attention_decode"
+    inputs: ClassVar[tuple[str, ...]] = ("q", "k_cache", "v_cache", "page_table", "seq_lens")
+    outputs: ClassVar[tuple[str, ...]] = ("part_o", "part_ml")
+    data_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
+
+    def __post_init__(self) -> None:
+        _checked_config(self.q, self.k_cache, self.v_cache)
+        expect_ndim(self.page_table, 2, "attention page_table")
+        expect_ndim(self.seq_lens, 1, "attention seq_lens")
+        expect_dtype(self.page_table, (torch.int32,), "attention page_table")
+        expect_dtype(self.seq_lens, (torch.int32,), "attention seq_lens")
+        expect_same_dim(self.page_table.shape[0], self.q.shape[0], "attention: batch of pages")
+        expect_same_dim(self.seq_lens.shape[0], self.q.shape[0], "attention: batch of lengths")
+        if not isinstance(self.page_table.shape[1], int):
+            raise ShapeError("attention: the page table's width must be a static int")
+        if not isinstance(self.split, int) or self.split < 1 or self.split % UNROLL:
+            raise ValueError(f"attention split must be a positive multiple of {UNROLL}")
+
+    # -- shapes ------------------------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k_cache.shape[2]
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the page table can hold."""
+        return self.page_table.shape[1] * self.k_cache.shape[1]
+
+    @property
+    def splits(self) -> int:
+        return -(-self.max_tokens // self.split)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.q.shape[2])
+
+    def output_specs(self):
+        b, hq, d = self.q.shape
+        return {
+            "part_o": TensorSpec((b, hq, self.splits, d), torch.float32),
+            "part_ml": TensorSpec((b, hq, self.splits, 2), torch.float32),
+        }
+
+    def grid(self):
+        return (self.q.shape[0], self.k_cache.shape[2] * self.splits)
+
+    def _heads(self, coord) -> tuple[int, int, int]:
+        """(batch, KV head, split) of a tile."""
+        b, hs = coord
+        return b, hs // self.splits, hs % self.splits
+
+    def exists(self, coord, env, data):
+        b, _, s = self._heads(coord)
+        return s * self.split < min(int(data["seq_lens"][b]), self.max_tokens)
+
+    def reads(self, coord, env, data=None):
+        b, h, _ = self._heads(coord)
+        g = self.group
+        return {
+            "q": ((b, b + 1), (h * g, (h + 1) * g), (0, self.q.shape[2])),
+            "k_cache": full_box(self.k_cache.concrete(env)),
+            "v_cache": full_box(self.v_cache.concrete(env)),
+            "page_table": ((b, b + 1), (0, self.page_table.shape[1])),
+            "seq_lens": ((b, b + 1),),
+        }
+
+    def writes(self, coord, env, data=None):
+        b, h, s = self._heads(coord)
+        g, d = self.group, self.q.shape[2]
+        heads = (h * g, (h + 1) * g)
+        return {
+            "part_o": ((b, b + 1), heads, (s, s + 1), (0, d)),
+            "part_ml": ((b, b + 1), heads, (s, s + 1), (0, 2)),
+        }
+
+    def cost(self, coord, env):
+        d, es = self.q.shape[2], self.q.dtype.itemsize
+        return tile_time_us(
+            4.0 * self.group * self.split * d, 2.0 * self.split * d * es, self.q.dtype
+        )
+
+    def reference(self, coord, env, t):
+        b, h, s = self._heads(coord)
+        g, page = self.group, self.k_cache.shape[1]
+        length = min(int(t["seq_lens"][b]), self.max_tokens)
+        lo, hi = block(s, self.split, length)
+        pos = torch.arange(lo, hi, device=t["q"].device)
+        pages = t["page_table"][b, pos // page].long()
+        bad = bool(((pages < 0) | (pages >= t["k_cache"].shape[0])).any())
+        pages = torch.where((pages < 0) | (pages >= t["k_cache"].shape[0]), 0, pages)
+        k = t["k_cache"][pages, pos % page, h].float()  # (n, D)
+        v = t["v_cache"][pages, pos % page, h].float()
+        q = t["q"][b, h * g : (h + 1) * g].float()  # (G, D)
+        scores = (q @ k.T) * (self.softmax_scale * LOG2E)  # (G, n), log2 units
+        m = scores.max(dim=1).values
+        p = torch.exp2(scores - m[:, None])
+        t["part_o"][b, h * g : (h + 1) * g, s] = p @ v if not bad else float("nan")
+        t["part_ml"][b, h * g : (h + 1) * g, s, 0] = m
+        t["part_ml"][b, h * g : (h + 1) * g, s, 1] = p.sum(dim=1)
+
+    # -- device ------------------------------------------------------------------------------
+    exists_on_device: ClassVar[bool] = True
+
+    def device_smem_bytes(self) -> int:
+        # per warp and head: its m and l, and its o (D floats)
+        return 4 * WARPS * self.group * (2 + self.q.shape[2])
+
+    @cute.jit
+    def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
+        s = coord1 % self.splits
+        return s * self.split < tensors[4][coord0]
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Tile (b, h * S + s); ``tensors`` = (mQ, mK, mV, mPT, mLen, mPO, mPML)."""
+        mQ, mK, mV, mPT, mLen, mPO, mPML = tensors
+        g_n, d = self.group, self.q.shape[2]
+        per = d // WARP  # dims a lane holds
+        page = self.k_cache.shape[1]
+        b = coord0
+        h = coord1 // self.splits
+        s = coord1 % self.splits
+        length = cute.min(mLen[b], self.max_tokens)  # never past the page table
+        num_pages = mK.shape[0]
+        t0 = s * self.split
+        t1 = cute.min(t0 + self.split, length)
+        poisoned = Boolean(False)
+        warp = tidx // WARP
+        lane = tidx % WARP
+        c = self.softmax_scale * LOG2E
+        q = cute.make_rmem_tensor((g_n, per), Float32)
+        o = cute.make_rmem_tensor((g_n, per), Float32)
+        m = cute.make_rmem_tensor((g_n,), Float32)
+        el = cute.make_rmem_tensor((g_n,), Float32)
+        for g in cutlass.range_constexpr(g_n):
+            m[g] = Float32(-math.inf)
+            el[g] = Float32(0.0)
+            for i in cutlass.range_constexpr(per):
+                q[g, i] = mQ[b, h * g_n + g, lane * per + i].to(Float32) * c
+                o[g, i] = Float32(0.0)
+        # this warp's tokens: t0 + warp, t0 + warp + WARPS, ... in batches of UNROLL
+        for base in range(t0 + warp, t1, WARPS * UNROLL):
+            ks = cute.make_rmem_tensor((UNROLL, per), Float32)
+            vs = cute.make_rmem_tensor((UNROLL, per), Float32)
+            for u in cutlass.range_constexpr(UNROLL):
+                pos = cute.min(base + u * WARPS, t1 - 1)  # clamped: every load in flight
+                pg = mPT[b, pos // page]
+                if pg < 0 or pg >= num_pages:  # a bad page id: load page 0, poison the result
+                    pg = Int32(0)
+                    if base + u * WARPS < t1:
+                        poisoned = Boolean(True)
+                slot = pos % page
+                for i in cutlass.range_constexpr(per):
+                    ks[u, i] = mK[pg, slot, h, lane * per + i].to(Float32)
+                    vs[u, i] = mV[pg, slot, h, lane * per + i].to(Float32)
+            for u in cutlass.range_constexpr(UNROLL):
+                if base + u * WARPS < t1:
+                    for g in cutlass.range_constexpr(g_n):
+                        part = Float32(0.0)
+                        for i in cutlass.range_constexpr(per):
+                            part = part + q[g, i] * ks[u, i]
+                        for sh in cutlass.range_constexpr(5):
+                            part = part + cute.arch.shuffle_sync_bfly(part, 1 << sh)
+                        m_new = cute.arch.fmax(m[g], part)
+                        rescale = cute.math.exp2(m[g] - m_new, fastmath=True)
+                        p = cute.math.exp2(part - m_new, fastmath=True)
+                        el[g] = el[g] * rescale + p
+                        for i in cutlass.range_constexpr(per):
+                            o[g, i] = o[g, i] * rescale + p * vs[u, i]
+                        m[g] = m_new
+        # merge the warps: each stages its m, l and o; thread (g, dim) merges one output
+        sM = cute.make_tensor(
+            cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout((WARPS, g_n, 2))
+        )
+        sO = cute.make_tensor(
+            cute.recast_ptr(smem_ptr, dtype=Float32) + WARPS * g_n * 2,
+            cute.make_layout((WARPS, g_n, d)),
+        )
+        poisoned = cute.arch.vote_any_sync(poisoned)
+        for g in cutlass.range_constexpr(g_n):
+            if lane == 0:
+                sM[warp, g, 0] = m[g]
+                sM[warp, g, 1] = el[g]
+            for i in cutlass.range_constexpr(per):
+                val = o[g, i]
+                if poisoned:
+                    val = Float32(math.nan)
+                sO[warp, g, lane * per + i] = val
+        simt_sync()
+        for idx in range(tidx, g_n * d, NUM_THREADS):
+            g = idx // d
+            dim = idx % d
+            mm = sM[0, g, 0]
+            for w in cutlass.range_constexpr(1, WARPS):
+                mm = cute.arch.fmax(mm, sM[w, g, 0])
+            acc = Float32(0.0)
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                f = Float32(0.0)
+                if sM[w, g, 1] > Float32(0.0):  # a warp with no token has m = -inf
+                    f = cute.math.exp2(sM[w, g, 0] - mm, fastmath=True)
+                acc = acc + sO[w, g, dim] * f
+                tot = tot + sM[w, g, 1] * f
+            mPO[b, h * g_n + g, s, dim] = acc
+            if dim == 0:
+                mPML[b, h * g_n + g, s, 0] = mm
+                mPML[b, h * g_n + g, s, 1] = tot
+
+
+@register_op
+@dataclass(frozen=True)
+class AttentionCombineTile(TileOp):
+    part_o: TensorSpec  # (B, Hq, S, D) fp32
+    part_ml: TensorSpec  # (B, Hq, S, 2) fp32
+    seq_lens: TensorSpec  # (B,) int32
+    split: int
+    max_tokens: int  # the page table's capacity: longer lengths are bad data
+    out_dtype: torch.dtype = torch.bfloat16
+
+    name: ClassVar[str] = "attention_combine"
+    inputs: ClassVar[tuple[str, ...]] = ("part_o", "part_ml", "seq_lens")
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    data_inputs: ClassVar[tuple[str, ...]] = ("seq_lens",)
+
+    def __post_init__(self) -> None:
+        expect_ndim(self.part_o, 4, "attention_combine part_o")
+        expect_ndim(self.part_ml, 4, "attention_combine part_ml")
+        expect_dtype(self.part_o, (torch.float32,), "attention_combine part_o")
+        expect_dtype(self.part_ml, (torch.float32,), "attention_combine part_ml")
+        for i in range(3):
+            expect_same_dim(self.part_o.shape[i], self.part_ml.shape[i], f"part dim {i}")
+        if self.out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"attention_combine out_dtype must be one of {FLOAT_DTYPES}")
+
+    def output_specs(self):
+        b, hq, _, d = self.part_o.shape
+        return {"out": TensorSpec((b, hq, d), self.out_dtype)}
+
+    def grid(self):
+        return (self.part_o.shape[0], self.part_o.shape[1])
+
+    def reads(self, coord, env, data=None):
+        b, hq = coord
+        _, _, splits, d = self.part_o.concrete(env)
+        if data is not None:  # only the splits that exist
+            n = int(data["seq_lens"][b])
+            splits = -(-n // self.split) if 1 <= n <= self.max_tokens else 0
+        return {
+            "part_o": ((b, b + 1), (hq, hq + 1), (0, splits), (0, d)),
+            "part_ml": ((b, b + 1), (hq, hq + 1), (0, splits), (0, 2)),
+            "seq_lens": ((b, b + 1),),
+        }
+
+    def writes(self, coord, env, data=None):
+        b, hq = coord
+        return {"out": ((b, b + 1), (hq, hq + 1), (0, self.part_o.shape[3]))}
+
+    def cost(self, coord, env):
+        s, d = self.part_o.shape[2], self.part_o.shape[3]
+        return tile_time_us(3.0 * s * d, 4.0 * s * (d + 2), torch.float32)
+
+    def reference(self, coord, env, t):
+        b, hq = coord
+        length = int(t["seq_lens"][b])
+        if not 1 <= length <= self.max_tokens:
+            t["out"][b, hq] = float("nan")
+            return
+        n = -(-length // self.split)
+        ml = t["part_ml"][b, hq, :n]
+        m = ml[:, 0].max()
+        f = torch.exp2(ml[:, 0] - m)
+        out = (t["part_o"][b, hq, :n] * f[:, None]).sum(0) / (ml[:, 1] * f).sum()
+        t["out"][b, hq] = out.to(t["out"].dtype)
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Query head (b, hq): thread d merges dimension d over the sequence's splits in
+        order; ``tensors`` = (mPO, mPML, mLen, mOut)."""
+        mPO, mPML, mLen, mOut = tensors
+        d = self.part_o.shape[3]
+        length = mLen[coord0]
+        valid = length >= 1 and length <= self.max_tokens
+        n = Int32(0)
+        if valid:
+            n = (length + self.split - 1) // self.split
+        for dim in range(tidx, d, NUM_THREADS):
+            mm = Float32(-math.inf)
+            for s in range(n):
+                mm = cute.arch.fmax(mm, mPML[coord0, coord1, s, 0])
+            acc = Float32(0.0)
+            tot = Float32(0.0)
+            for s in range(n):
+                f = cute.math.exp2(mPML[coord0, coord1, s, 0] - mm, fastmath=True)
+                acc = acc + mPO[coord0, coord1, s, dim] * f
+                tot = tot + mPML[coord0, coord1, s, 1] * f
+            res = acc / tot
+            if not valid:
+                res = Float32(math.nan)
+            mOut[coord0, coord1, dim] = res.to(mOut.element_type)
+
+
+def attention_decode(
+    q: TensorSpec,
+    k_cache: TensorSpec,
+    v_cache: TensorSpec,
+    page_table: TensorSpec,
+    seq_lens: TensorSpec,
+    *,
+    split: int = 256,
+    scale: float | None = None,
+) -> AttentionDecodeTile:
+    """Split-KV partial attention (see the module doc); merge with :func:`attention_combine`."""
+    return AttentionDecodeTile(q, k_cache, v_cache, page_table, seq_lens, split, scale)
+
+
+def attention_combine(
+    part_o: TensorSpec,
+    part_ml: TensorSpec,
+    seq_lens: TensorSpec,
+    *,
+    split: int,
+    max_tokens: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> AttentionCombineTile:
+    return AttentionCombineTile(part_o, part_ml, seq_lens, split, max_tokens, out_dtype)
+
+
+def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, scale=None):
+    """fp32 SDPA of each sequence's one query over its pages (GQA): (B, Hq, D)."""
+    b_n, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    out = torch.empty(b_n, hq, d, dtype=torch.float32, device=q.device)
+    for b in range(b_n):
+        n = int(seq_lens[b])
+        pos = torch.arange(n, device=q.device)
+        pages = page_table[b, pos // page].long()
+        k = k_cache[pages, pos % page].float()  # (n, Hkv, D)
+        v = v_cache[pages, pos % page].float()
+        k = k.repeat_interleave(hq // hkv, dim=1)  # (n, Hq, D)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        att = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", att, v)
+    return out
