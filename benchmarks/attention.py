@@ -1,0 +1,134 @@
+"""Decode attention (GQA 32 query / 8 KV heads, head dim 128, bf16): cutemk's paged split-KV
+megakernel (``ops.attention_decode`` + ``ops.attention_combine``) vs torch SDPA over a
+contiguous KV cache and FlashAttention-4 (``flash_attn.cute``) where importable, all in one
+process, CUDA-graph replays.
+
+Columns: median_us, floor_us = bytes of K, V, q and out / 4.3 TB/s, of_floor, rel_err against
+an fp32 reference, and ``speedup_vs_sdpa``. cutemk's KV pages are scattered through the cache
+(a page table as vLLM / FlashInfer keep it); SDPA and FA4 read a contiguous cache.
+
+Run: python benchmarks/attention.py [--split 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from cutemk.bench import Results, bar_chart, floor_us, graphed, time_us
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
+MAX_B, MAX_LEN = 64, 32768
+
+
+def _graph(split: int):
+    import cutemk as mk
+    from cutemk import ops
+
+    g = mk.Graph("decode_attention")
+    B = mk.sym("B", min=1, max=MAX_B)
+    dt = torch.bfloat16
+    q = g.input("q", (B, HQ, D), dt)
+    k = g.input("k_cache", (mk.sym("P", min=1, max=1 << 20), PAGE, HKV, D), dt)
+    v = g.input("v_cache", (k.spec.shape[0], PAGE, HKV, D), dt)
+    pt = g.input("page_table", (B, MAX_LEN // PAGE), torch.int32)
+    lens = g.input("seq_lens", (B,), torch.int32)
+    po, pml = g.call(ops.attention_decode, q, k, v, pt, lens, split=split)
+    out = g.call(
+        ops.attention_combine, po, pml, lens, split=split, max_tokens=MAX_LEN, out_dtype=dt
+    )
+    g.output(out, "out")
+    return g
+
+
+def _fa4():
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception as e:  # noqa: BLE001  (the peer is optional)
+        print(f"flash_attn.cute skipped: {e}")
+        return None
+    return flash_attn_func
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--split", type=int, default=256, help="KV tokens per cutemk tile")
+    p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
+    p.add_argument("--scheduler", default="static")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    from cutemk.ops.attention_decode import decode_attention_reference
+
+    warmup, rep = (3, 10) if args.quick else (10, 50)
+    mk_attn = _graph(args.split).compile("cute", scheduler=args.scheduler)
+    fa4 = _fa4()
+    res = Results(
+        "attention",
+        meta={
+            "dtype": "bf16",
+            "heads": f"{HQ} query / {HKV} KV, head dim {D}",
+            "page_size": PAGE,
+            "split": args.split,
+            "scheduler": args.scheduler,
+            "rep": rep,
+        },
+    )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, n in CASES:
+        case = f"decode B={b} KV={n}"
+        pages = b * (n // PAGE)
+        perm = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
+        table = torch.zeros(b, MAX_LEN // PAGE, dtype=torch.int32, device="cuda")
+        table[:, : n // PAGE] = perm.view(b, n // PAGE)
+        kc = torch.randn(pages, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
+        vc = torch.randn(pages, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(b, HQ, D, device="cuda", generator=gen).bfloat16()
+        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        # the same keys and values, contiguous per sequence, for SDPA and FA4
+        k_flat = kc[table[:, : n // PAGE].long()].reshape(b, n, HKV, D)
+        v_flat = vc[table[:, : n // PAGE].long()].reshape(b, n, HKV, D)
+        ref = decode_attention_reference(q, kc, vc, table, lens)
+        impls = {
+            "cutemk": lambda: mk_attn(q, kc, vc, table, lens),
+            "torch_sdpa": lambda: F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                k_flat.transpose(1, 2),
+                v_flat.transpose(1, 2),
+                enable_gqa=True,
+            ).squeeze(2),
+        }
+        if fa4 is not None:
+            impls["fa4"] = lambda: fa4(q.unsqueeze(1), k_flat, v_flat)[0].squeeze(1)
+        nbytes = 2.0 * (2 * b * n * HKV * D + 2 * b * HQ * D)
+        fl = floor_us(4.0 * b * HQ * n * D, nbytes)
+        for name, fn in impls.items():
+            try:
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                us = time_us(graphed(fn), warmup=warmup, rep=rep)
+            except Exception as e:  # noqa: BLE001  (a peer failing one case is reported)
+                res.meta.setdefault("skipped", []).append(f"{case} {name}: {e}")
+                print(f"{case} {name} skipped: {e}")
+                continue
+            res.add(
+                case,
+                name,
+                us,
+                floor_us=round(fl, 2),
+                of_floor=round(fl / us, 3),
+                rel_err=round(err, 5),
+            )
+    res.add_ratios("torch_sdpa")
+    path = res.finish()
+    chart = bar_chart(res, path.with_suffix(".png"))
+    if chart:
+        print(f"wrote {chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
