@@ -24,6 +24,7 @@ from .moe_route_split import (
     moe_route_layout,
     moe_route_place,
 )
+from .qk_norm_rope import QkNormRopeTile, qk_norm_rope, rope_table
 from .reduce_scatter import ReduceScatterTile, reduce_scatter
 from .rmsnorm import RmsNormTile, rmsnorm
 from .silu_mul import SiluMulTile, silu_mul
@@ -56,6 +57,9 @@ __all__ = [
     "moe_route_layout",
     "MoeRoutePlaceTile",
     "moe_route_place",
+    "QkNormRopeTile",
+    "qk_norm_rope",
+    "rope_table",
     "RmsNormTile",
     "rmsnorm",
     "SiluMulTile",
