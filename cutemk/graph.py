@@ -30,6 +30,8 @@ class Value:
     spec: TensorSpec
     kind: str
     producer: "Node | None" = None
+    alias_of: "Value | None" = None
+    """For an op's in-place output (``TileOp.updates``): the graph input whose memory it is."""
 
     @property
     def shape(self) -> tuple[IntLike, ...]:
@@ -118,8 +120,19 @@ class Graph:
         )
         self._claim(node_name)
         node = Node(len(self.nodes), node_name, inst, dict(zip(inst.inputs, args)))
+        for oname, target in inst.updates.items():
+            src = node.args.get(target)
+            if src is None or src.kind != "input":
+                raise GraphError(
+                    f"{inst.name} updates {target!r} in place: it must be a graph input"
+                )
+            spec = inst.output_specs()[oname]
+            if tuple(spec.shape) != tuple(src.spec.shape) or spec.dtype != src.spec.dtype:
+                raise GraphError(f"{inst.name}.{oname} must have {target}'s shape and dtype")
         for oname, spec in inst.output_specs().items():
             v = Value(self, f"{node_name}.{oname}", spec, "intermediate", node)
+            if oname in inst.updates:
+                v.alias_of = node.args[inst.updates[oname]]
             node.results[oname] = v
             self.values.append(v)
         self.nodes.append(node)
@@ -198,10 +211,25 @@ class Graph:
                     f"sym {name} appears in the graph but is not a plain dim of any "
                     "input or weight, so no launch can bind it"
                 )
+        updated: dict[str, str] = {}  # input name -> the node updating it in place
+        for node in self.nodes:
+            for target in node.op.updates.values():
+                name = node.args[target].name
+                if name in updated:
+                    raise GraphError(
+                        f"{name} is updated in place by {updated[name]} and {node.name}"
+                    )
+                updated[name] = node.name
         for node in self.nodes:
             for a, v in node.args.items():
                 if v.producer is not None and v.producer.index >= node.index:
                     raise GraphError(f"{node.name}.{a} reads {v.name} before it is produced")
+                if v.name in updated and updated[v.name] != node.name:
+                    raise GraphError(
+                        f"{node.name}.{a} reads {v.name}, which {updated[v.name]} updates in "
+                        "place: read that op's output instead (nothing orders a read of the old "
+                        "contents before the update)"
+                    )
             node.op.check_producers(
                 {
                     a: (v.producer.op if v.producer is not None else None)

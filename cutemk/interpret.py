@@ -127,7 +127,9 @@ class InterpretedGraph:
         device = next(iter(leaves.values())).device
         tensors: dict[str, torch.Tensor] = dict(leaves)
         for v in self.graph.values:
-            if v.kind == "intermediate":
+            if v.kind == "intermediate" and v.alias_of is not None:  # an input updated in place
+                tensors[v.name] = tensors[v.alias_of.name]
+            elif v.kind == "intermediate":
                 tensors[v.name] = poison_(
                     torch.empty(plan.shapes[v.name], dtype=v.dtype, device=device)
                 )
@@ -143,6 +145,10 @@ class InterpretedGraph:
         self.last_report = sim.report(self.scheduler.name)
         outs = tuple(tensors[v.name] for v in self.graph.outputs)
         return outs[0] if len(outs) == 1 else outs
+
+
+PRESET = -2
+"""Writer mark of elements holding the caller's data (an input updated in place)."""
 
 
 class _Simulation:
@@ -167,10 +173,11 @@ class _Simulation:
         # happens-before: bitset of tasks ordered before each task / each event's completion
         self.anc = [0] * plan.num_tasks
         self.ev_anc = [0] * plan.num_events
+        # -1: not written yet; PRESET: the caller's data (an input updated in place)
         self.writer = (
             {
-                n: np.full(plan.shapes[n], -1, dtype=np.int32)
-                for n, v in ((v.name, v) for v in plan.graph.values)
+                v.name: np.full(plan.shapes[v.name], -1 if v.alias_of is None else PRESET, np.int32)
+                for v in plan.graph.values
                 if v.kind == "intermediate"
             }
             if check_races
@@ -260,14 +267,14 @@ class _Simulation:
             if v.kind != "intermediate" or box_is_empty(box) or v.name in self.remote_written:
                 continue
             w = self.writer[v.name][box_slices(box)]
-            if (w < 0).any():
-                idx = tuple(int(i) for i in np.argwhere(w < 0)[0] + [lo for lo, _ in box])
+            if (w == -1).any():
+                idx = tuple(int(i) for i in np.argwhere(w == -1)[0] + [lo for lo, _ in box])
                 raise RaceError(
                     f"task {task.label} reads {v.name}{list(idx)} (box {list(box)}) "
                     "which no task has written: a dependency is missing"
                 )
             for wt in np.unique(w).tolist():
-                if not (self.anc[t] >> wt) & 1:
+                if wt != PRESET and not (self.anc[t] >> wt) & 1:
                     raise RaceError(
                         f"task {task.label} reads {v.name} (box {list(box)}) written by task "
                         f"{self.plan.tasks[wt].label}, which no event it waits on orders before "
@@ -282,7 +289,7 @@ class _Simulation:
             v = node.results.get(out)
             if v is not None and not box_is_empty(box):
                 w = self.writer[v.name][box_slices(box)]
-                for wt in np.unique(w[(w >= 0) & (w != t)]).tolist():
+                for wt in np.unique(w[(w >= 0) & (w != t)]).tolist():  # PRESET < 0: no writer
                     if not (self.anc[t] >> wt) & 1:
                         raise RaceError(
                             f"tasks {self.plan.tasks[wt].label} and {task.label} both write "

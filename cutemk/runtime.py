@@ -193,7 +193,8 @@ class CuteGraph:
         )
         inter = {}
         for v in self.graph.values:
-            if v.kind == "intermediate" and v not in self.graph.outputs:
+            # an input updated in place is the caller's tensor, bound at each call
+            if v.kind == "intermediate" and v not in self.graph.outputs and v.alias_of is None:
                 shape = plan.shapes[v.name]
                 numel = int(np.prod(shape))
                 inter[v.name] = self._scratch(v)[:numel].view(shape)
@@ -282,6 +283,9 @@ class CuteGraph:
         device = next(iter(leaves.values())).device
         outs = {}
         for v in self.graph.outputs:
+            if v.alias_of is not None:  # an input updated in place: the caller's tensor
+                outs[v.name] = leaves[v.alias_of.name]
+                continue
             t = torch.empty(b.plan.shapes[v.name], dtype=v.dtype, device=device)
             outs[v.name] = poison_(t) if self.poison_outputs else t
         tensors = []
@@ -290,6 +294,8 @@ class CuteGraph:
                 tensors.append(self._weight_tensor(leaves[v.name]))
             elif v.name in leaves:
                 tensors.append(_cute_tensor(leaves[v.name]))
+            elif v.alias_of is not None:
+                tensors.append(_cute_tensor(leaves[v.alias_of.name]))
             elif v.name in outs:
                 tensors.append(_cute_tensor(outs[v.name]))
             else:
@@ -410,7 +416,8 @@ def scratch_bytes(graph: Graph) -> int:
     total = 0
     outputs = {id(v) for v in graph.outputs}
     for v in graph.values:
-        if v.kind == "intermediate" and id(v) not in outputs:  # outputs: allocated per call
+        # outputs are allocated per call; an input updated in place is the caller's memory
+        if v.kind == "intermediate" and id(v) not in outputs and v.alias_of is None:
             numel = max(int(np.prod([upper(d) for d in v.shape], dtype=object)), 1)
             total += numel * v.dtype.itemsize
     return total

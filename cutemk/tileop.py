@@ -174,6 +174,12 @@ class TileOp:
     data_inputs: ClassVar[tuple[str, ...]] = ()
     """Inputs whose values (not only shapes) decide the task grid or regions."""
 
+    updates: ClassVar[dict[str, str]] = {}
+    """Outputs that are an input updated in place (output name -> input name), e.g. a KV-cache
+    append: the output is the input's memory, the input must be a graph input (a leaf) read by
+    no other node (later readers read the output), and elements the op does not write keep the
+    caller's values."""
+
     scatter_outputs: ClassVar[tuple[str, ...]] = ()
     """Outputs the tiles write at data-dependent places (a scatter): without ``data`` their
     write boxes are supersets that may overlap between tiles (a reader then waits for every

@@ -12,6 +12,7 @@ from .attention_decode import (
     attention_decode,
 )
 from .gemm import GemmTile, gemm
+from .kv_append import KvAppendTile, kv_append
 from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
 from .moe_permute import MoePermuteTile, moe_permute
@@ -42,6 +43,8 @@ __all__ = [
     "reduce_scatter",
     "GemmTile",
     "gemm",
+    "KvAppendTile",
+    "kv_append",
     "MoeCombineTile",
     "moe_combine",
     "MoeGroupedGemmTile",

@@ -1,0 +1,168 @@
+"""Append one decode step's keys and values to a paged KV cache, in place.
+
+``k_new`` / ``v_new`` (B, Hkv, D): the step's key and value heads (``qk_norm_rope``'s k and v);
+``k_cache`` / ``v_cache`` (num_pages, page_size, Hkv, D), ``page_table`` (B, max_pages) int32,
+``seq_lens`` (B,) int32 counting the new token: sequence b's new row goes to position
+``seq_lens[b] - 1``, i.e. page ``page_table[b, pos // page_size]``, slot ``pos % page_size``.
+The outputs ``k_cache_out`` / ``v_cache_out`` are the caches updated in place
+(``TileOp.updates``): attention reads them, so it runs after the append. One tile per
+sequence; its writes land where the page table says (``scatter_outputs``). A position or page
+outside the cache is bad data: that row is not written (the attention of that sequence then
+reads a bad page or length and comes out NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from cutlass import Int32, cute
+
+from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    expect_dtype,
+    expect_ndim,
+    expect_same_dim,
+    full_box,
+    register_op,
+)
+
+
+@register_op
+@dataclass(frozen=True)
+class KvAppendTile(TileOp):
+    k_new: TensorSpec  # (B, Hkv, D)
+    v_new: TensorSpec  # (B, Hkv, D)
+    k_cache: TensorSpec  # (pages, page_size, Hkv, D)
+    v_cache: TensorSpec
+    page_table: TensorSpec  # (B, max_pages) int32
+    seq_lens: TensorSpec  # (B,) int32, counting the new token
+
+    name: ClassVar[str] = "kv_append"
+    inputs: ClassVar[tuple[str, ...]] = (
+        "k_new",
+        "v_new",
+        "k_cache",
+        "v_cache",
+        "page_table",
+        "seq_lens",
+    )
+    outputs: ClassVar[tuple[str, ...]] = ("k_cache_out", "v_cache_out")
+    updates: ClassVar[dict[str, str]] = {"k_cache_out": "k_cache", "v_cache_out": "v_cache"}
+    scatter_outputs: ClassVar[tuple[str, ...]] = ("k_cache_out", "v_cache_out")
+    data_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
+
+    def __post_init__(self) -> None:
+        for name in ("k_new", "v_new"):
+            expect_ndim(getattr(self, name), 3, f"kv_append {name}")
+        for name in ("k_cache", "v_cache"):
+            expect_ndim(getattr(self, name), 4, f"kv_append {name}")
+        expect_dtype(self.k_new, FLOAT_DTYPES, "kv_append k_new")
+        for name in ("v_new", "k_cache", "v_cache"):
+            if getattr(self, name).dtype != self.k_new.dtype:
+                raise TypeError(f"kv_append {name} must have k_new's dtype {self.k_new.dtype}")
+        for i in range(4):
+            expect_same_dim(
+                self.k_cache.shape[i], self.v_cache.shape[i], f"kv_append cache dim {i}"
+            )
+        for i in (1, 2):
+            expect_same_dim(
+                self.k_new.shape[i], self.k_cache.shape[i + 1], f"kv_append new dim {i}"
+            )
+            expect_same_dim(
+                self.v_new.shape[i], self.k_cache.shape[i + 1], f"kv_append new dim {i}"
+            )
+        expect_same_dim(self.v_new.shape[0], self.k_new.shape[0], "kv_append batch")
+        expect_same_dim(self.page_table.shape[0], self.k_new.shape[0], "kv_append page_table batch")
+        expect_same_dim(self.seq_lens.shape[0], self.k_new.shape[0], "kv_append seq_lens batch")
+        expect_dtype(self.page_table, (torch.int32,), "kv_append page_table")
+        expect_dtype(self.seq_lens, (torch.int32,), "kv_append seq_lens")
+
+    def output_specs(self):
+        return {"k_cache_out": self.k_cache, "v_cache_out": self.v_cache}
+
+    def grid(self):
+        return (self.k_new.shape[0],)
+
+    def reads(self, coord, env, data=None):
+        b = coord[0]
+        _, hkv, d = self.k_new.concrete(env)
+        return {
+            "k_new": ((b, b + 1), (0, hkv), (0, d)),
+            "v_new": ((b, b + 1), (0, hkv), (0, d)),
+            "k_cache": [],
+            "v_cache": [],
+            "page_table": ((b, b + 1), (0, self.page_table.concrete(env)[1])),
+            "seq_lens": ((b, b + 1),),
+        }
+
+    def _target(self, b: int, t, env) -> tuple[int, int] | None:
+        """(page, slot) sequence b's new row goes to, or None for bad data."""
+        pages, page = t["k_cache_out"].shape[0], t["k_cache_out"].shape[1]
+        pos = int(t["seq_lens"][b]) - 1
+        max_pages = t["page_table"].shape[1]
+        if not 0 <= pos < max_pages * page:
+            return None
+        pg = int(t["page_table"][b, pos // page])
+        if not 0 <= pg < pages:
+            return None
+        return pg, pos % page
+
+    def writes(self, coord, env, data=None):
+        if data is None:
+            full = full_box(self.k_cache.concrete(env))
+            return {"k_cache_out": full, "v_cache_out": full}
+        target = self._target(coord[0], data, env)
+        if target is None:
+            return {"k_cache_out": [], "v_cache_out": []}
+        pg, slot = target
+        _, _, hkv, d = self.k_cache.concrete(env)
+        box = ((pg, pg + 1), (slot, slot + 1), (0, hkv), (0, d))
+        return {"k_cache_out": box, "v_cache_out": box}
+
+    def cost(self, coord, env):
+        _, hkv, d = self.k_new.concrete(env)
+        return tile_time_us(0.0, 4.0 * hkv * d * self.k_new.dtype.itemsize, self.k_new.dtype)
+
+    def reference(self, coord, env, t):
+        b = coord[0]
+        target = self._target(b, t, env)
+        if target is not None:
+            pg, slot = target
+            t["k_cache_out"][pg, slot] = t["k_new"][b]
+            t["v_cache_out"][pg, slot] = t["v_new"][b]
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Sequence ``coord0``; ``tensors`` = (mKn, mVn, mKc, mVc, mPT, mLen, mKo, mVo) with
+        mKo / mVo the caches themselves."""
+        mKn, mVn, _, _, mPT, mLen, mKo, mVo = tensors
+        page = self.k_cache.shape[1]
+        hkv, d = self.k_new.shape[1], self.k_new.shape[2]
+        pos = mLen[coord0] - 1
+        cap = mPT.shape[1] * page
+        if pos >= 0 and pos < cap:
+            pg = mPT[coord0, pos // page]
+            if pg >= 0 and pg < mKo.shape[0]:
+                slot = pos % page
+                for i in range(tidx, hkv * d, NUM_THREADS):
+                    h = i // d
+                    mKo[pg, slot, h, i - h * d] = mKn[coord0, h, i - h * d]
+                    mVo[pg, slot, h, i - h * d] = mVn[coord0, h, i - h * d]
+
+
+def kv_append(
+    k_new: TensorSpec,
+    v_new: TensorSpec,
+    k_cache: TensorSpec,
+    v_cache: TensorSpec,
+    page_table: TensorSpec,
+    seq_lens: TensorSpec,
+) -> KvAppendTile:
+    """Write each sequence's new key and value rows into its pages (see the module doc)."""
+    return KvAppendTile(k_new, v_new, k_cache, v_cache, page_table, seq_lens)

@@ -1,0 +1,111 @@
+"""An in-place KV-cache append (``ops.kv_append``, ``TileOp.updates``) feeding decode attention
+in one graph: the step's key and value rows land in the caller's cache tensors at each
+sequence's new position, and attention (which reads the updated caches) sees them. Graph
+checks: the cache must be a graph input, read by no other node. Bad positions or pages are not
+written. CPU: the interpreter with its race checker, and a compile for sm_90a."""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk import ops
+from cutemk.errors import GraphError
+from cutemk.ops.attention_decode import decode_attention_reference
+from cutemk.runtime import compile_offline
+
+HQ, HKV, D, PAGE, MAXP, SPLIT = 8, 2, 64, 16, 32, 64
+
+
+def _graph(dtype=torch.float32):
+    g = mk.Graph("decode_step")
+    B = mk.sym("B", min=1, max=16)
+    P = mk.sym("P", min=1, max=4096)
+    q = g.input("q", (B, HQ, D), dtype)
+    kn = g.input("k_new", (B, HKV, D), dtype)
+    vn = g.input("v_new", (B, HKV, D), dtype)
+    kc = g.input("k_cache", (P, PAGE, HKV, D), dtype)
+    vc = g.input("v_cache", (P, PAGE, HKV, D), dtype)
+    pt = g.input("page_table", (B, MAXP), torch.int32)
+    lens = g.input("seq_lens", (B,), torch.int32)
+    k2, v2 = g.call(ops.kv_append, kn, vn, kc, vc, pt, lens)
+    po, pml = g.call(ops.attention_decode, q, k2, v2, pt, lens, split=SPLIT)
+    out = g.call(
+        ops.attention_combine, po, pml, lens, split=SPLIT, max_tokens=PAGE * MAXP, out_dtype=dtype
+    )
+    g.output(out, "out")
+    return g
+
+
+def _step(lens, gen):
+    b = len(lens)
+    pages = [-(-n // PAGE) for n in lens]
+    total = sum(pages) + 2
+    perm = torch.randperm(total, generator=gen).tolist()
+    table = torch.zeros(b, MAXP, dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = torch.tensor(perm[i : i + n], dtype=torch.int32)
+        i += n
+    return {
+        "q": torch.randn(b, HQ, D, generator=gen),
+        "k_new": torch.randn(b, HKV, D, generator=gen),
+        "v_new": torch.randn(b, HKV, D, generator=gen),
+        "k_cache": torch.randn(total, PAGE, HKV, D, generator=gen),
+        "v_cache": torch.randn(total, PAGE, HKV, D, generator=gen),
+        "page_table": table,
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+    }
+
+
+def _expected(a):
+    kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
+    for b, n in enumerate(a["seq_lens"].tolist()):
+        pg, slot = int(a["page_table"][b, (n - 1) // PAGE]), (n - 1) % PAGE
+        kc[pg, slot], vc[pg, slot] = a["k_new"][b], a["v_new"][b]
+    return kc, vc, decode_attention_reference(a["q"], kc, vc, a["page_table"], a["seq_lens"])
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_append_then_attend_interpreted(scheduler):
+    c = _graph().compile("interpret", num_sms=4, scheduler=scheduler)
+    gen = torch.Generator().manual_seed(0)
+    for lens in ([1], [17, 64, 65], [PAGE * MAXP, 3]):
+        a = _step(lens, gen)
+        kc, vc, ref = _expected(a)
+        out = c(**a)
+        torch.testing.assert_close(a["k_cache"], kc, rtol=0, atol=0)  # updated in place
+        torch.testing.assert_close(a["v_cache"], vc, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_position_is_not_written():
+    c = _graph().compile("interpret", num_sms=2)
+    a = _step([20, 30], torch.Generator().manual_seed(1))
+    before = a["k_cache"].clone()
+    a["page_table"][0, 1] = 10_000  # sequence 0's new row falls on a page outside the cache
+    out = c(**a)
+    pg, slot = int(a["page_table"][1, 29 // PAGE]), 29 % PAGE
+    changed = (a["k_cache"] != before).any(dim=(2, 3)).nonzero().tolist()
+    assert changed == [[pg, slot]]  # only sequence 1's row
+    assert torch.isnan(out[0]).all() and not torch.isnan(out[1]).any()
+
+
+def test_the_updated_input_has_one_reader():
+    g = _graph()
+    kc = next(v for v in g.values if v.name == "k_cache")
+    q = next(v for v in g.values if v.name == "q")
+    lens = next(v for v in g.values if v.name == "seq_lens")
+    pt = next(v for v in g.values if v.name == "page_table")
+    vc = next(v for v in g.values if v.name == "v_cache")
+    g.call(ops.attention_decode, q, kc, vc, pt, lens, split=SPLIT, name="stale_reader")
+    with pytest.raises(GraphError, match="updates in place"):
+        g.validate()
+
+
+def test_compiles_for_hopper(tmp_path):
+    compile_offline(_graph(torch.bfloat16), "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    assert list(tmp_path.glob("*.ptx"))
