@@ -100,10 +100,10 @@ def main(argv=None) -> int:
                 k_flat.transpose(1, 2),
                 v_flat.transpose(1, 2),
                 enable_gqa=True,
-            ).squeeze(2),
+            ).reshape(b, HQ * D),
         }
         if fa4 is not None:
-            impls["fa4"] = lambda: fa4(q.unsqueeze(1), k_flat, v_flat)[0].squeeze(1)
+            impls["fa4"] = lambda: fa4(q.unsqueeze(1), k_flat, v_flat)[0].reshape(b, HQ * D)
         nbytes = 2.0 * (2 * b * n * HKV * D + 2 * b * HQ * D)
         fl = floor_us(4.0 * b * HQ * n * D, nbytes)
         for name, fn in impls.items():

@@ -10,7 +10,8 @@ tiles exist is decided at run time).
   sum ``l`` of exp2(score - m) and the unnormalised output ``o`` -> ``part_o`` (B, Hq, S, D)
   and ``part_ml`` (B, Hq, S, 2), fp32. Splits past the sequence do not exist.
 - ``attention_combine`` tile (b, hq): the splits of one query head merged in split order (a
-  fixed order: bit-identical runs) -> ``out`` (B, Hq, D) in q's dtype.
+  fixed order: bit-identical runs) -> ``out`` (B, Hq * D) in q's dtype (the heads side by
+  side, as the output projection reads them).
 
 Bad data never leaves a buffer: a length outside [1, the page table's capacity] makes that
 sequence's output NaN (its tiles read at most the capacity), and a page id outside the cache
@@ -325,7 +326,7 @@ class AttentionCombineTile(TileOp):
 
     def output_specs(self):
         b, hq, _, d = self.part_o.shape
-        return {"out": TensorSpec((b, hq, d), self.out_dtype)}
+        return {"out": TensorSpec((b, hq * d), self.out_dtype)}
 
     def grid(self):
         return (self.part_o.shape[0], self.part_o.shape[1])
@@ -344,7 +345,8 @@ class AttentionCombineTile(TileOp):
 
     def writes(self, coord, env, data=None):
         b, hq = coord
-        return {"out": ((b, b + 1), (hq, hq + 1), (0, self.part_o.shape[3]))}
+        d = self.part_o.shape[3]
+        return {"out": ((b, b + 1), (hq * d, (hq + 1) * d))}
 
     def cost(self, coord, env):
         s, d = self.part_o.shape[2], self.part_o.shape[3]
@@ -353,15 +355,16 @@ class AttentionCombineTile(TileOp):
     def reference(self, coord, env, t):
         b, hq = coord
         length = int(t["seq_lens"][b])
+        d = self.part_o.shape[3]
         if not 1 <= length <= self.max_tokens:
-            t["out"][b, hq] = float("nan")
+            t["out"][b, hq * d : (hq + 1) * d] = float("nan")
             return
         n = -(-length // self.split)
         ml = t["part_ml"][b, hq, :n]
         m = ml[:, 0].max()
         f = torch.exp2(ml[:, 0] - m)
         out = (t["part_o"][b, hq, :n] * f[:, None]).sum(0) / (ml[:, 1] * f).sum()
-        t["out"][b, hq] = out.to(t["out"].dtype)
+        t["out"][b, hq * d : (hq + 1) * d] = out.to(t["out"].dtype)
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -387,7 +390,7 @@ class AttentionCombineTile(TileOp):
             res = acc / tot
             if not valid:
                 res = Float32(math.nan)
-            mOut[coord0, coord1, dim] = res.to(mOut.element_type)
+            mOut[coord0, coord1 * d + dim] = res.to(mOut.element_type)
 
 
 def attention_decode(
@@ -417,7 +420,7 @@ def attention_combine(
 
 
 def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, scale=None):
-    """fp32 SDPA of each sequence's one query over its pages (GQA): (B, Hq, D)."""
+    """fp32 SDPA of each sequence's one query over its pages (GQA): (B, Hq * D)."""
     b_n, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
@@ -432,4 +435,4 @@ def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, scale=
         v = v.repeat_interleave(hq // hkv, dim=1)
         att = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)
         out[b] = torch.einsum("hn,nhd->hd", att, v)
-    return out
+    return out.reshape(b_n, hq * d)
