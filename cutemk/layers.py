@@ -201,3 +201,93 @@ def moe_reference(
         gate, up = (x[tok] @ w_gate_up[e].T).chunk(2, dim=-1)
         y.index_add_(0, tok, ((F.silu(gate) * up) @ w_down[e].T) * w[tok, slot, None])
     return y
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A Qwen3 decoder layer (dense MLP) and its paged KV cache, for decode steps."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    max_pages: int = 256  # pages a sequence may hold: its longest context is their tokens
+    max_positions: int = 40960  # rows of the rotary table
+    eps: float = 1e-6
+    block_m: int = 16  # row tile of the GEMMs and norms
+    block_n: int = 32
+    split: int = 256  # KV tokens an attention tile takes
+
+
+def decoder_layer_graph(
+    batch: Sym, cfg: DecoderConfig, dtype: torch.dtype = torch.float32
+) -> Graph:
+    """One decode step of a Qwen3 decoder layer as one graph: RMSNorm -> fused QKV GEMM ->
+    per-head q/k norm + rotary -> KV append (in place) -> split-KV paged attention -> output
+    projection + residual -> RMSNorm -> gated-SiLU MLP + residual. One token per sequence.
+
+    Leaves: x (B, H), positions (B,), k_cache / v_cache (pages, page_size, Hkv, D),
+    page_table (B, max_pages), seq_lens (B,) (counting the new token), then the weights:
+    input_norm (H,), w_qkv ((Hq + 2 Hkv) D, H) = cat(q_proj, k_proj, v_proj), q_norm (D,),
+    k_norm (D,), cos_sin (max_positions, D) (``ops.rope_table``), w_o (H, Hq D),
+    post_norm (H,), w_gate_up (2I, H) = cat(gate, up), w_down (H, I)."""
+    _positive(
+        hidden=cfg.hidden,
+        intermediate=cfg.intermediate,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        page_size=cfg.page_size,
+        max_pages=cfg.max_pages,
+    )
+    h, d, hq, hkv = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads
+    g = Graph("qwen3_decoder_layer_decode")
+    x = g.input("x", (batch, h), dtype)
+    positions = g.input("positions", (batch,), torch.int32)
+    pages = Sym("pages", min=1, max=1 << 24)
+    k_cache = g.input("k_cache", (pages, cfg.page_size, hkv, d), dtype)
+    v_cache = g.input("v_cache", (pages, cfg.page_size, hkv, d), dtype)
+    page_table = g.input("page_table", (batch, cfg.max_pages), torch.int32)
+    seq_lens = g.input("seq_lens", (batch,), torch.int32)
+    input_norm = g.weight("input_norm", (h,), dtype)
+    w_qkv = g.weight("w_qkv", ((hq + 2 * hkv) * d, h), dtype)
+    q_norm = g.weight("q_norm", (d,), dtype)
+    k_norm = g.weight("k_norm", (d,), dtype)
+    cos_sin = g.weight("cos_sin", (cfg.max_positions, d), torch.float32)
+    w_o = g.weight("w_o", (h, hq * d), dtype)
+    post_norm = g.weight("post_norm", (h,), dtype)
+    w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
+    w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
+    tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n}
+    hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=cfg.block_m, name="attn_norm")
+    qkv = g.call(ops.gemm, hn, w_qkv, **tiles, name="qkv_proj")
+    q, k, v = g.call(
+        ops.qk_norm_rope,
+        qkv,
+        q_norm,
+        k_norm,
+        cos_sin,
+        positions,
+        heads=hq,
+        kv_heads=hkv,
+        eps=cfg.eps,
+    )
+    k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
+    part_o, part_ml = g.call(ops.attention_decode, q, k2, v2, page_table, seq_lens, split=cfg.split)
+    o = g.call(
+        ops.attention_combine,
+        part_o,
+        part_ml,
+        seq_lens,
+        split=cfg.split,
+        max_tokens=cfg.page_size * cfg.max_pages,
+        out_dtype=dtype,
+    )
+    h1 = g.call(ops.gemm, o, w_o, x, **tiles, name="o_proj")  # + residual
+    h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=cfg.block_m, name="mlp_norm")
+    act = g.call(ops.gemm, h2, w_gu, **tiles, epilogue="silu_mul", name="gate_up")
+    y = g.call(ops.gemm, act, w_down, h1, **tiles, name="down")  # + residual
+    g.output(y, "y")
+    return g

@@ -1,0 +1,148 @@
+"""A decode step of a Qwen3 decoder layer as one graph (``cutemk.layers.decoder_layer_graph``)
+against transformers' ``Qwen3DecoderLayer``: for each sequence the HF layer runs the whole
+sequence (causal SDPA) and its last token's output is the reference; the graph gets that
+token, a paged cache holding the keys and values HF's own projections, norms and rotary give
+the earlier tokens, and appends the new token's. CPU: the interpreter in fp32 (race checker
+on), both schedulers, and a compile of the layer for sm_90a at Qwen3-8B's size."""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk import ops
+from cutemk.layers import DecoderConfig, decoder_layer_graph
+from cutemk.runtime import compile_offline
+
+CFG = DecoderConfig(
+    hidden=64,
+    intermediate=96,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    page_size=8,
+    max_pages=16,
+    max_positions=256,
+    block_m=16,
+    block_n=32,
+    split=16,
+)
+
+
+def _hf(cfg: DecoderConfig):
+    from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    hf_cfg = Qwen3Config(
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.eps,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=cfg.max_positions,
+    )
+    hf_cfg._attn_implementation = "sdpa"
+    layer = Qwen3DecoderLayer(hf_cfg, layer_idx=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return layer, Qwen3RotaryEmbedding(hf_cfg)
+
+
+def _weights(layer, cfg):
+    a, m = layer.self_attn, layer.mlp
+    return {
+        "input_norm": layer.input_layernorm.weight.detach(),
+        "w_qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+        "q_norm": a.q_norm.weight.detach(),
+        "k_norm": a.k_norm.weight.detach(),
+        "cos_sin": ops.rope_table(cfg.max_positions, cfg.head_dim),
+        "w_o": a.o_proj.weight.detach(),
+        "post_norm": layer.post_attention_layernorm.weight.detach(),
+        "w_gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+        "w_down": m.down_proj.weight.detach(),
+    }
+
+
+def _step_case(layer, rotary, cfg, lens, gen):
+    """Graph inputs for one decode step over sequences of ``lens`` tokens (the last one new),
+    and HF's output for each sequence's last token."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    a, hkv, d, page = layer.self_attn, cfg.kv_heads, cfg.head_dim, cfg.page_size
+    pages = [-(-n // page) for n in lens]
+    total = sum(pages) + 1
+    perm = torch.randperm(total, generator=gen).tolist()
+    k_cache = torch.randn(total, page, hkv, d, generator=gen)  # garbage outside the sequences
+    v_cache = torch.randn(total, page, hkv, d, generator=gen)
+    table = torch.zeros(len(lens), cfg.max_pages, dtype=torch.int32)
+    xs, want, i = [], [], 0
+    with torch.no_grad():
+        for b, n in enumerate(lens):
+            table[b, : pages[b]] = torch.tensor(perm[i : i + pages[b]], dtype=torch.int32)
+            i += pages[b]
+            x = torch.randn(1, n, cfg.hidden, generator=gen)
+            pos = torch.arange(n)[None]
+            cos, sin = rotary(x, pos)
+            want.append(layer(x, position_ids=pos, position_embeddings=(cos, sin))[0, -1])
+            xs.append(x[0, -1])
+            if n > 1:  # the earlier tokens' keys and values, as HF's attention makes them
+                hn = layer.input_layernorm(x[:, :-1])
+                k = a.k_norm(a.k_proj(hn).view(1, n - 1, hkv, d)).transpose(1, 2)
+                v = a.v_proj(hn).view(1, n - 1, hkv, d)
+                _, k = apply_rotary_pos_emb(k, k, cos[:, :-1], sin[:, :-1])
+                k = k.transpose(1, 2)[0]
+                for p_ in range(n - 1):
+                    pg, slot = int(table[b, p_ // page]), p_ % page
+                    k_cache[pg, slot], v_cache[pg, slot] = k[p_], v[0, p_]
+    inputs = {
+        "x": torch.stack(xs),
+        "positions": torch.tensor([n - 1 for n in lens], dtype=torch.int32),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "page_table": table,
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+    }
+    return inputs, torch.stack(want)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_decode_step_matches_hf_layer(scheduler):
+    pytest.importorskip("transformers")
+    layer, rotary = _hf(CFG)
+    c = decoder_layer_graph(mk.sym("B", max=8), CFG).compile(
+        "interpret", num_sms=8, scheduler=scheduler
+    )
+    w = _weights(layer, CFG)
+    gen = torch.Generator().manual_seed(1)
+    for lens in ([1], [5, 17], [CFG.page_size * CFG.max_pages, 9, 2]):
+        inputs, want = _step_case(layer, rotary, CFG, lens, gen)
+        y = c(**inputs, **w)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_layer_compiles_for_hopper(tmp_path):
+    cfg = DecoderConfig(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        max_pages=512,
+        block_m=64,
+        block_n=64,
+    )
+    g = decoder_layer_graph(mk.sym("B", max=64), cfg, torch.bfloat16)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert "wgmma.mma_async" in ptx  # the projections on the Hopper GEMM
