@@ -534,3 +534,117 @@ class MegaMoE(_KeyedModule):
             f"hidden={self.hidden}, intermediate={self.intermediate}, "
             f"experts={self.num_experts}, top_k={self.top_k}, max_tokens={self.max_tokens}"
         )
+
+
+class MegaDecoderLayer(nn.Module):
+    """Decode steps of a Qwen3 decoder layer (dense MLP) as one megakernel
+    (:func:`cutemk.layers.decoder_layer_graph`), over a paged KV cache the caller owns.
+
+    ``forward(x, positions, k_cache, v_cache, page_table, seq_lens)``: ``x`` (B, H) one new
+    token per sequence, ``positions`` (B,) int32 its position, caches (pages, page_size, Hkv, D)
+    (the new keys and values are written into them, in place), ``page_table`` (B, max_pages)
+    int32, ``seq_lens`` (B,) int32 counting the new token; returns the layer's output (B, H).
+    Built from transformers' ``Qwen3DecoderLayer`` by :meth:`from_hf`. Inference only.
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        cfg: Any,
+        max_batch: int = 64,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        if backend not in (None, "cute", "interpret"):
+            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        self.cfg, self.max_batch = cfg, max_batch
+        self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        self._names = list(weights)
+        for name, w in weights.items():
+            self.register_buffer(name, w.detach().contiguous())
+        self._compiled: dict[tuple, Any] = {}
+
+    @classmethod
+    def from_hf(
+        cls,
+        layer: nn.Module,
+        page_size: int = 16,
+        max_pages: int = 256,
+        max_positions: int | None = None,
+        rope_theta: float | None = None,
+        tiles: tuple[int, int] = (64, 64),
+        **kwargs: Any,
+    ) -> MegaDecoderLayer:
+        """From transformers' ``Qwen3DecoderLayer`` (its weights copied; its rotary settings
+        from its attention's config: the default rope, ``rope_theta``)."""
+        from .layers import DecoderConfig
+        from .ops import rope_table
+
+        a, m = layer.self_attn, layer.mlp
+        conf = a.config
+        head_dim = a.head_dim
+        theta = rope_theta
+        if theta is None:
+            params = getattr(conf, "rope_parameters", None) or {}
+            theta = params.get("rope_theta", getattr(conf, "rope_theta", 10000.0))
+        max_pos = max_positions or conf.max_position_embeddings
+        cfg = DecoderConfig(
+            hidden=conf.hidden_size,
+            intermediate=m.gate_proj.weight.shape[0],
+            heads=conf.num_attention_heads,
+            kv_heads=conf.num_key_value_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            max_pages=max_pages,
+            max_positions=max_pos,
+            eps=layer.input_layernorm.variance_epsilon,
+            block_m=tiles[0],
+            block_n=tiles[1],
+        )
+        w = {
+            "input_norm": layer.input_layernorm.weight,
+            "w_qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            "q_norm": a.q_norm.weight,
+            "k_norm": a.k_norm.weight,
+            "cos_sin": rope_table(max_pos, head_dim, float(theta)).to(a.q_proj.weight.device),
+            "w_o": a.o_proj.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+            "w_gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            "w_down": m.down_proj.weight,
+        }
+        return cls(w, cfg, **kwargs)
+
+    def _fn(self) -> Any:
+        w = self.w_down
+        backend = self.backend or (
+            "cute" if torch.cuda.is_available() and w.is_cuda else "interpret"
+        )
+        key = (backend, w.dtype, w.device)
+        fn = self._compiled.get(key)
+        if fn is None:
+            from .layers import decoder_layer_graph
+
+            g = decoder_layer_graph(sym("B", max=self.max_batch), self.cfg, w.dtype)
+            fn = self._compiled[key] = _compile(self, g, backend)
+        return fn
+
+    def forward(self, x, positions, k_cache, v_cache, page_table, seq_lens) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
+            raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
+        if x.shape[0] > self.max_batch:
+            raise ShapeError(f"batch {x.shape[0]} is more than max_batch={self.max_batch}")
+        weights = {n: getattr(self, n) for n in self._names}
+        with torch.no_grad():
+            return self._fn()(
+                x=x.detach(),
+                positions=positions,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                page_table=page_table,
+                seq_lens=seq_lens,
+                **weights,
+            )

@@ -130,6 +130,59 @@ def test_decode_step_matches_hf_layer(scheduler):
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
 
 
+def test_mega_decoder_layer_from_hf():
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = _hf(CFG)
+    mega = MegaDecoderLayer.from_hf(
+        layer,
+        page_size=CFG.page_size,
+        max_pages=CFG.max_pages,
+        max_positions=256,
+        max_batch=8,
+        backend="interpret",
+    )
+    inputs, want = _step_case(layer, rotary, CFG, [3, 40], torch.Generator().manual_seed(2))
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_mega_decoder_layer_on_the_gpu(scheduler):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    cfg = DecoderConfig(
+        hidden=512,
+        intermediate=1024,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        max_pages=64,
+        max_positions=2048,
+    )
+    layer, rotary = _hf(cfg)
+    gen = torch.Generator().manual_seed(3)
+    inputs, want = _step_case(layer, rotary, cfg, [1, 77, 1024], gen)
+    mega = MegaDecoderLayer.from_hf(
+        layer.to(torch.bfloat16),
+        page_size=16,
+        max_pages=64,
+        max_positions=2048,
+        scheduler=scheduler,
+    ).cuda()
+    cuda = {k: v.cuda() for k, v in inputs.items()}
+    for k in ("x", "k_cache", "v_cache"):
+        cuda[k] = cuda[k].bfloat16()
+    y = mega(**cuda)
+    err = ((y.float().cpu() - want).norm() / want.norm()).item()
+    assert err < 3e-2, err
+
+
 def test_decode_layer_compiles_for_hopper(tmp_path):
     cfg = DecoderConfig(
         hidden=4096,
