@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, bar_chart, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, time_us
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
@@ -123,10 +123,7 @@ def main(argv=None) -> int:
                 rel_err=round(err, 5),
             )
     res.add_ratios("torch_sdpa")
-    path = res.finish()
-    chart = bar_chart(res, path.with_suffix(".png"))
-    if chart:
-        print(f"wrote {chart}")
+    res.finish(chart=True)
     return 0
 
 

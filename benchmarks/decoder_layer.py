@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, bar_chart, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, time_us
 
 H, I, HQ, HKV, D = 4096, 12288, 32, 8, 128
 KV, PAGE, EPS = 4096, 16, 1e-6
@@ -144,10 +144,7 @@ def main(argv=None) -> int:
                 rel_err=round(errs[name], 5),
             )
     res.add_ratios("torch_graph")
-    path = res.finish()
-    chart = bar_chart(res, path.with_suffix(".png"))
-    if chart:
-        print(f"wrote {chart}")
+    res.finish(chart=True)
     return 0
 
 

@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, bar_chart, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, time_us
 
 MODELS = {  # name: (hidden, intermediate)
     "qwen3-8b": (4096, 12288),
@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     res.add_ratios("torch_graph")
-    path = res.finish()
-    chart = bar_chart(res, path.with_suffix(".png"))
-    if chart:
-        print(f"wrote {chart}")
+    res.finish(chart=True)
     failures = res.meta.get("failures", [])
     if failures:
         print(f"rel_err above {MAX_ERR}: {failures}")

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, bar_chart, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, time_us
 
 H, I, E, TOP_K = 2048, 768, 128, 8
 TOKENS = (1, 16, 128, 1024, 4096)
@@ -211,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 res.meta.setdefault("failures", []).append(f"{case} {name}")
                 print(f"WARNING {case} {name}: rel_err {errs[name]:.3g}")
     res.add_ratios("torch_graph")
-    path = res.finish()
-    chart = bar_chart(res, path.with_suffix(".png"))
-    if chart:
-        print(f"wrote {chart}")
+    res.finish(chart=True)
     failures = res.meta.get("failures", [])
     return 1 if failures else 0
 

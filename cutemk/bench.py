@@ -136,7 +136,9 @@ class Results:
         lines += ["  ".join(v.ljust(w) for v, w in zip(row, width)) for row in cells]
         return "\n".join(lines)
 
-    def finish(self, out_dir: Path | None = None) -> Path:
+    def finish(self, out_dir: Path | None = None, chart: bool = False) -> Path:
+        """Print the table, write ``<name>.json`` and, with ``chart``, the PNG beside it
+        (:func:`bar_chart`, where matplotlib is installed)."""
         out_dir = Path(out_dir) if out_dir else RESULTS_DIR
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{self.name}.json"
@@ -144,6 +146,10 @@ class Results:
         path.write_text(json.dumps(doc, indent=2) + "\n")
         print(self.table())
         print(f"wrote {path}")
+        if chart:
+            png = bar_chart(self, path.with_suffix(".png"))
+            if png:
+                print(f"wrote {png}")
         return path
 
 
