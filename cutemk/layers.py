@@ -94,8 +94,15 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
     if cfg.top_k > cfg.num_experts:
         raise ValueError(f"top_k={cfg.top_k} exceeds num_experts={cfg.num_experts}")
     g = Graph("qwen3_moe")
+    x = g.input("x", (tokens, cfg.hidden), dtype)
+    g.output(moe_block(g, x, tokens, cfg, dtype), "y")
+    return g
+
+
+def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
+    """The sparse MoE block of :func:`moe_graph` on value ``x`` (tokens, H) of graph ``g``
+    (its weights w_router, w_gate_up, w_down added as leaves); returns its output value."""
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
-    x = g.input("x", (tokens, h), dtype)
     w_router = g.weight("w_router", (e, h), dtype)
     w_gu = g.weight("w_gate_up", (e, 2 * i, h), dtype)
     w_down = g.weight("w_down", (e, h, i), dtype)
@@ -160,9 +167,9 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         name="experts_down",
     )
     # a few tokens a tile: the gather is latency bound, so spread it over many SMs
-    y = g.call(ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512)
-    g.output(y, "y")
-    return g
+    return g.call(
+        ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512
+    )
 
 
 # -- plain torch references (fp32) -----------------------------------------------------------
@@ -222,7 +229,7 @@ class DecoderConfig:
 
 
 def decoder_layer_graph(
-    batch: Sym, cfg: DecoderConfig, dtype: torch.dtype = torch.float32
+    batch: Sym, cfg: DecoderConfig, dtype: torch.dtype = torch.float32, moe: MoeConfig | None = None
 ) -> Graph:
     """One decode step of a Qwen3 decoder layer as one graph: RMSNorm -> fused QKV GEMM ->
     per-head q/k norm + rotary -> KV append (in place) -> split-KV paged attention -> output
@@ -232,7 +239,9 @@ def decoder_layer_graph(
     page_table (B, max_pages), seq_lens (B,) (counting the new token), then the weights:
     input_norm (H,), w_qkv ((Hq + 2 Hkv) D, H) = cat(q_proj, k_proj, v_proj), q_norm (D,),
     k_norm (D,), cos_sin (max_positions, D) (``ops.rope_table``), w_o (H, Hq D),
-    post_norm (H,), w_gate_up (2I, H) = cat(gate, up), w_down (H, I)."""
+    post_norm (H,), w_gate_up (2I, H) = cat(gate, up), w_down (H, I). With ``moe`` (a
+    Qwen3-MoE layer) the MLP is the sparse MoE block of :func:`moe_block` plus a residual add,
+    its weights w_router (E, H), w_gate_up (E, 2I, H), w_down (E, H, I)."""
     _positive(
         hidden=cfg.hidden,
         intermediate=cfg.intermediate,
@@ -258,8 +267,6 @@ def decoder_layer_graph(
     cos_sin = g.weight("cos_sin", (cfg.max_positions, d), torch.float32)
     w_o = g.weight("w_o", (h, hq * d), dtype)
     post_norm = g.weight("post_norm", (h,), dtype)
-    w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
-    w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
     tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n}
     hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=cfg.block_m, name="attn_norm")
     qkv = g.call(ops.gemm, hn, w_qkv, **tiles, name="qkv_proj")
@@ -287,7 +294,12 @@ def decoder_layer_graph(
     )
     h1 = g.call(ops.gemm, o, w_o, x, **tiles, name="o_proj")  # + residual
     h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=cfg.block_m, name="mlp_norm")
-    act = g.call(ops.gemm, h2, w_gu, **tiles, epilogue="silu_mul", name="gate_up")
-    y = g.call(ops.gemm, act, w_down, h1, **tiles, name="down")  # + residual
+    if moe is not None:
+        y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
+    else:
+        w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
+        w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
+        act = g.call(ops.gemm, h2, w_gu, **tiles, epilogue="silu_mul", name="gate_up")
+        y = g.call(ops.gemm, act, w_down, h1, **tiles, name="down")  # + residual
     g.output(y, "y")
     return g

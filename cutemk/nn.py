@@ -544,13 +544,15 @@ class MegaDecoderLayer(nn.Module):
     token per sequence, ``positions`` (B,) int32 its position, caches (pages, page_size, Hkv, D)
     (the new keys and values are written into them, in place), ``page_table`` (B, max_pages)
     int32, ``seq_lens`` (B,) int32 counting the new token; returns the layer's output (B, H).
-    Built from transformers' ``Qwen3DecoderLayer`` by :meth:`from_hf`. Inference only.
+    Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
+    sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
     """
 
     def __init__(
         self,
         weights: dict[str, torch.Tensor],
         cfg: Any,
+        moe: Any = None,
         max_batch: int = 64,
         backend: str | None = None,
         scheduler: Any = "static",
@@ -561,7 +563,7 @@ class MegaDecoderLayer(nn.Module):
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if backend not in (None, "cute", "interpret"):
             raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
-        self.cfg, self.max_batch = cfg, max_batch
+        self.cfg, self.moe, self.max_batch = cfg, moe, max_batch
         self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
         self._names = list(weights)
         for name, w in weights.items():
@@ -579,9 +581,10 @@ class MegaDecoderLayer(nn.Module):
         tiles: tuple[int, int] = (64, 64),
         **kwargs: Any,
     ) -> MegaDecoderLayer:
-        """From transformers' ``Qwen3DecoderLayer`` (its weights copied; its rotary settings
-        from its attention's config: the default rope, ``rope_theta``)."""
-        from .layers import DecoderConfig
+        """From transformers' ``Qwen3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` (its weights
+        copied; its rotary settings from its attention's config: the default rope,
+        ``rope_theta``)."""
+        from .layers import DecoderConfig, MoeConfig
         from .ops import rope_table
 
         a, m = layer.self_attn, layer.mlp
@@ -592,9 +595,23 @@ class MegaDecoderLayer(nn.Module):
             params = getattr(conf, "rope_parameters", None) or {}
             theta = params.get("rope_theta", getattr(conf, "rope_theta", 10000.0))
         max_pos = max_positions or conf.max_position_embeddings
+        sparse = hasattr(m, "experts")
+        moe = None
+        if sparse:  # the sparse block's weights as MegaMoE reads them (5.x or 4.x layout)
+            block = MegaMoE.from_hf(m, max_tokens=kwargs.get("max_batch", 64), backend="interpret")
+            moe = MoeConfig(
+                block.hidden,
+                block.intermediate,
+                block.num_experts,
+                block.top_k,
+                block.norm_topk_prob,
+                block_m=tiles[0],
+                block_n=tiles[1],
+                router_dtype=None,
+            )
         cfg = DecoderConfig(
             hidden=conf.hidden_size,
-            intermediate=m.gate_proj.weight.shape[0],
+            intermediate=moe.intermediate if sparse else m.gate_proj.weight.shape[0],
             heads=conf.num_attention_heads,
             kv_heads=conf.num_key_value_heads,
             head_dim=head_dim,
@@ -613,10 +630,15 @@ class MegaDecoderLayer(nn.Module):
             "cos_sin": rope_table(max_pos, head_dim, float(theta)).to(a.q_proj.weight.device),
             "w_o": a.o_proj.weight,
             "post_norm": layer.post_attention_layernorm.weight,
-            "w_gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-            "w_down": m.down_proj.weight,
         }
-        return cls(w, cfg, **kwargs)
+        if sparse:
+            w.update(w_router=block.w_router, w_gate_up=block.w_gate_up, w_down=block.w_down)
+        else:
+            w.update(
+                w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                w_down=m.down_proj.weight,
+            )
+        return cls(w, cfg, moe=moe, **kwargs)
 
     def _fn(self) -> Any:
         w = self.w_down
@@ -628,7 +650,7 @@ class MegaDecoderLayer(nn.Module):
         if fn is None:
             from .layers import decoder_layer_graph
 
-            g = decoder_layer_graph(sym("B", max=self.max_batch), self.cfg, w.dtype)
+            g = decoder_layer_graph(sym("B", max=self.max_batch), self.cfg, w.dtype, self.moe)
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
 

@@ -4,6 +4,7 @@ Each module defines a ``...Tile`` op class (a frozen dataclass) and a builder fu
 same name as the module, used with ``Graph.call``: ``g.call(ops.gemm, x, w, block_n=128)``.
 """
 
+from .add import AddTile, add
 from .all_gather import AllGatherTile, all_gather
 from .attention_decode import (
     AttentionCombineTile,
@@ -33,6 +34,8 @@ from .synthetic import SyntheticDagTile, dag_graph, dag_inputs, synthetic_dag
 from .topk import TopkSoftmaxTile, topk_softmax
 
 __all__ = [
+    "AddTile",
+    "add",
     "AllGatherTile",
     "all_gather",
     "AttentionCombineTile",

@@ -58,8 +58,8 @@ def _hf(cfg: DecoderConfig):
     return layer, Qwen3RotaryEmbedding(hf_cfg)
 
 
-def _weights(layer, cfg):
-    a, m = layer.self_attn, layer.mlp
+def _attn_weights(layer, cfg):
+    a = layer.self_attn
     return {
         "input_norm": layer.input_layernorm.weight.detach(),
         "w_qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
@@ -68,6 +68,13 @@ def _weights(layer, cfg):
         "cos_sin": ops.rope_table(cfg.max_positions, cfg.head_dim),
         "w_o": a.o_proj.weight.detach(),
         "post_norm": layer.post_attention_layernorm.weight.detach(),
+    }
+
+
+def _weights(layer, cfg):
+    m = layer.mlp
+    return {
+        **_attn_weights(layer, cfg),
         "w_gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
         "w_down": m.down_proj.weight.detach(),
     }
@@ -181,6 +188,76 @@ def test_mega_decoder_layer_on_the_gpu(scheduler):
     y = mega(**cuda)
     err = ((y.float().cpu() - want).norm() / want.norm()).item()
     assert err < 3e-2, err
+
+
+def _hf_moe(cfg: DecoderConfig, experts: int, top_k: int, inter: int):
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        Qwen3MoeDecoderLayer,
+        Qwen3MoeRotaryEmbedding,
+    )
+
+    hf_cfg = Qwen3MoeConfig(
+        hidden_size=cfg.hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.eps,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=cfg.max_positions,
+    )
+    hf_cfg._attn_implementation = "sdpa"
+    layer = Qwen3MoeDecoderLayer(hf_cfg, layer_idx=0).eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return layer, Qwen3MoeRotaryEmbedding(hf_cfg)
+
+
+def test_moe_decode_step_matches_hf_layer():
+    """The same decode step with the sparse MoE block (Qwen3MoeDecoderLayer)."""
+    pytest.importorskip("transformers")
+    from cutemk.layers import MoeConfig
+
+    e, k, inter = 8, 2, 32
+    layer, rotary = _hf_moe(CFG, e, k, inter)
+    moe = MoeConfig(CFG.hidden, inter, e, k, block_m=16, block_n=32, router_dtype=None)
+    c = decoder_layer_graph(mk.sym("B", max=8), CFG, moe=moe).compile("interpret", num_sms=8)
+    block = layer.mlp
+    w = _attn_weights(layer, CFG)
+    experts = block.experts
+    w.update(
+        w_router=block.gate.weight.detach(),
+        w_gate_up=experts.gate_up_proj.detach(),
+        w_down=experts.down_proj.detach(),
+    )
+    gen = torch.Generator().manual_seed(5)
+    for lens in ([2], [9, 33, 1]):
+        inputs, want = _step_case(layer, rotary, CFG, lens, gen)
+        torch.testing.assert_close(c(**inputs, **w), want, rtol=1e-4, atol=1e-4)
+    from cutemk.nn import MegaDecoderLayer
+
+    mega = MegaDecoderLayer.from_hf(
+        layer,
+        page_size=CFG.page_size,
+        max_pages=CFG.max_pages,
+        max_positions=256,
+        tiles=(16, 32),
+        max_batch=8,
+        backend="interpret",
+    )
+    inputs, want = _step_case(layer, rotary, CFG, [4, 12], gen)
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_layer_compiles_for_hopper(tmp_path):

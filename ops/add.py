@@ -1,0 +1,99 @@
+"""Elementwise sum of two (rows, cols) tensors, one block of rows a task: a residual add where
+the op producing one side has no residual epilogue (e.g. the MoE combine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import cutlass
+from cutlass import Float32, Int32, cute
+
+from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS
+from cutemk.symbolic import cdiv
+from cutemk.tileop import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    TileOp,
+    block,
+    blocks,
+    boxes,
+    expect_dtype,
+    expect_ndim,
+    expect_same_dim,
+    register_op,
+    span,
+)
+
+
+@register_op
+@dataclass(frozen=True)
+class AddTile(TileOp):
+    a: TensorSpec  # (rows, cols)
+    b: TensorSpec  # (rows, cols)
+    block_m: int = 4
+
+    name: ClassVar[str] = "add"
+    inputs: ClassVar[tuple[str, ...]] = ("a", "b")
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    uniform_cost: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b"):
+            expect_ndim(getattr(self, name), 2, f"add {name}")
+            expect_dtype(getattr(self, name), FLOAT_DTYPES, f"add {name}")
+        if self.b.dtype != self.a.dtype:
+            raise TypeError(f"add b must have a's dtype {self.a.dtype}, got {self.b.dtype}")
+        expect_same_dim(self.a.shape[0], self.b.shape[0], "add rows")
+        expect_same_dim(self.a.shape[1], self.b.shape[1], "add cols")
+        if not isinstance(self.block_m, int) or self.block_m < 1:
+            raise ValueError(f"add block_m must be a positive int, got {self.block_m!r}")
+
+    def output_specs(self):
+        return {"out": TensorSpec(self.a.shape, self.a.dtype)}
+
+    def grid(self):
+        return (cdiv(self.a.shape[0], self.block_m),)
+
+    def _box(self, coord, env):
+        rows, cols = self.a.concrete(env)
+        return block(coord[0], self.block_m, rows), (0, cols)
+
+    def reads(self, coord, env, data=None):
+        box = self._box(coord, env)
+        return {"a": box, "b": box}
+
+    def writes(self, coord, env, data=None):
+        return {"out": self._box(coord, env)}
+
+    def region_arrays(self, which, env, coords):
+        rows, cols = self.a.concrete(env)
+        b = boxes(blocks(coords[:, 0], self.block_m, rows), span(0, cols, len(coords)))
+        return {"out": b} if which == "writes" else {"a": b, "b": b}
+
+    def cost(self, coord, env):
+        cols = self.a.concrete(env)[1]
+        return tile_time_us(self.block_m * cols, 3.0 * self.block_m * cols * 2, self.a.dtype)
+
+    def reference(self, coord, env, t):
+        (r0, r1), _ = self._box(coord, env)
+        t["out"][r0:r1] = (t["a"][r0:r1].float() + t["b"][r0:r1].float()).to(t["out"].dtype)
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Rows of block ``coord0``; ``tensors`` = (mA, mB, mOut), one flat range of elements,
+        consecutive threads on consecutive columns."""
+        mA, mB, mOut = tensors
+        rows, cols = mA.shape[0], mA.shape[1]
+        r0 = coord0 * self.block_m
+        n = (cute.min(r0 + self.block_m, rows) - r0) * cols
+        for i in cutlass.range(tidx, n, NUM_THREADS, unroll=4):
+            r = r0 + i // cols
+            c = i % cols
+            mOut[r, c] = (mA[r, c].to(Float32) + mB[r, c].to(Float32)).to(mOut.element_type)
+
+
+def add(a: TensorSpec, b: TensorSpec, *, block_m: int = 4) -> AddTile:
+    """``a + b`` elementwise (computed in fp32, rounded once)."""
+    return AddTile(a, b, block_m)
