@@ -260,18 +260,37 @@ def test_moe_decode_step_matches_hf_layer():
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_layer_compiles_for_hopper(tmp_path):
-    cfg = DecoderConfig(
-        hidden=4096,
-        intermediate=12288,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        max_pages=512,
-        block_m=64,
-        block_n=64,
-    )
-    g = decoder_layer_graph(mk.sym("B", max=64), cfg, torch.bfloat16)
+@pytest.mark.parametrize("which", ["qwen3_8b", "qwen3_30b_a3b"])
+def test_decode_layer_compiles_for_hopper(tmp_path, which):
+    """Qwen3-8B (dense) and Qwen3-30B-A3B (MoE, MegaMoE's decode tiles) layers, bf16."""
+    from cutemk.layers import MoeConfig
+    from cutemk.nn import MOE_TILES
+
+    moe = None
+    if which == "qwen3_8b":
+        cfg = DecoderConfig(
+            hidden=4096,
+            intermediate=12288,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            max_pages=512,
+            block_m=64,
+            block_n=64,
+        )
+    else:
+        cfg = DecoderConfig(
+            hidden=2048,
+            intermediate=768,
+            heads=32,
+            kv_heads=4,
+            head_dim=128,
+            max_pages=512,
+            block_m=64,
+            block_n=64,
+        )
+        moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
+    g = decoder_layer_graph(mk.sym("B", max=64), cfg, torch.bfloat16, moe=moe)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
