@@ -44,9 +44,10 @@ def _weights(gen):
     }
 
 
-def torch_step(x, pos, kc, vc, w, fp32=False):
+def torch_step(x, pos, kc, vc, w, n, fp32=False):
     """The decode step in torch on a static cache kc / vc (B, Hkv, L, D), written in place at
-    ``pos``; attention over positions [0, pos]. ``fp32``: every operand in fp32 (reference)."""
+    ``pos``; attention over the first ``n`` positions (every sequence at length n, a Python int:
+    no device sync, so the step captures in a CUDA graph). ``fp32``: every operand in fp32."""
     cast = (lambda t: t.float()) if fp32 else (lambda t: t)
     w = {k: cast(v) for k, v in w.items()}
     x = cast(x)
@@ -69,7 +70,6 @@ def torch_step(x, pos, kc, vc, w, fp32=False):
     idx = torch.arange(b, device=x.device)
     kc[idx, :, pos.long()] = k.to(kc.dtype)
     vc[idx, :, pos.long()] = v.to(vc.dtype)
-    n = int(pos[0]) + 1  # every sequence at the same length here
     att = F.scaled_dot_product_attention(
         q[:, :, None], cast(kc[:, :, :n]), cast(vc[:, :, :n]), enable_gqa=True
     )
@@ -123,12 +123,12 @@ def main(argv=None) -> int:
         v_pages = vc.permute(0, 2, 1, 3).reshape(b * pages, PAGE, HKV, D).contiguous()
         table = torch.zeros(b, cfg.max_pages, dtype=torch.int32, device="cuda")
         table[:, :pages] = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
-        ref = torch_step(x, pos, kc.clone().float(), vc.clone().float(), w, fp32=True)
+        ref = torch_step(x, pos, kc.clone().float(), vc.clone().float(), w, KV, fp32=True)
         impls = {
             name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens))
             for name, m in megas.items()
         }
-        impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w)
+        impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
         fl = floor_us(0.0, weight_bytes + 2.0 * 2 * b * KV * HKV * D)

@@ -183,6 +183,13 @@ class _Simulation:
             if check_races
             else {}
         )
+        # in-place values: which task read an element while it still held the caller's data
+        # (readers must come after the update: a later write there means a missing event)
+        self.preset_reader = {
+            v.name: np.full(plan.shapes[v.name], -1, np.int32)
+            for v in plan.graph.values
+            if check_races and v.alias_of is not None
+        }
         self.views = []
         rank = plan.env.get("RANK", 0)
         for node in plan.graph.nodes:
@@ -273,6 +280,8 @@ class _Simulation:
                     f"task {task.label} reads {v.name}{list(idx)} (box {list(box)}) "
                     "which no task has written: a dependency is missing"
                 )
+            if v.name in self.preset_reader:
+                self.preset_reader[v.name][box_slices(box)][w == PRESET] = t
             for wt in np.unique(w).tolist():
                 if wt != PRESET and not (self.anc[t] >> wt) & 1:
                     raise RaceError(
@@ -289,6 +298,15 @@ class _Simulation:
             v = node.results.get(out)
             if v is not None and not box_is_empty(box):
                 w = self.writer[v.name][box_slices(box)]
+                if v.name in self.preset_reader:
+                    early = self.preset_reader[v.name][box_slices(box)]
+                    early = early[(early >= 0) & (early != t) & (w == PRESET)]
+                    if early.size:
+                        raise RaceError(
+                            f"task {self.plan.tasks[int(early[0])].label} read {v.name} (box "
+                            f"{list(box)}) before {task.label} updated it in place: a "
+                            "dependency is missing"
+                        )
                 for wt in np.unique(w[(w >= 0) & (w != t)]).tolist():  # PRESET < 0: no writer
                     if not (self.anc[t] >> wt) & 1:
                         raise RaceError(

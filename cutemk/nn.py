@@ -590,9 +590,18 @@ class MegaDecoderLayer(nn.Module):
         a, m = layer.self_attn, layer.mlp
         conf = a.config
         head_dim = a.head_dim
+        params = getattr(conf, "rope_parameters", None) or getattr(conf, "rope_scaling", None)
+        params = params or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"MegaDecoderLayer: rope type {rope_type!r} is not supported yet")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if getattr(a, name).bias is not None:
+                raise ValueError(f"MegaDecoderLayer: {name} has a bias, not supported yet")
+        if getattr(a, "sliding_window", None):
+            raise ValueError("MegaDecoderLayer: sliding-window attention is not supported yet")
         theta = rope_theta
         if theta is None:
-            params = getattr(conf, "rope_parameters", None) or {}
             theta = params.get("rope_theta", getattr(conf, "rope_theta", 10000.0))
         max_pos = max_positions or conf.max_position_embeddings
         sparse = hasattr(m, "experts")

@@ -44,6 +44,7 @@ def simulate_world(
     Returns every rank's outputs and plans."""
     if len(inputs) != world:
         raise ValueError(f"simulate_world: {len(inputs)} input sets for {world} ranks")
+    graph.validate()
     policy = resolve_scheduler(scheduler)
     rng = random.Random(seed)
     plans, tensors = [], []
@@ -54,7 +55,9 @@ def simulate_world(
         plan.check_distributed(policy.mode is SchedulingMode.DYNAMIC)
         t: dict[str, torch.Tensor] = dict(leaves)
         for v in graph.values:
-            if v.kind == "intermediate":
+            if v.kind == "intermediate" and v.alias_of is not None:  # an input updated in place
+                t[v.name] = t[v.alias_of.name]
+            elif v.kind == "intermediate":
                 t[v.name] = poison_(torch.empty(plan.shapes[v.name], dtype=v.dtype))
         plans.append(plan)
         tensors.append(t)

@@ -262,11 +262,12 @@ class AttentionDecodeTile(TileOp):
                         m[g] = m_new
         # merge the warps: each stages its m, l and o; thread (g, dim) merges one output
         sM = cute.make_tensor(
-            cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout((WARPS, g_n, 2))
+            cute.recast_ptr(smem_ptr, dtype=Float32),
+            cute.make_layout((WARPS, g_n, 2), stride=(g_n * 2, 2, 1)),
         )
-        sO = cute.make_tensor(
+        sO = cute.make_tensor(  # row-major: a warp's lanes store consecutive words
             cute.recast_ptr(smem_ptr, dtype=Float32) + WARPS * g_n * 2,
-            cute.make_layout((WARPS, g_n, d)),
+            cute.make_layout((WARPS, g_n, d), stride=(g_n * d, d, 1)),
         )
         poisoned = cute.arch.vote_any_sync(poisoned)
         for g in cutlass.range_constexpr(g_n):
@@ -323,6 +324,24 @@ class AttentionCombineTile(TileOp):
             expect_same_dim(self.part_o.shape[i], self.part_ml.shape[i], f"part dim {i}")
         if self.out_dtype not in FLOAT_DTYPES:
             raise TypeError(f"attention_combine out_dtype must be one of {FLOAT_DTYPES}")
+        # the split and capacity decide how many splits a length reads: they must be the
+        # partials' (more would read past part_o)
+        splits = self.part_o.shape[2]
+        if not isinstance(splits, int) or -(-self.max_tokens // self.split) != splits:
+            raise ShapeError(
+                f"attention_combine split={self.split}, max_tokens={self.max_tokens} give "
+                f"{-(-self.max_tokens // self.split)} splits; the partials have {splits}"
+            )
+
+    def check_producers(self, producers) -> None:
+        src = producers.get("part_o")
+        if getattr(src, "name", None) == "attention_decode" and (
+            src.split != self.split or src.max_tokens != self.max_tokens
+        ):
+            raise ShapeError(
+                f"attention_combine (split={self.split}, max_tokens={self.max_tokens}) merges "
+                f"partials made with split={src.split}, max_tokens={src.max_tokens}"
+            )
 
     def output_specs(self):
         b, hq, _, d = self.part_o.shape

@@ -106,6 +106,47 @@ def test_the_updated_input_has_one_reader():
         g.validate()
 
 
+def test_a_reader_that_skips_the_update_is_a_race():
+    """An attention whose reads of the updated caches declare no dependency on the append
+    (so nothing orders it after the update) is refused by the race checker whichever runs
+    first: it either reads before the update or the update lands after its read."""
+    from dataclasses import dataclass, fields
+
+    from cutemk.errors import RaceError
+    from cutemk.ops.attention_decode import AttentionDecodeTile
+    from cutemk.tileop import register_op
+
+    @register_op
+    @dataclass(frozen=True)
+    class CarelessAttention(AttentionDecodeTile):
+        name = "careless_attention"
+
+        def reads(self, coord, env, data=None):
+            r = super().reads(coord, env, data)
+            if data is None:  # no event on the append
+                r["k_cache"], r["v_cache"] = [], []
+            return r
+
+    g = _graph()
+    node = next(n for n in g.nodes if n.op.name == "attention_decode")
+    careless = CarelessAttention(**{f.name: getattr(node.op, f.name) for f in fields(node.op)})
+    object.__setattr__(node, "op", careless)
+    for seed in range(6):
+        c = g.compile("interpret", num_sms=4, scheduler="dynamic", seed=seed)
+        with pytest.raises(RaceError):
+            c(**_step([20, 30, 5], torch.Generator().manual_seed(seed)))
+
+
+def test_world_simulation_updates_the_callers_cache():
+    from cutemk.world import simulate_world
+
+    a = _step([9, 17], torch.Generator().manual_seed(3))
+    kc, vc, ref = _expected(a)
+    outs, _ = simulate_world(_graph(), 1, [a])
+    torch.testing.assert_close(a["k_cache"], kc, rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][0], ref, rtol=1e-4, atol=1e-4)
+
+
 def test_compiles_for_hopper(tmp_path):
     compile_offline(_graph(torch.bfloat16), "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     assert list(tmp_path.glob("*.ptx"))
