@@ -8,7 +8,9 @@ The outputs ``k_cache_out`` / ``v_cache_out`` are the caches updated in place
 (``TileOp.updates``): attention reads them, so it runs after the append. One tile per
 sequence; its writes land where the page table says (``scatter_outputs``). A position or page
 outside the cache is bad data: that row is not written (the attention of that sequence then
-reads a bad page or length and comes out NaN).
+reads a bad page or length and comes out NaN). Two sequences must never name the same page
+slot (the interpreter reports it as a race): a padding row of a batch takes ``seq_lens`` 0,
+which writes nothing.
 """
 
 from __future__ import annotations
