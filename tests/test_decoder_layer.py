@@ -46,16 +46,21 @@ def _hf(cfg: DecoderConfig):
         rope_theta=1_000_000.0,
         max_position_embeddings=cfg.max_positions,
     )
+    return _randomized(Qwen3DecoderLayer, hf_cfg, 0), Qwen3RotaryEmbedding(hf_cfg)
+
+
+def _randomized(layer_cls, hf_cfg, seed: int):
+    """An HF layer (SDPA attention) with random weights: norms near 1, others ~1/sqrt(fan-in)."""
     hf_cfg._attn_implementation = "sdpa"
-    layer = Qwen3DecoderLayer(hf_cfg, layer_idx=0).eval()
-    gen = torch.Generator().manual_seed(0)
+    layer = layer_cls(hf_cfg, layer_idx=0).eval()
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return layer, Qwen3RotaryEmbedding(hf_cfg)
+    return layer
 
 
 def _attn_weights(layer, cfg):
@@ -212,16 +217,7 @@ def _hf_moe(cfg: DecoderConfig, experts: int, top_k: int, inter: int):
         rope_theta=1_000_000.0,
         max_position_embeddings=cfg.max_positions,
     )
-    hf_cfg._attn_implementation = "sdpa"
-    layer = Qwen3MoeDecoderLayer(hf_cfg, layer_idx=0).eval()
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return layer, Qwen3MoeRotaryEmbedding(hf_cfg)
+    return _randomized(Qwen3MoeDecoderLayer, hf_cfg, 4), Qwen3MoeRotaryEmbedding(hf_cfg)
 
 
 def test_moe_decode_step_matches_hf_layer():
