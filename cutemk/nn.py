@@ -536,7 +536,7 @@ class MegaMoE(_KeyedModule):
         )
 
 
-class MegaDecoderLayer(nn.Module):
+class MegaDecoderLayer(_KeyedModule):
     """Decode steps of a Qwen3 decoder layer (dense MLP) as one megakernel
     (:func:`cutemk.layers.decoder_layer_graph`), over a paged KV cache the caller owns.
 
@@ -569,6 +569,11 @@ class MegaDecoderLayer(nn.Module):
         for name, w in weights.items():
             self.register_buffer(name, w.detach().contiguous())
         self._compiled: dict[tuple, Any] = {}
+        self._cutemk_key = (
+            f"MegaDecoderLayer({cfg!r}, moe={moe!r}, weights={self._names}, max={max_batch}, "
+            f"backend={backend}, scheduler={scheduler!r}, sms={num_sms})"
+        )
+        torch_ops.key_of(self)
 
     @classmethod
     def from_hf(
@@ -649,8 +654,9 @@ class MegaDecoderLayer(nn.Module):
             )
         return cls(w, cfg, moe=moe, **kwargs)
 
-    def _fn(self) -> Any:
-        w = self.w_down
+    def _fn(self, w: torch.Tensor | None = None) -> Any:
+        """The compiled graph for weights like ``w`` (default: this module's ``w_down``)."""
+        w = self.w_down if w is None else w
         backend = self.backend or (
             "cute" if torch.cuda.is_available() and w.is_cuda else "interpret"
         )
@@ -668,14 +674,22 @@ class MegaDecoderLayer(nn.Module):
             raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
         if x.shape[0] > self.max_batch:
             raise ShapeError(f"batch {x.shape[0]} is more than max_batch={self.max_batch}")
-        weights = {n: getattr(self, n) for n in self._names}
+        weights = [getattr(self, n) for n in self._names]
+        key = torch_ops.key_of(self)
+        return torch.ops.cutemk.mega_decoder_layer(
+            x.detach(), positions, k_cache, v_cache, page_table, seq_lens, weights, key
+        )
+
+    def _launch(self, x, positions, k_cache, v_cache, page_table, seq_lens, weights):
+        """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
+        named = dict(zip(self._names, weights))
         with torch.no_grad():
-            return self._fn()(
-                x=x.detach(),
+            return self._fn(named["w_down"])(
+                x=x,
                 positions=positions,
                 k_cache=k_cache,
                 v_cache=v_cache,
                 page_table=page_table,
                 seq_lens=seq_lens,
-                **weights,
+                **named,
             )

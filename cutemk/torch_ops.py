@@ -64,3 +64,23 @@ def mega_moe(
 @mega_moe.register_fake
 def _(x, w_router, w_gate_up, w_down, key):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("cutemk::mega_decoder_layer", mutates_args=("k_cache", "v_cache"))
+def mega_decoder_layer(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    weights: list[torch.Tensor],
+    key: str,
+) -> torch.Tensor:
+    """MegaDecoderLayer's megakernel: one decode step, the caches updated in place."""
+    return _runner(key)._launch(x, positions, k_cache, v_cache, page_table, seq_lens, weights)
+
+
+@mega_decoder_layer.register_fake
+def _(x, positions, k_cache, v_cache, page_table, seq_lens, weights, key):
+    return torch.empty_like(x)
