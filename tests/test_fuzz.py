@@ -101,3 +101,46 @@ def test_fuzz_moe_on_the_gpu(seed):
             yy = c(x, **w)
             same = (yy == y) | (torch.isnan(yy) & torch.isnan(y))
             assert same.all(), f"seed {seed} T={t}: a second launch differs"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fuzz_decode_attention_interpreted(seed):
+    """Random GQA shapes, page sizes, splits, batch sizes and lengths (with scattered pages)
+    against fp32 SDPA; a sequence given a bad page or length comes out NaN, the others exact."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_attention_decode import _graph as attention_graph
+    from test_attention_decode import _inputs as attention_inputs
+
+    from cutemk.ops.attention_decode import decode_attention_reference
+
+    rng = random.Random(seed)
+    hkv = rng.choice([1, 2, 4])
+    hq = hkv * rng.choice([1, 2, 4, 8])
+    d = rng.choice([32, 64])
+    page = rng.choice([1, 4, 16])
+    max_pages = rng.choice([8, 40])
+    split = rng.choice([4, 16, 64])
+    cap = page * max_pages
+    c = attention_graph(hq, hkv, d, page, max_pages, split, torch.float32).compile(
+        "interpret", num_sms=rng.choice([1, 3, 8]), scheduler=rng.choice(["static", "dynamic"])
+    )
+    gen = torch.Generator().manual_seed(seed)
+    lens = [rng.randint(1, cap) for _ in range(rng.randint(1, 5))]
+    a = attention_inputs(lens, hq, hkv, d, page, max_pages, torch.float32, gen)
+    bad = set()
+    if len(lens) > 1 and rng.random() < 0.5:  # one sequence gets bad data
+        b = rng.randrange(len(lens))
+        bad.add(b)
+        if rng.random() < 0.5:
+            a["page_table"][b, rng.randrange(-(-lens[b] // page))] = -3
+        else:
+            a["seq_lens"][b] = rng.choice([0, -1, cap + 1])
+    out = c(**a)
+    good = [b for b in range(len(lens)) if b not in bad]
+    ref = decode_attention_reference(**{k: (v if "cache" in k else v[good]) for k, v in a.items()})
+    torch.testing.assert_close(out[good], ref, rtol=1e-4, atol=1e-4)
+    for b in bad:
+        assert torch.isnan(out[b]).all()
