@@ -102,12 +102,15 @@ def _warm_graph(compiled: Any, tokens: list[int], progress: bool | None) -> Warm
             f"has {sorted(syms)}"
         )
     report = WarmupReport()
-    bar = _progress(len(tokens), progress)
-    for t in tokens:
-        ((name, s),) = syms.items()
-        lo, hi = s.bounds()
+    if not tokens:
+        return report
+    ((name, s),) = syms.items()
+    lo, hi = s.bounds()
+    for t in tokens:  # every count checked before any is planned
         if not lo <= t <= hi:
             raise ShapeError(f"warmup: {name}={t} is outside [{lo}, {hi}]")
+    bar = _progress(len(tokens), progress)
+    for t in tokens:
         t0 = time.perf_counter()
         compiled.plan({name: t})
         report.steps.append((f"plan {name}={t}", time.perf_counter() - t0))
