@@ -39,10 +39,12 @@ class DepGraph:
         prod = plan.producers()
         cons = plan.consumers()
         live = [bool(prod[e]) and bool(cons[e]) for e in range(plan.num_events)]
-        waits = tuple(tuple(e for e in dict.fromkeys(plan.waits[t]) if live[e]) for t in range(n))
-        notifies = tuple(
-            tuple(e for e in dict.fromkeys(plan.notifies[t]) if live[e]) for t in range(n)
-        )
+        if all(live):  # the usual case: no event to drop, only repeats
+            waits = tuple(tuple(dict.fromkeys(w)) for w in plan.waits)
+            notifies = tuple(tuple(dict.fromkeys(ns)) for ns in plan.notifies)
+        else:
+            waits = tuple(tuple(e for e in dict.fromkeys(w) if live[e]) for w in plan.waits)
+            notifies = tuple(tuple(e for e in dict.fromkeys(ns) if live[e]) for ns in plan.notifies)
         extra: list[tuple[int, ...]] = [()] * n
         if mirror_remote and plan.shared_events:
             shared = list(

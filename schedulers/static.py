@@ -66,15 +66,19 @@ class StaticScheduler:
         finish = [0.0] * plan.num_tasks
         sm_of = [-1] * plan.num_tasks
         queues: list[list[int]] = [[] for _ in range(num_sms)]
-        # ties: node order, then the op's preferred tile order (grid order by default)
-        key = [plan.task_key(t) for t in range(plan.num_tasks)]
-        heap = [(-rank[t], key[t], t) for t in range(plan.num_tasks) if missing[t] == 0]
+        # ties: node order, then the op's preferred tile order (grid order by default); the
+        # heap holds each task's place in that total order (ints compare faster than tuples)
+        prio = [0] * plan.num_tasks
+        by_prio = sorted(range(plan.num_tasks), key=lambda t: (-rank[t], plan.task_key(t), t))
+        for i, t in enumerate(by_prio):
+            prio[t] = i
+        heap = [prio[t] for t in range(plan.num_tasks) if missing[t] == 0]
         heapq.heapify(heap)
         hop = self.hw.hop_us
         ready = np.zeros(num_sms)
         start = np.zeros(num_sms)
         while heap:
-            _, _, t = heapq.heappop(heap)
+            t = by_prio[heapq.heappop(heap)]
             if g.waits[t] or g.extra[t]:
                 _ready_times(g, t, latest, finish, sm_of, hop, ready)
                 np.maximum(ready, sm_free, out=start)
@@ -94,11 +98,11 @@ class StaticScheduler:
                     for c in g.consumers[e]:
                         missing[c] -= 1
                         if missing[c] == 0:
-                            heapq.heappush(heap, (-rank[c], key[c], c))
+                            heapq.heappush(heap, prio[c])
             for s in g.extra_succ[t]:
                 missing[s] -= 1
                 if missing[s] == 0:
-                    heapq.heappush(heap, (-rank[s], key[s], s))
+                    heapq.heappush(heap, prio[s])
         return StaticSchedule(tuple(tuple(q) for q in queues))
 
 
