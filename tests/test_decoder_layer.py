@@ -256,8 +256,11 @@ def test_moe_decode_step_matches_hf_layer():
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("which", ["qwen3_8b", "qwen3_30b_a3b"])
-def test_decode_layer_compiles_for_hopper(tmp_path, which):
+@pytest.mark.parametrize(
+    "which,scheduler",
+    [("qwen3_8b", "static"), ("qwen3_8b", "dynamic"), ("qwen3_30b_a3b", "static")],
+)
+def test_decode_layer_compiles_for_hopper(tmp_path, which, scheduler):
     """Qwen3-8B (dense) and Qwen3-30B-A3B (MoE, MegaMoE's decode tiles) layers, bf16."""
     from cutemk.layers import MoeConfig
     from cutemk.nn import MOE_TILES
@@ -287,7 +290,7 @@ def test_decode_layer_compiles_for_hopper(tmp_path, which):
         )
         moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
     g = decoder_layer_graph(mk.sym("B", max=64), cfg, torch.bfloat16, moe=moe)
-    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
     assert "wgmma.mma_async" in ptx  # the projections on the Hopper GEMM
