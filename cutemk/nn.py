@@ -31,6 +31,7 @@ from . import torch_ops
 from .errors import DeviceError, DTypeError, ShapeError
 from .layers import mlp_graph
 from .symbolic import sym
+from .tileop import expect_positive_int
 
 DECODE_MAX_TOKENS = 128
 """Largest token count the decode regimes serve; larger ones go to the prefill graph."""
@@ -76,11 +77,33 @@ def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
 
 class _KeyedModule(nn.Module):
     """A module whose megakernel runs through a ``cutemk`` custom op keyed by its launch
-    configuration (``_cutemk_key``, see :func:`cutemk.torch_ops.key_of`)."""
+    configuration (``_cutemk_key``, see :func:`cutemk.torch_ops.key_of`), with ``backend``
+    and weights ``w_down``; those with regimes name their limits in ``regime_limits``."""
+
+    regime_limits: dict[str, int | None] = {}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         torch_ops.key_of(self)  # a copy or a reloaded module can serve its key
+
+    def regime(self, tokens: int) -> str:
+        """The regime whose graph runs ``tokens`` rows."""
+        return _regime(self.regime_limits, tokens)
+
+    def regimes(self) -> tuple[str, ...]:
+        """The regimes this module can run: those starting below ``max_tokens``."""
+        return tuple(r for r, _ in self.regime_starts())
+
+    def regime_starts(self) -> list[tuple[str, int]]:
+        """(regime, its smallest token count) of each regime this module runs."""
+        return regime_starts(self.regime_limits, self.max_tokens)
+
+    def resolved_backend(self, like: torch.Tensor | None = None) -> str:
+        """The backend for weights like ``like`` (default: this module's)."""
+        if self.backend is not None:
+            return self.backend
+        cuda = torch.cuda.is_available() and (self.w_down if like is None else like).is_cuda
+        return "cute" if cuda else "interpret"
 
 
 class MegaMLP(_KeyedModule):
@@ -94,6 +117,8 @@ class MegaMLP(_KeyedModule):
     ``backend`` None picks 'cute' when the weights are on a CUDA device at call time, else
     'interpret' (the CPU reference). ``scheduler`` and ``num_sms`` go to ``Graph.compile``.
     """
+
+    regime_limits = REGIME_LIMITS
 
     def __init__(
         self,
@@ -159,25 +184,6 @@ class MegaMLP(_KeyedModule):
         )
 
     # -- graphs -----------------------------------------------------------------------------
-    def regime(self, tokens: int) -> str:
-        """The regime whose graph runs ``tokens`` rows."""
-        return _regime(REGIME_LIMITS, tokens)
-
-    def regimes(self) -> tuple[str, ...]:
-        """The regimes this module can run: those starting below ``max_tokens``."""
-        return tuple(r for r, _ in regime_starts(REGIME_LIMITS, self.max_tokens))
-
-    def regime_starts(self) -> list[tuple[str, int]]:
-        """(regime, its smallest token count) of each regime this module runs."""
-        return regime_starts(REGIME_LIMITS, self.max_tokens)
-
-    def resolved_backend(self, like: torch.Tensor | None = None) -> str:
-        """The backend for weights like ``like`` (default: this module's)."""
-        if self.backend is not None:
-            return self.backend
-        cuda = torch.cuda.is_available() and (self.w_down if like is None else like).is_cuda
-        return "cute" if cuda else "interpret"
-
     def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
         """The compiled graph of a regime for weights of ``like``'s dtype and device (default:
         this module's weights), compiled on first use, then cached: every token count of the
@@ -389,6 +395,8 @@ class MegaMoE(_KeyedModule):
     Inference only (no backward).
     """
 
+    regime_limits = MOE_REGIME_LIMITS
+
     def __init__(
         self,
         w_router: torch.Tensor,
@@ -467,25 +475,6 @@ class MegaMoE(_KeyedModule):
             w_down = torch.stack([m.down_proj.weight for m in experts])
         return cls(gate.weight, w_gu, w_down, int(top_k), bool(norm), max_tokens, **kwargs)
 
-    def regime(self, tokens: int) -> str:
-        """The regime whose graph runs ``tokens`` rows."""
-        return _regime(MOE_REGIME_LIMITS, tokens)
-
-    def regimes(self) -> tuple[str, ...]:
-        """The regimes this module can run: those starting below ``max_tokens``."""
-        return tuple(r for r, _ in regime_starts(MOE_REGIME_LIMITS, self.max_tokens))
-
-    def regime_starts(self) -> list[tuple[str, int]]:
-        """(regime, its smallest token count) of each regime this module runs."""
-        return regime_starts(MOE_REGIME_LIMITS, self.max_tokens)
-
-    def resolved_backend(self, like: torch.Tensor | None = None) -> str:
-        """The backend for weights like ``like`` (default: this module's)."""
-        if self.backend is not None:
-            return self.backend
-        cuda = torch.cuda.is_available() and (self.w_down if like is None else like).is_cuda
-        return "cute" if cuda else "interpret"
-
     def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
         """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for weights of
         ``like``'s dtype and device (default: this module's weights), compiled on first use,
@@ -559,8 +548,7 @@ class MegaDecoderLayer(_KeyedModule):
         num_sms: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        expect_positive_int(max_batch, "max_batch")
         if backend not in (None, "cute", "interpret"):
             raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
         self.cfg, self.moe, self.max_batch = cfg, moe, max_batch
@@ -657,9 +645,7 @@ class MegaDecoderLayer(_KeyedModule):
     def _fn(self, w: torch.Tensor | None = None) -> Any:
         """The compiled graph for weights like ``w`` (default: this module's ``w_down``)."""
         w = self.w_down if w is None else w
-        backend = self.backend or (
-            "cute" if torch.cuda.is_available() and w.is_cuda else "interpret"
-        )
+        backend = self.resolved_backend(w)
         key = (backend, w.dtype, w.device)
         fn = self._compiled.get(key)
         if fn is None:

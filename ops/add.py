@@ -21,6 +21,7 @@ from cutemk.tileop import (
     boxes,
     expect_dtype,
     expect_ndim,
+    expect_positive_int,
     expect_same_dim,
     register_op,
     span,
@@ -47,8 +48,7 @@ class AddTile(TileOp):
             raise TypeError(f"add b must have a's dtype {self.a.dtype}, got {self.b.dtype}")
         expect_same_dim(self.a.shape[0], self.b.shape[0], "add rows")
         expect_same_dim(self.a.shape[1], self.b.shape[1], "add cols")
-        if not isinstance(self.block_m, int) or self.block_m < 1:
-            raise ValueError(f"add block_m must be a positive int, got {self.block_m!r}")
+        expect_positive_int(self.block_m, "add block_m")
 
     def output_specs(self):
         return {"out": TensorSpec(self.a.shape, self.a.dtype)}

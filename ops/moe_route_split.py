@@ -38,6 +38,7 @@ from cutemk.tileop import (
     block,
     expect_dtype,
     expect_ndim,
+    expect_positive_int,
     expect_same_dim,
     full_box,
     register_op,
@@ -55,11 +56,6 @@ def _check_chunk(op_name: str, chunk) -> None:
         raise ValueError(
             f"{op_name} chunk must be an int in [1, 2**20] (tokens a tile), got {chunk!r}"
         )
-
-
-def _check_experts(op_name: str, num_experts) -> None:
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"{op_name} num_experts must be a positive int, got {num_experts!r}")
 
 
 def _chunk_slots(ids: torch.Tensor, c: int, chunk: int, num_e: int):
@@ -150,7 +146,7 @@ class MoeRouteCountTile(_ChunkedIds, TileOp):
     def __post_init__(self) -> None:
         expect_ndim(self.ids, 2, "moe_route_count ids")
         expect_dtype(self.ids, (torch.int32,), "moe_route_count ids")
-        _check_experts("moe_route_count", self.num_experts)
+        expect_positive_int(self.num_experts, "moe_route_count num_experts")
         _check_chunk("moe_route_count", self.chunk)
 
     def check_producers(self, producers) -> None:
@@ -228,16 +224,13 @@ class MoeRouteLayoutTile(TileOp):
     def __post_init__(self) -> None:
         expect_ndim(self.chunk_count, 2, "moe_route_layout chunk_count")
         expect_dtype(self.chunk_count, (torch.int32,), "moe_route_layout chunk_count")
-        _check_experts("moe_route_layout", self.num_experts)
+        expect_positive_int(self.num_experts, "moe_route_layout num_experts")
         if self.chunk_count.shape[1] != self.num_experts:
             raise GraphError(
                 f"moe_route_layout over {self.num_experts} experts got counts of "
                 f"{self.chunk_count.shape[1]}"
             )
-        if not isinstance(self.block_m, int) or self.block_m < 1:
-            raise ValueError(
-                f"moe_route_layout block_m must be a positive int, got {self.block_m!r}"
-            )
+        expect_positive_int(self.block_m, "moe_route_layout block_m")
 
     def check_producers(self, producers) -> None:
         count = producers.get("chunk_count")
@@ -349,7 +342,7 @@ class MoeRoutePlaceTile(_ChunkedIds, TileOp):
     def __post_init__(self) -> None:
         expect_ndim(self.ids, 2, "moe_route_place ids")
         expect_dtype(self.ids, (torch.int32,), "moe_route_place ids")
-        _check_experts("moe_route_place", self.num_experts)
+        expect_positive_int(self.num_experts, "moe_route_place num_experts")
         _check_chunk("moe_route_place", self.chunk)
         if self.chunk_base.shape[1] != self.num_experts:
             raise GraphError(
