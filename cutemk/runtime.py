@@ -66,6 +66,35 @@ def _cute_tensor(t: torch.Tensor):
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
+def _off_graph(fn, *args):
+    """Run ``fn`` (which allocates and fills the persistent device state of a plan) on a
+    thread of its own, on a stream of its own, and wait for it there.
+
+    The state outlives the call: it must not come from a CUDA-graph memory pool, and filling
+    it must not be recorded into a graph being captured. ``torch.compile(mode=
+    "reduce-overhead")`` routes the calling thread's allocations to its pool while it warms up
+    and captures; another thread allocates from the ordinary pool, and a capture in
+    thread-local mode does not see that thread's copies."""
+    device = torch.cuda.current_device()
+    box: dict[str, Any] = {}
+
+    def work():
+        try:
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(torch.cuda.Stream(device)), no_gc():
+                box["out"] = fn(*args)
+                torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # re-raised on the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=work, name="cutemk-build")
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
 @dataclass
 class _Buffers:
     """Device state of one plan (one token count): program, counters, intermediates."""
@@ -145,13 +174,23 @@ class CuteGraph:
             self._buffers[key] = b
         return b
 
+    def _used_by_caller(self, b: _Buffers) -> _Buffers:
+        """Mark state built on another stream as used by the caller's stream, so freeing it
+        (when this object goes) waits for the launches that read it."""
+        stream = torch.cuda.current_stream()
+        for t in [*b.torch_dev.values(), *self._scratch_bufs.values()]:
+            t.record_stream(stream)
+        return b
+
     def load_plan(self, plan: Plan) -> None:
         """Install ``plan`` (e.g. one a tool or test edited) for its bound dims."""
         self._buffers[env_key(plan.env)] = self._build_buffers(plan)
 
     def _build_buffers(self, plan: Plan) -> _Buffers:
-        with no_gc():  # schedule and lowering allocate per task (see plan.no_gc)
-            return self._build_buffers_now(plan)
+        if self.spec.distributed:  # collective setup: stays on the caller's thread
+            with no_gc():  # schedule and lowering allocate per task (see plan.no_gc)
+                return self._build_buffers_now(plan)
+        return self._used_by_caller(_off_graph(self._build_buffers_now, plan))
 
     def _build_buffers_now(self, plan: Plan) -> _Buffers:
         if self.spec.distributed:
