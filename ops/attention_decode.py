@@ -34,12 +34,15 @@ import cutlass
 import torch
 from cutlass import Boolean, Float32, Int32, cute
 
+from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import ShapeError
+from . import attention_decode_sm90 as dsm90
 from cutemk.tileop import (
     FLOAT_DTYPES,
+    RingTile,
     TensorSpec,
     TileOp,
     block,
@@ -192,6 +195,78 @@ class AttentionDecodeTile(TileOp):
 
     # -- device ------------------------------------------------------------------------------
     exists_on_device: ClassVar[bool] = True
+
+    def sm90(self) -> dsm90.Sm90DecodeConfig | None:
+        """The Hopper tile (K and V through the megakernel's ring by TMA) where the target arch
+        and the shapes allow it; else None and the portable tile below runs."""
+        if target_arch() != "sm_90a":
+            return None
+        return dsm90.sm90_decode_config(
+            self.q.dtype,
+            self.group,
+            self.q.shape[2],
+            self.k_cache.shape[1],
+            self.split,
+            self.splits,
+            self.max_tokens,
+            self.softmax_scale,
+        )
+
+    def ring_tile(self) -> RingTile | None:
+        cfg = self.sm90()
+        if cfg is None:
+            return None
+        return RingTile(cfg.slices, cfg.tx_bytes, cfg.slot_bytes, cfg.epi_bytes)
+
+    def host_args(self, tensors) -> tuple:
+        cfg = self.sm90()
+        if cfg is None:
+            return ()
+        return dsm90.tma_args(cfg, tensors[1], tensors[2])
+
+    def reads_async_proxy(self) -> bool:
+        return self.sm90() is not None
+
+    @cute.jit
+    def device_task_word(self, tensors, coord0: Int32, coord1: Int32) -> Int32:
+        """The sequence's length, clamped to the page table: the producer's loads stop there."""
+        return cute.min(tensors[4][coord0], self.max_tokens)
+
+    @cute.jit
+    def device_load_independent(
+        self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
+    ):
+        pass  # the cache may be appended in this launch: every load follows the acquire
+
+    @cute.jit
+    def device_load_dependent(
+        self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
+    ):
+        dsm90.load_kv(self.sm90(), tensors, coord0, coord1, word, kt, idx, bar, ring, slot)
+
+    @cute.jit
+    def device_compute(
+        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
+    ):
+        return dsm90.compute(
+            self.sm90(),
+            tensors,
+            coord0,
+            coord1,
+            full,
+            empty,
+            count,
+            ring,
+            stages,
+            slot,
+            epi,
+            ctid,
+            wait,
+        )
+
+    @cute.jit
+    def device_store(self, tensors, coord0, coord1, epi):
+        pass  # the consumers wrote the tile; the storer warp only publishes it
 
     def device_smem_bytes(self) -> int:
         # per warp and head: its m and l, and its o (D floats)

@@ -28,6 +28,8 @@ EPI_FULL_BARRIER = 3
 """Consumers -> storer warp: a tile's output is staged in shared memory (arrive / sync)."""
 EPI_EMPTY_BARRIER = 4
 """Storer warp -> consumers: the staging buffer has been read by the TMA store."""
+CONSUMER_BARRIER = 5
+"""Every consumer thread (both consumer warpgroups), inside a ring op's compute."""
 STORER_WARP = 2
 """Warp of the producer warpgroup that stores ring tiles and publishes them."""
 
