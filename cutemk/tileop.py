@@ -265,9 +265,10 @@ class TileOp:
         raise NotImplementedError
 
     def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
+        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
     ):
-        """Ring op, every consumer thread (``ctid`` in ``[0, consumer threads)``): consume ring
+        """Ring op, every consumer thread (``ctid`` in ``[0, consumer threads)``; ``word`` as the
+        loads got it, handed over with the task): consume ring
         slices ``count, count + 1, ...`` (``full`` / ``empty``: the ring's mbarriers, waited on
         through ``wait``, see ``cutemk.device.ring``), stage the output in ``epi`` (after
         ``EPI_EMPTY_BARRIER``: the previous tile's store has read it) fenced into the async

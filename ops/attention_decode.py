@@ -222,7 +222,7 @@ class AttentionDecodeTile(TileOp):
         cfg = self.sm90()
         if cfg is None:
             return ()
-        return dsm90.tma_args(cfg, tensors[1], tensors[2])
+        return dsm90.tma_args(cfg, tensors[0], tensors[1], tensors[2])
 
     def reads_async_proxy(self) -> bool:
         return self.sm90() is not None
@@ -246,13 +246,14 @@ class AttentionDecodeTile(TileOp):
 
     @cute.jit
     def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
+        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
     ):
         return dsm90.compute(
             self.sm90(),
             tensors,
             coord0,
             coord1,
+            word,
             full,
             empty,
             count,

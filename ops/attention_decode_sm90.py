@@ -108,12 +108,22 @@ class Sm90DecodeConfig:
         return max(1, 128 // (self.head_dim // ROW_LANES * self.es))
 
     @property
+    def page_checks(self) -> int:
+        """Page ids a consumer thread checks (a tile spans at most split / page + 1 pages)."""
+        return -(-(self.split // self.page + 1) // CONSUMER_THREADS)
+
+    @property
     def pv_dims(self) -> int:
         return self.head_dim // WARP_SIZE
 
     @property
+    def q_offset(self) -> int:
+        """Elements from a slot's start to its copy of the tile's q (after K and V)."""
+        return 2 * self.slice_tokens * self.head_dim
+
+    @property
     def tx_bytes(self) -> int:
-        return 2 * self.slice_tokens * self.head_dim * self.es
+        return (self.q_offset + self.group * self.head_dim) * self.es
 
     @property
     def slot_bytes(self) -> int:
@@ -174,13 +184,23 @@ def _box_layout(cfg: Sm90DecodeConfig):
     return cute.make_layout((cfg.box_rows, cfg.head_dim), stride=(cfg.head_dim, 1))
 
 
-def tma_args(cfg: Sm90DecodeConfig, mK: cute.Tensor, mV: cute.Tensor) -> tuple:
-    """Host side (inside the launch): ``(atom_k, tma_k, atom_v, tma_v)``."""
+def tma_args(cfg: Sm90DecodeConfig, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor) -> tuple:
+    """Host side (inside the launch): ``(atom_k, tma_k, atom_v, tma_v, atom_q, tma_q)``; q is
+    viewed as (Hq, D, B): a tile's G heads are one box."""
     load = cpasync.CopyBulkTensorTileG2SOp()
     tile = (cfg.box_rows, cfg.head_dim)
     atom_k, tma_k = cpasync.make_tiled_tma_atom(load, _page_view(mK), _box_layout(cfg), tile)
     atom_v, tma_v = cpasync.make_tiled_tma_atom(load, _page_view(mV), _box_layout(cfg), tile)
-    return atom_k, tma_k, atom_v, tma_v
+    heads = cute.make_tensor(
+        mQ.iterator,
+        cute.make_layout(
+            (mQ.shape[1], mQ.shape[2], mQ.shape[0]),
+            stride=(mQ.stride[1], mQ.stride[2], mQ.stride[0]),
+        ),
+    )
+    q_box = cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1))
+    atom_q, tma_q = cpasync.make_tiled_tma_atom(load, heads, q_box, (cfg.group, cfg.head_dim))
+    return atom_k, tma_k, atom_v, tma_v, atom_q, tma_q
 
 
 def _slot_ptr(cfg: Sm90DecodeConfig, ring, idx: Int32, slot: int):
@@ -203,7 +223,8 @@ def load_kv(
     slot: cutlass.Constexpr,
 ):
     """Producer warp: slice ``kt``'s K and V boxes into ring slot ``idx``; ``word`` is the
-    sequence length (clamped to the page table), read once per task."""
+    sequence length (clamped to the page table), read once per task. ``tensors``: the op's
+    (q, k_cache, v_cache, page_table, seq_lens, part_o, part_ml) + ``tma_args``."""
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = tensors[7], tensors[8], tensors[9], tensors[10]
     lane = cute.arch.lane_idx()
@@ -223,6 +244,16 @@ def load_kv(
     )
     sK = cute.make_tensor(ptr, rows)
     sV = cute.make_tensor(ptr + cfg.slice_tokens * cfg.head_dim, rows)
+    # the tile's q rides in every slice (1 KB beside 32: the slot's bytes stay uniform)
+    sQ = cute.make_tensor(
+        ptr + cfg.q_offset,
+        cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1)),
+    )
+    gQ = cute.local_tile(tensors[12][None, None, coord0], (cfg.group, cfg.head_dim), (h, 0))
+    ts, tg = cpasync.tma_partition(
+        tensors[11], 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+    )
+    cute.copy(tensors[11], tg, ts, tma_bar_ptr=bar)
     blk = (base % cfg.page) // cfg.box_rows  # box index inside its page
     for r in cutlass.range_constexpr(cfg.boxes):
         p_r = cute.arch.shuffle_sync(pg, r)
@@ -252,6 +283,7 @@ def compute(
     tensors,
     coord0: Int32,
     coord1: Int32,
+    word: Int32,
     full,
     empty,
     count: Int32,
@@ -283,24 +315,33 @@ def compute(
     b = coord0
     h = coord1 // cfg.splits
     s = coord1 % cfg.splits
-    length = cute.min(mLen[b], cfg.max_tokens)
+    length = word  # the sequence's length, clamped to the page table (the producer read it)
     t0 = s * cfg.split
     t1 = cute.min(t0 + cfg.split, length)
     num_pages = mK.shape[0]
 
-    # q of this lane's dimensions (its chunks in rotated order), pre-scaled to log2 units
+    # the page ids of the tile's range, loaded now and checked after the main loop (a bad id
+    # poisons the tile): their latency hides behind the slices
+    first = t0 // cfg.page
+    last = (t1 - 1) // cfg.page
+    pids = cute.make_rmem_tensor((cfg.page_checks,), Int32)
+    for i in cutlass.range_constexpr(cfg.page_checks):
+        pids[i] = mPT[b, cute.min(first + ctid + i * CONSUMER_THREADS, last)]
+
+    # q of this lane's dimensions (its chunks in rotated order) from slice 0's slot, in
+    # log2 units
     q = cute.make_rmem_tensor((g_n, nch * 8), Float32)
+    idx0 = consumer_wait(full, count, stages, wait)
+    sQ = cute.make_tensor(
+        _slot_ptr(cfg, ring, idx0, slot) + cfg.q_offset,
+        cute.make_layout((g_n, d // 8, 8), stride=(d, 8, 1)),
+    )
     for g in cutlass.range_constexpr(g_n):
         for c in cutlass.range_constexpr(nch):
-            dim0 = part * (d // ROW_LANES) + ((c + rot) % nch) * 8
+            qv = cute.make_rmem_tensor((8,), ab)
+            cute.autovec_copy(sQ[g, part * nch + (c + rot) % nch, None], qv)
             for e in cutlass.range_constexpr(8):
-                q[g, c * 8 + e] = mQ[b, h * g_n + g, dim0 + e].to(Float32) * cfg.scale_log2
-    # a page id outside the cache in the tile's range poisons the tile
-    bad = Boolean(False)
-    for pi in range(t0 // cfg.page + ctid, (t1 - 1) // cfg.page + 1, CONSUMER_THREADS):
-        pg = mPT[b, pi]
-        if pg < 0 or pg >= num_pages:
-            bad = Boolean(True)
+                q[g, c * 8 + e] = qv[e].to(Float32) * cfg.scale_log2
 
     m = cute.make_rmem_tensor((g_n,), Float32)
     lsum = cute.make_rmem_tensor((g_n,), Float32)  # this lane's row group's share of l
@@ -391,6 +432,10 @@ def compute(
         consumer_release(empty, count + kt, stages, lane)
 
     # merge the warps
+    bad = Boolean(False)
+    for i in cutlass.range_constexpr(cfg.page_checks):
+        if pids[i] < 0 or pids[i] >= num_pages:
+            bad = Boolean(True)
     bad = cute.arch.vote_any_sync(bad)
     for g in cutlass.range_constexpr(g_n):
         tot = lsum[g]

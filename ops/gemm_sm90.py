@@ -433,8 +433,8 @@ class HopperGemmOp:
 
     @cute.jit
     def device_compute(
-        self, tensors, coord0, coord1, full, empty, count, ring, stages, slot, epi, ctid, wait
-    ):
+        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
+    ):  # the word (a grouped GEMM's expert) only steers the loads
         return compute(
             self.sm90(),
             tensors,

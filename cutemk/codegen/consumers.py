@@ -20,7 +20,7 @@ from ..device.config import (
 from ..device.ring import queue_get, queue_put
 from ..device.sync import notify_event
 from .layout import D, P, PROF_WIDTH
-from .lower import ABORT, R_C0, R_C1, R_NHI, R_NLO, R_NODE, R_TASK, REC_WIDTH
+from .lower import ABORT, R_C0, R_C1, R_LIVE, R_NHI, R_NLO, R_NODE, R_TASK, R_WORD, REC_WIDTH
 
 
 class ConsumerRoles:
@@ -58,14 +58,14 @@ class ConsumerRoles:
                     if cutlass.const_expr(self.ring_of[k] is not None):
                         live = node == k
                         if cutlass.const_expr(self.has_exists[k]):
-                            if live:
-                                live = self.spec.ops[k].device_exists(tensors[k], c0, c1)
+                            live = live and rec[R_LIVE] != 0  # the producer's verdict
                         if live:
                             is_ring = Boolean(True)
                             rcount = self.spec.ops[k].device_compute(
                                 tensors[k],
                                 c0,
                                 c1,
+                                rec[R_WORD],
                                 r_full,
                                 r_empty,
                                 rcount,

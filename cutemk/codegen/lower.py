@@ -25,6 +25,9 @@ from ..scheduling import StaticSchedule
 
 REC_WIDTH = 8
 R_TASK, R_NODE, R_C0, R_C1, R_WLO, R_WHI, R_NLO, R_NHI = range(REC_WIDTH)
+R_LIVE, R_WORD = R_WLO, R_WHI
+"""In a record the producer hands to the consumers: whether a ring tile exists and its task
+word (``TileOp.device_task_word``), decided by the producer after the task's events."""
 STATE_SIZE = 8
 # state[] slots (int32), shared by host and device
 EPOCH, HEAD, TAIL, DONE, EXITED, ABORT, BARRIER = range(7)

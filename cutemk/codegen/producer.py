@@ -14,7 +14,7 @@ from cutlass import Boolean, Int32, cute
 from ..device.config import WARP_SIZE as WARP
 from ..device.ring import producer_acquire, queue_put
 from .layout import P
-from .lower import R_C0, R_C1, R_NODE, R_TASK, R_WHI, R_WLO, REC_WIDTH
+from .lower import R_C0, R_C1, R_LIVE, R_NODE, R_TASK, R_WHI, R_WLO, R_WORD, REC_WIDTH
 
 CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
 
@@ -97,10 +97,19 @@ class ProducerRole:
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                             )
-        # (4) hand the task over
+        # (4) hand the task over, with the verdict and the word in place of the wait range
+        # (the consumers neither wait nor re-read the data that decided them)
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
         if ok:
-            queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, rec, lane, pwait)
+            handed = list(rec)
+            flag = Int32(0)
+            if live:
+                flag = Int32(1)
+            handed[R_LIVE] = flag
+            handed[R_WORD] = word
+            queue_put(
+                q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, tuple(handed), lane, pwait
+            )
         else:
             queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
         qcount = qcount + 1
