@@ -7,7 +7,7 @@ Columns: median_us, floor_us = bytes of K, V, q and out / 4.3 TB/s, of_floor, re
 an fp32 reference, and ``speedup_vs_sdpa``. cutemk's KV pages are scattered through the cache
 (a page table as vLLM / FlashInfer keep it); SDPA and FA4 read a contiguous cache.
 
-Run: python benchmarks/attention.py [--split 256] [--quick]
+Run: python benchmarks/attention.py [--split 512] [--quick]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _fa4():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--split", type=int, default=256, help="KV tokens per cutemk tile")
+    p.add_argument("--split", type=int, default=512, help="KV tokens per cutemk tile")
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     args = p.parse_args(argv)
