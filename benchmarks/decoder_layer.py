@@ -6,7 +6,11 @@ contiguous KV cache, in-place cache writes), eager and under a CUDA graph, in on
 Columns: median_us, floor_us = (layer weights + the KV cache read) / 4.3 TB/s, of_floor,
 rel_err against an fp32 torch step, ``speedup_vs_torch_graph``.
 
-Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick]
+``--trace``: a profiled static module's per-node spans (tasks, SMs, first start, last end,
+median task time; microseconds since the launch's first task) go to the JSON's ``trace`` and
+are printed.
+
+Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace]
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
+    p.add_argument("--trace", action="store_true", help="per-node spans of a profiled launch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -108,6 +113,10 @@ def main(argv=None) -> int:
         f"mk_{s}": MegaDecoderLayer(w, cfg, max_batch=max(args.batch), scheduler=s)
         for s in ("static", "dynamic")
     }
+    profiled = None
+    if args.trace:  # a separate module: profiling adds a timestamp store per task
+        profiled = MegaDecoderLayer(w, cfg, max_batch=max(args.batch), scheduler="static")
+        profiled.profile = True
     res = Results("decoder_layer", meta={"layer": "Qwen3-8B", "kv_len": KV, "rep": rep})
     weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
     for b in args.batch:
@@ -128,6 +137,17 @@ def main(argv=None) -> int:
             name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens))
             for name, m in megas.items()
         }
+        if profiled is not None:
+            from cutemk.trace import node_summary
+
+            for _ in range(3):
+                profiled(x, pos, k_pages, v_pages, table, lens)
+            torch.cuda.synchronize()
+            summary = node_summary(profiled._fn().profile_records())
+            res.meta.setdefault("trace", {})[case] = summary
+            print(f"{case}: per-node trace (us since the first task)")
+            for row in summary:
+                print("   ", row)
         impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
