@@ -23,8 +23,11 @@ def key_of(module: Any) -> str:
     when it is built). Modules with the same key run the same compiled kernels (the weights are
     op arguments), so any live one serves the op: copies, reloaded modules and the many layers
     of a model share a key, and ``torch.compile`` sees one constant for all of them (no
-    recompilation per layer). Outside tracing, records the module among its key's runners."""
+    recompilation per layer); a profiled module (``profile = True``) has a key of its own.
+    Outside tracing, records the module among its key's runners."""
     key = module.__dict__["_cutemk_key"]
+    if module.__dict__.get("profile"):  # profiled kernels are others: never share a runner
+        key += " profiled"
     if not torch.compiler.is_compiling():
         _runners.setdefault(key, weakref.WeakSet()).add(module)
     return key
