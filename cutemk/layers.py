@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cutemk import ops
+from cutemk.device.config import NUM_WARPS
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym, upper
 from cutemk.tileop import expect_positive_int
@@ -268,7 +269,9 @@ def decoder_layer_graph(
     w_o = g.weight("w_o", (h, hq * d), dtype)
     post_norm = g.weight("post_norm", (h,), dtype)
     tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n}
-    hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=cfg.block_m, name="attn_norm")
+    # a norm tile is a row per SIMT warp: the rows spread over SMs, each a memory round trip
+    norm_rows = NUM_WARPS
+    hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
     qkv = g.call(ops.gemm, hn, w_qkv, **tiles, name="qkv_proj")
     q, k, v = g.call(
         ops.qk_norm_rope,
@@ -293,7 +296,7 @@ def decoder_layer_graph(
         out_dtype=dtype,
     )
     h1 = g.call(ops.gemm, o, w_o, x, **tiles, name="o_proj")  # + residual
-    h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=cfg.block_m, name="mlp_norm")
+    h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
     if moe is not None:
         y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
     else:

@@ -95,34 +95,111 @@ class RmsNormTile(TileOp):
     def device_smem_bytes(self) -> int:
         return 0  # one warp per row: the reduction stays in registers (warp shuffles)
 
+    @property
+    def _vec(self) -> int:
+        """Elements of one 16-byte access."""
+        return 16 // self.x.dtype.itemsize
+
+    @property
+    def _vectors(self) -> bool:
+        """Rows move in 16-byte vectors: a static width of whole vectors."""
+        cols = self.x.shape[1]
+        return isinstance(cols, int) and cols % self._vec == 0
+
+    @property
+    def _row_vectors(self) -> int:
+        """16-byte vectors a lane holds when a whole row fits in its warp's registers (a
+        static width, a multiple of 32 vectors, at most 128 values of x a lane: 64 registers of
+        16-bit values; the weight streams in as the outputs go out), else 0."""
+        cols = self.x.shape[1]
+        per_warp = WARP_SIZE * self._vec
+        if not isinstance(cols, int) or cols % per_warp or cols // WARP_SIZE > 128:
+            return 0
+        return cols // per_warp
+
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """Rows ``[coord0 * block_m, +block_m)`` of y; ``tensors`` = (mX, mW, mY).
 
         mX: (rows, hidden), mW: (hidden,), mY: (rows, hidden). Warp w normalises rows w,
-        w + NUM_WARPS, ...: lanes stride the columns (coalesced), a butterfly shuffle sums the
-        squares, so no shared memory and no CTA barrier are needed. x is read twice (the second
-        pass mostly hits L1/L2) because the row length is a runtime value.
+        w + NUM_WARPS, ...; a butterfly shuffle sums the squares (no shared memory, no CTA
+        barrier). Rows of a static width move in 16-byte vectors. Where the row fits (see ``_row_vectors``) every
+        lane issues all its loads of x at once and keeps them in registers: one round trip to
+        memory a row (the weight, read by every row, is cache-resident). Otherwise the row streams twice (the second pass mostly
+        hits L1/L2), four vectors a lane in flight; a width known only at run time goes
+        element by element.
         """
         mX, mW, mY = tensors
         rows = mX.shape[0]
         cols = mX.shape[1]
+        vec = self._vec
+        nvec = cols // vec
+        x3 = cute.make_tensor(
+            mX.iterator, cute.make_layout((rows, nvec, vec), stride=(cols, vec, 1))
+        )
+        y3 = cute.make_tensor(
+            mY.iterator, cute.make_layout((rows, nvec, vec), stride=(cols, vec, 1))
+        )
+        w2 = cute.make_tensor(mW.iterator, cute.make_layout((nvec, vec), stride=(vec, 1)))
         warp = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
         row0 = coord0 * self.block_m
         inv_cols = Float32(1.0) / Float32(cols)
+        n = self._row_vectors
         for r in range(warp, self.block_m, NUM_WARPS):
             row = row0 + r
             if row < rows:
-                ss = Float32(0.0)
-                for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
-                    v = mX[row, c].to(Float32)
-                    ss = ss + v * v
-                ss = cute.arch.warp_reduction_sum(ss)
-                rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
-                for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
-                    y = mX[row, c].to(Float32) * rstd * mW[c].to(Float32)
-                    mY[row, c] = y.to(mY.element_type)
+                if cutlass.const_expr(n > 0):
+                    xs = []
+                    for i in cutlass.range_constexpr(n):
+                        xv = cute.make_rmem_tensor((vec,), mX.element_type)
+                        cute.autovec_copy(x3[row, lane + i * WARP_SIZE, None], xv)
+                        xs.append(xv)
+                    ss = Float32(0.0)
+                    for i in cutlass.range_constexpr(n):
+                        for e in cutlass.range_constexpr(vec):
+                            v = xs[i][e].to(Float32)
+                            ss = ss + v * v
+                    ss = cute.arch.warp_reduction_sum(ss)
+                    rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
+                    for i in cutlass.range_constexpr(n):
+                        wv = cute.make_rmem_tensor((vec,), mW.element_type)
+                        cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
+                        yv = cute.make_rmem_tensor((vec,), mY.element_type)
+                        for e in cutlass.range_constexpr(vec):
+                            y = xs[i][e].to(Float32) * rstd * wv[e].to(Float32)
+                            yv[e] = y.to(mY.element_type)
+                        cute.autovec_copy(yv, y3[row, lane + i * WARP_SIZE, None])
+                elif cutlass.const_expr(self._vectors):
+                    ss = Float32(0.0)
+                    for c in cutlass.range(lane, nvec, WARP_SIZE, unroll=4):
+                        xv = cute.make_rmem_tensor((vec,), mX.element_type)
+                        cute.autovec_copy(x3[row, c, None], xv)
+                        for e in cutlass.range_constexpr(vec):
+                            v = xv[e].to(Float32)
+                            ss = ss + v * v
+                    ss = cute.arch.warp_reduction_sum(ss)
+                    rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
+                    for c in cutlass.range(lane, nvec, WARP_SIZE, unroll=4):
+                        xv = cute.make_rmem_tensor((vec,), mX.element_type)
+                        wv = cute.make_rmem_tensor((vec,), mW.element_type)
+                        cute.autovec_copy(x3[row, c, None], xv)
+                        cute.autovec_copy(w2[c, None], wv)
+                        yv = cute.make_rmem_tensor((vec,), mY.element_type)
+                        for e in cutlass.range_constexpr(vec):
+                            y = xv[e].to(Float32) * rstd * wv[e].to(Float32)
+                            yv[e] = y.to(mY.element_type)
+                        cute.autovec_copy(yv, y3[row, c, None])
+                else:  # a width known only at run time: element by element
+                    ss = Float32(0.0)
+                    for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
+                        v = mX[row, c].to(Float32)
+                        ss = ss + v * v
+                    ss = cute.arch.warp_reduction_sum(ss)
+                    rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
+                    for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
+                        y = mX[row, c].to(Float32) * rstd * mW[c].to(Float32)
+                        mY[row, c] = y.to(mY.element_type)
 
 
 def rmsnorm(
