@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
+    p.add_argument("--block-n", type=int, default=64, help="GEMM tile width (decode: 32 or 64)")
     p.add_argument("--trace", action="store_true", help="per-node spans of a profiled launch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         max_pages=(KV + PAGE) // PAGE + 1,
         max_positions=KV + 1,
         block_m=64,
-        block_n=64,
+        block_n=args.block_n,
     )
     megas = {
         f"mk_{s}": MegaDecoderLayer(w, cfg, max_batch=max(args.batch), scheduler=s)
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
     if args.trace:  # a separate module: profiling adds a timestamp store per task
         profiled = MegaDecoderLayer(w, cfg, max_batch=max(args.batch), scheduler="static")
         profiled.profile = True
-    res = Results("decoder_layer", meta={"layer": "Qwen3-8B", "kv_len": KV, "rep": rep})
+    meta = {"layer": "Qwen3-8B", "kv_len": KV, "rep": rep, "block_n": args.block_n}
+    res = Results("decoder_layer", meta=meta)
     weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
     for b in args.batch:
         case = f"decode B={b} KV={KV}"

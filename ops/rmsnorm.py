@@ -26,6 +26,10 @@ from cutemk.tileop import (
 )
 
 
+W_BATCH = 8
+"""Weight vectors a lane loads at once while writing a row held in registers."""
+
+
 @register_op
 @dataclass(frozen=True)
 class RmsNormTile(TileOp):
@@ -125,7 +129,7 @@ class RmsNormTile(TileOp):
         w + NUM_WARPS, ...; a butterfly shuffle sums the squares (no shared memory, no CTA
         barrier). Rows of a static width move in 16-byte vectors. Where the row fits (see ``_row_vectors``) every
         lane issues all its loads of x at once and keeps them in registers: one round trip to
-        memory a row (the weight, read by every row, is cache-resident). Otherwise the row streams twice (the second pass mostly
+        memory a row, and one per batch of the weight (``W_BATCH``). Otherwise the row streams twice (the second pass mostly
         hits L1/L2), four vectors a lane in flight; a width known only at run time goes
         element by element.
         """
@@ -162,14 +166,20 @@ class RmsNormTile(TileOp):
                             ss = ss + v * v
                     ss = cute.arch.warp_reduction_sum(ss)
                     rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
-                    for i in cutlass.range_constexpr(n):
-                        wv = cute.make_rmem_tensor((vec,), mW.element_type)
-                        cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
-                        yv = cute.make_rmem_tensor((vec,), mY.element_type)
-                        for e in cutlass.range_constexpr(vec):
-                            y = xs[i][e].to(Float32) * rstd * wv[e].to(Float32)
-                            yv[e] = y.to(mY.element_type)
-                        cute.autovec_copy(yv, y3[row, lane + i * WARP_SIZE, None])
+                    # the weight in batches loaded before their stores (a load after a store
+                    # may not pass it: one round trip a batch, not a vector)
+                    for i0 in cutlass.range_constexpr(0, n, W_BATCH):
+                        ws = []
+                        for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
+                            wv = cute.make_rmem_tensor((vec,), mW.element_type)
+                            cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
+                            ws.append(wv)
+                        for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
+                            yv = cute.make_rmem_tensor((vec,), mY.element_type)
+                            for e in cutlass.range_constexpr(vec):
+                                y = xs[i][e].to(Float32) * rstd * ws[i - i0][e].to(Float32)
+                                yv[e] = y.to(mY.element_type)
+                            cute.autovec_copy(yv, y3[row, lane + i * WARP_SIZE, None])
                 elif cutlass.const_expr(self._vectors):
                     ss = Float32(0.0)
                     for c in cutlass.range(lane, nvec, WARP_SIZE, unroll=4):
