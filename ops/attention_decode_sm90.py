@@ -12,12 +12,16 @@ read shared memory.
   ``(C, D)`` each, row-major, as TMA lands them: one box of ``R = min(page, C)`` rows per page
   (a page's rows are strided by the KV heads in the cache; the box gathers one head's).
 - **Host** (``tma_args``): one descriptor each for K and V over the cache viewed as
-  ``(page_size, D, Hkv, pages)``: the page is a coordinate, like a grouped GEMM's expert.
+  ``(page_size, D, Hkv, pages)`` (the page is a coordinate, like a grouped GEMM's expert) and
+  one for q viewed as ``(Hq, D, B)`` (a tile's G heads are one box). Every slot carries a
+  copy of the tile's q after its K and V rows (1 KB beside 32: the slots' bytes stay
+  uniform), so the consumers take q from shared memory instead of a round trip to global.
 - **Producer warp** (``load_kv``): after the task's events (the cache may be appended in this
   launch), lane r reads the page id of box r from the page table and the warp issues the boxes.
   Positions past the sequence and bad page ids get the page coordinate ``pages``: the copy
   engine fills those boxes with zeros and reads no memory.
-- **Consumers** (``compute``, 8 warps): warp w owns rows ``[w * C/8, (w + 1) * C/8)`` of every
+- **Consumers** (``compute``, 8 warps; the sequence length comes with the task record, as
+  the producer read it): warp w owns rows ``[w * C/8, (w + 1) * C/8)`` of every
   slice. Scores: 8 lanes a row, each with D/8 dimensions of the G query heads' q in registers
   (16-byte shared loads, chunk order rotated per lane so a quarter-warp hits 8 distinct bank
   groups), reduced by 3 shuffles. Online softmax per warp (max by 2 shuffles), the warp's
@@ -296,14 +300,7 @@ def compute(
 ) -> Int32:
     """Consumer warps: the tile's slices ``count ..``, then ``part_o`` / ``part_ml`` written;
     returns the ring count after the tile."""
-    mQ, mK, mPT, mLen, mPO, mPML = (
-        tensors[0],
-        tensors[1],
-        tensors[3],
-        tensors[4],
-        tensors[5],
-        tensors[6],
-    )
+    mK, mPT, mPO, mPML = tensors[1], tensors[3], tensors[5], tensors[6]
     g_n, d, rw = cfg.group, cfg.head_dim, cfg.rows_per_warp
     nch, pv = cfg.chunks, cfg.pv_dims
     ab = _CUTE_DTYPES[cfg.dtype]
