@@ -8,11 +8,14 @@ One CTA per SM, shaped by :class:`~cutemk.device.config.WorkerShape`:
   (1) a ring op's loads of operands no node of the graph writes (weights) into free ring slots,
   *before* the task's events are met; (2) the event waits (``cutemk.codegen.waits``; a popped
   dynamic task is ready by construction); (3) ``fence.proxy.async`` and the loads of operands
-  produced in this launch for those slots; (4) the task record into the task queue; (5) the
+  produced in this launch for those slots; (4) the task record into the task queue, carrying
+  in place of its wait range whether a data-dependent ring tile exists and its task word (the
+  consumers take both from the record instead of reading the data again); (5) the
   tile's remaining slices, as ring slots free up. Then it moves on to the next task, so task
   i+1's loads are in flight while the consumers compute task i.
 - **Consumers** (the other warpgroups): take records from the task queue; a ring op's tile is
-  computed by every consumer thread (``TileOp.device_compute``: wgmma, epilogue, TMA store); a
+  computed by every consumer thread (``TileOp.device_compute``: wgmma, epilogue, TMA store;
+  or, for decode attention, shared-memory SIMT math and direct stores); a
   SIMT op's body runs on the first consumer warpgroup (the SIMT group) with its own named
   barrier. A ring op's output is staged in shared memory for
 - the **storer** (warp 2 of the producer warpgroup), which TMA-stores it, waits for the writes
