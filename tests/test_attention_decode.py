@@ -100,6 +100,37 @@ def test_decode_attention_compiles_for_hopper(tmp_path):
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
     assert "shfl.sync.bfly" in ptx and "ex2.approx" in ptx
+    # the Hopper tile: K / V / q by TMA into the ring, 16-byte shared loads, no local memory
+    assert "cp.async.bulk.tensor" in ptx and "ld.shared.v4" in ptx
+    assert ".local" not in ptx
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,page,split", [(32, 4, 1, 128), (16, 16, 64, 512), (8, 1, 256, 256)]
+)
+def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, split):
+    """One-token pages (32-token slices, 32 boxes), pages wider than a slice, G = 8 and 1."""
+    g = _graph(hq, hkv, 128, page, 4096 // page, split, torch.bfloat16)
+    assert g.nodes[0].op.ring_tile() is not None
+    compile_offline(g, "dynamic", options=f"--keep-ptx --dump-dir={tmp_path}")
+
+
+def test_hopper_tile_config():
+    from cutemk.ops.attention_decode_sm90 import sm90_decode_config
+
+    cfg = sm90_decode_config(torch.bfloat16, 4, 128, 16, 512, 16, 8192, 128**-0.5)
+    assert (cfg.slice_tokens, cfg.box_rows, cfg.boxes, cfg.slices) == (64, 16, 4, 8)
+    assert cfg.tx_bytes == (2 * 64 + 4) * 128 * 2 and cfg.slot_bytes % 1024 == 0
+    assert sm90_decode_config(torch.bfloat16, 4, 128, 1, 512, 16, 8192, 1.0).slice_tokens == 32
+    # shapes the tile does not take fall back to the portable tile
+    for args in [
+        (torch.float32, 4, 128, 16, 512),  # a 32-bit cache
+        (torch.bfloat16, 4, 96, 16, 512),  # head dim not a multiple of 64
+        (torch.bfloat16, 4, 128, 12, 512),  # page not a power of two
+        (torch.bfloat16, 4, 128, 16, 96),  # split not a multiple of the slice
+        (torch.bfloat16, 16, 128, 16, 512),  # G * D / 8 q values past the registers
+    ]:
+        assert sm90_decode_config(*args, 1, 8192, 1.0) is None, args
 
 
 @pytest.mark.gpu

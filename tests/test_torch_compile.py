@@ -79,6 +79,15 @@ def test_copies_and_layers_share_a_key_and_never_recompile():
             )
 
 
+def test_a_profiled_module_has_a_key_of_its_own():
+    """A profiled module compiles other kernels: sharing a key with its unprofiled twin would
+    let the op run the twin (and leave the profile empty)."""
+    plain, profiled = _mlp("interpret"), _mlp("interpret")
+    profiled.profile = True
+    assert torch_ops.key_of(plain) != torch_ops.key_of(profiled)
+    assert torch_ops.key_of(profiled) == torch_ops.key_of(profiled)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
 def test_reduce_overhead_captures_the_megakernel(make):
