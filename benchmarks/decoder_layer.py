@@ -140,16 +140,10 @@ def main(argv=None) -> int:
             for name, m in megas.items()
         }
         if profiled is not None:
-            from cutemk.trace import node_summary
-
             for _ in range(3):
                 profiled(x, pos, k_pages, v_pages, table, lens)
             torch.cuda.synchronize()
-            summary = node_summary(profiled._fn().profile_records())
-            res.meta.setdefault("trace", {})[case] = summary
-            print(f"{case}: per-node trace (us since the first task)")
-            for row in summary:
-                print("   ", row)
+            res.add_trace(case, profiled._fn().profile_records())
         impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]

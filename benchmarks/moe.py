@@ -178,17 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             errs["hf_eager"] = rel_err(hf_call(), ref)
         del ref
         for s, m in profiled.items():
-            from cutemk.trace import node_summary
-
             c = m.compiled(m.regime(t))
             for _ in range(3):
                 c(x, *w.values())
             torch.cuda.synchronize()
-            summary = node_summary(c.profile_records())
-            res.meta.setdefault("trace", {})[f"{case} {s}"] = summary
-            print(f"{case} {s}: per-node trace (us since the first task)")
-            for row in summary:
-                print("   ", row)
+            res.add_trace(f"{case} {s}", c.profile_records())
         with torch.no_grad():
             ids = torch.topk(x.float() @ w["w_router"].float().T, TOP_K, dim=-1).indices
         touched = int(torch.unique(ids).numel())

@@ -119,6 +119,18 @@ class Results:
         self.rows.append(row)
         return row
 
+    def add_trace(self, label: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A profiled launch's per-node summary (``cutemk.trace.node_summary``) into the JSON's
+        ``trace`` under ``label``, and printed."""
+        from .trace import node_summary
+
+        summary = node_summary(records)
+        self.meta.setdefault("trace", {})[label] = summary
+        print(f"{label}: per-node trace (us since the first task)")
+        for row in summary:
+            print("   ", row)
+        return summary
+
     def add_ratios(self, baseline: str, key: str = "median_us") -> None:
         """Add ``speedup_vs_<baseline>`` (baseline time / this time) to rows of the same case."""
         base = {r["case"]: r[key] for r in self.rows if r["impl"] == baseline}

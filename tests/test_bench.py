@@ -39,3 +39,19 @@ def test_bar_chart(tmp_path):
         r.add(case, "cutemk", 1.0)
     path = bar_chart(r, tmp_path / "unit.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_add_trace_summarises_a_profile(tmp_path, capsys):
+    r = Results("unit")
+    recs = [
+        {"sm": 0, "start_ns": 1000, "end_ns": 3000, "label": "a[0]", "node": "a"},
+        {"sm": 1, "start_ns": 1500, "end_ns": 2500, "label": "a[1]", "node": "a"},
+        {"sm": 0, "start_ns": 4000, "end_ns": 9000, "label": "b[0]", "node": "b"},
+    ]
+    summary = r.add_trace("T=1", recs)
+    assert [row["node"] for row in summary] == ["a", "b"]
+    assert summary[0]["tasks"] == 2 and summary[0]["sms"] == 2
+    assert summary[1]["first_start_us"] == 3.0 and summary[1]["last_end_us"] == 8.0
+    doc = json.loads(r.finish(tmp_path).read_text())
+    assert doc["meta"]["trace"]["T=1"] == summary
+    assert "T=1: per-node trace" in capsys.readouterr().out
