@@ -49,6 +49,59 @@ def _positive(**sizes: int) -> None:
         expect_positive_int(v, name)
 
 
+SPLIT_BLOCK_N = 256
+"""Columns of a split-K partial tile: one 256-row weight box a slice (wide boxes stream best)."""
+
+
+def linear(
+    g: Graph,
+    x,
+    w,
+    r=None,
+    *,
+    block_m: int,
+    block_n: int,
+    epilogue: str | None = None,
+    split_k: int | None = 1,
+    split_block_n: int = SPLIT_BLOCK_N,
+    name: str | None = None,
+):
+    """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
+    residual ``r``) as one GEMM node, or split along K (``ops.gemm_splitk``): a partial GEMM
+    node of ``(block_m, split_block_n)`` tiles named ``name``, then a reduce node
+    ``{name}_sum`` applying the epilogue. ``split_k`` None picks the split from the sizes
+    (:func:`ops.choose_split_k`) where x has at most ``block_m`` rows (decode); 1 never splits.
+    Returns the output value."""
+    if r is not None and epilogue is None:
+        epilogue = "residual"
+    m_max = upper(x.spec.shape[0])
+    n_rows, k = w.spec.shape
+    if split_k is None:
+        split_k = 1
+        if m_max <= block_m and isinstance(k, int) and isinstance(n_rows, int):
+            split_k = ops.choose_split_k(
+                m_max, n_rows, k, block_m, split_block_n, x.spec.dtype.itemsize
+            )
+    expect_positive_int(split_k, "linear split_k")
+    res = () if r is None else (r,)
+    if split_k == 1:
+        return g.call(
+            ops.gemm, x, w, *res, block_m=block_m, block_n=block_n, epilogue=epilogue, name=name
+        )
+    part = g.call(
+        ops.gemm_partial, x, w, split_k=split_k, block_m=block_m, block_n=split_block_n, name=name
+    )
+    reduce_name = None if name is None else f"{name}_sum"
+    return g.call(
+        ops.gemm_split_reduce,
+        part,
+        *res,
+        epilogue=epilogue,
+        out_dtype=x.spec.dtype,
+        name=reduce_name,
+    )
+
+
 def mlp_graph(
     tokens: Sym,
     hidden: int,
@@ -58,23 +111,31 @@ def mlp_graph(
     block_n: int = 32,
     fuse_silu: bool = False,
     down_block: tuple[int, int] | None = None,
+    split_k: int | None = 1,
 ) -> Graph:
     """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down.
 
     ``down_block`` = (block_m, block_n) of the down projection (default: the gate/up blocks):
     the fused gate/up tile holds two accumulators, so it is half as wide as the down tile can
-    be at the same register budget."""
+    be at the same register budget. ``split_k`` (see :func:`linear`; None: chosen per GEMM)
+    splits both GEMMs along K, for decode sizes."""
     _positive(hidden=hidden, intermediate=intermediate, block_m=block_m, block_n=block_n)
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
     w_gu = g.weight("w_gate_up", (2 * intermediate, hidden), dtype)
     w_down = g.weight("w_down", (hidden, intermediate), dtype)
+    dm, dn = down_block or (block_m, block_n)
+    if split_k != 1:
+        tiles = {"block_m": block_m, "block_n": block_n, "split_k": split_k}
+        act = linear(g, x, w_gu, epilogue="silu_mul", name="gate_up", **tiles)
+        y = linear(g, act, w_down, block_m=dm, block_n=dn, split_k=split_k, name="down")
+        g.output(y, "y")
+        return g
     if fuse_silu:
         act = g.call(ops.gemm, x, w_gu, block_m=block_m, block_n=block_n, epilogue="silu_mul")
     else:
         h = g.call(ops.gemm, x, w_gu, block_m=block_m, block_n=block_n)
         act = g.call(ops.silu_mul, h, block_m=block_m)
-    dm, dn = down_block or (block_m, block_n)
     y = g.call(ops.gemm, act, w_down, block_m=dm, block_n=dn)
     g.output(y, "y")
     return g
@@ -227,6 +288,8 @@ class DecoderConfig:
     block_m: int = 16  # row tile of the GEMMs and norms
     block_n: int = 32
     split: int = 256  # KV tokens an attention tile takes
+    # K ranges of the projections (see ``linear``): None picks them per GEMM, 1 never splits
+    split_k: int | None = None
 
 
 def decoder_layer_graph(
@@ -268,11 +331,11 @@ def decoder_layer_graph(
     cos_sin = g.weight("cos_sin", (cfg.max_positions, d), torch.float32)
     w_o = g.weight("w_o", (h, hq * d), dtype)
     post_norm = g.weight("post_norm", (h,), dtype)
-    tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n}
+    tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n, "split_k": cfg.split_k}
     # a norm tile is a row per SIMT warp: the rows spread over SMs, each a memory round trip
     norm_rows = NUM_WARPS
     hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
-    qkv = g.call(ops.gemm, hn, w_qkv, **tiles, name="qkv_proj")
+    qkv = linear(g, hn, w_qkv, **tiles, name="qkv_proj")
     q, k, v = g.call(
         ops.qk_norm_rope,
         qkv,
@@ -295,14 +358,14 @@ def decoder_layer_graph(
         max_tokens=cfg.page_size * cfg.max_pages,
         out_dtype=dtype,
     )
-    h1 = g.call(ops.gemm, o, w_o, x, **tiles, name="o_proj")  # + residual
+    h1 = linear(g, o, w_o, x, **tiles, name="o_proj")  # + residual
     h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
     if moe is not None:
         y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
     else:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
         w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
-        act = g.call(ops.gemm, h2, w_gu, **tiles, epilogue="silu_mul", name="gate_up")
-        y = g.call(ops.gemm, act, w_down, h1, **tiles, name="down")  # + residual
+        act = linear(g, h2, w_gu, **tiles, epilogue="silu_mul", name="gate_up")
+        y = linear(g, act, w_down, h1, **tiles, name="down")  # + residual
     g.output(y, "y")
     return g

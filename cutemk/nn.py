@@ -60,6 +60,11 @@ MLP_TILES: dict[tuple[str, str], Tiles] = {
     ("interpret", "prefill"): ((16, 32), (16, 32)),
 }
 
+MLP_SPLIT_K: dict[tuple[str, str], int | None] = {("cute", "gemv"): None}
+"""(backend, regime) -> ``split_k`` of the MLP's GEMMs (``cutemk.layers.linear``; None: chosen
+per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream, and
+K ranges spread it over every SM (``ops.gemm_splitk``)."""
+
 REGIMES = tuple(REGIME_LIMITS)
 _SILU_NAMES = ("silu", "swish")
 
@@ -207,6 +212,7 @@ class MegaMLP(_KeyedModule):
                 block_n,
                 fuse_silu=True,
                 down_block=down,
+                split_k=MLP_SPLIT_K.get((backend, regime), 1),
             )
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn

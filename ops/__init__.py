@@ -13,6 +13,13 @@ from .attention_decode import (
     attention_decode,
 )
 from .gemm import GemmTile, gemm
+from .gemm_splitk import (
+    GemmPartialTile,
+    SplitReduceTile,
+    choose_split_k,
+    gemm_partial,
+    gemm_split_reduce,
+)
 from .kv_append import KvAppendTile, kv_append
 from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
@@ -46,6 +53,11 @@ __all__ = [
     "reduce_scatter",
     "GemmTile",
     "gemm",
+    "GemmPartialTile",
+    "gemm_partial",
+    "SplitReduceTile",
+    "gemm_split_reduce",
+    "choose_split_k",
     "KvAppendTile",
     "kv_append",
     "MoeCombineTile",

@@ -85,6 +85,7 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
 
     name: ClassVar[str] = "gemm"
     outputs: ClassVar[tuple[str, ...]] = ("c",)
+    split_k: ClassVar[int] = 1  # K ranges; > 1 only in the split-K partial (ops.gemm_splitk)
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -263,6 +264,7 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         """
         plan = self.device_plan()
         fused = self.epilogue == "silu_mul"
+        ks = self.split_k  # split-K partial: K range coord1 % ks of column block coord1 // ks
         mA, mB, mC = tensors[0], tensors[1], tensors[len(tensors) - 1]
         ab_dtype = _CUTE_DTYPES[self.a.dtype]
         if cutlass.const_expr(mA.element_type != ab_dtype or mB.element_type != ab_dtype):
@@ -271,10 +273,13 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
                 f"{mA.element_type}/{mB.element_type}"
             )
         m = mA.shape[0]
-        k = mA.shape[1]
-        n = mC.shape[1]
+        n = mC.shape[len(mC.shape) - 1]
         row0 = coord0 * self.block_m
-        col0 = coord1 * self.block_n
+        col0 = (coord1 // ks) * self.block_n
+        s = coord1 % ks
+        k_len = mA.shape[1] // ks
+        k_begin = s * k_len
+        k = k_begin + k_len  # the end of this tile's K range
 
         base = cute.recast_ptr(smem_ptr, dtype=ab_dtype)
         sA = cute.make_tensor(base, _smem_layout(plan.pad_m, plan))  # (pad_m, BLOCK_K)
@@ -299,8 +304,8 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         acc.fill(0.0)
         acc_up.fill(0.0)
 
-        for kt in range((k + BLOCK_K - 1) // BLOCK_K):
-            k0 = kt * BLOCK_K
+        for kt in range((k_len + BLOCK_K - 1) // BLOCK_K):
+            k0 = k_begin + kt * BLOCK_K
             # The previous slice (or the previous task's use of the scratch) must be consumed
             # by every thread before it is overwritten.
             simt_sync()
@@ -322,12 +327,15 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             r, c = tCcC[i]
             if r < self.block_m and c < self.block_n and row0 + r < m and col0 + c < n:
-                v = acc[i]
-                if cutlass.const_expr(fused):
-                    v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[i]
-                if cutlass.const_expr(self.r is not None):
-                    v = v + tensors[2][row0 + r, col0 + c].to(Float32)
-                mC[row0 + r, col0 + c] = v.to(mC.element_type)
+                if cutlass.const_expr(ks > 1):  # the fp32 partial of K range s
+                    mC[s, row0 + r, col0 + c] = acc[i]
+                else:
+                    v = acc[i]
+                    if cutlass.const_expr(fused):
+                        v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[i]
+                    if cutlass.const_expr(self.r is not None):
+                        v = v + tensors[2][row0 + r, col0 + c].to(Float32)
+                    mC[row0 + r, col0 + c] = v.to(mC.element_type)
 
 
 def _smem_layout(rows: int, plan: GemmDevicePlan) -> cute.Layout:

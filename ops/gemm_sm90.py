@@ -71,6 +71,9 @@ class Sm90GemmConfig:
     a_rows: int  # rows of A each slice loads: bm, or the most rows A can have when fewer
     grouped: bool = False  # B is (experts, n, k); the tile's expert is tile_info[coord0, 0]
     residual: bool = False  # the epilogue adds R (m, n), the op's third tensor
+    # K splits (split-K): tile (coord0, coord1) is K range ``coord1 % split`` of column block
+    # ``coord1 // split``, its fp32 partial written straight to part[split index] (no staging)
+    split: int = 1
 
     @property
     def extra0(self) -> int:
@@ -100,6 +103,8 @@ class Sm90GemmConfig:
 
     @property
     def epi_bytes(self) -> int:
+        if self.split > 1:  # partials go from registers to global memory
+            return 0
         return _round_up(self.bm * self.bn * self.out_dtype.itemsize, 1024)
 
     @property
@@ -123,6 +128,7 @@ def sm90_config(
     m_max: int | None = None,
     grouped: bool = False,
     residual: bool = False,
+    split: int = 1,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -133,7 +139,10 @@ def sm90_config(
 
     ``grouped``: A is in a grouped layout of ``block_m``-row tiles and ``m_max`` is the most
     rows one tile can hold; the A box shrinks to a power of two >= ``m_max`` dividing
-    ``block_m``, so tile i's rows start at box ``i * block_m / a_rows``."""
+    ``block_m``, so tile i's rows start at box ``i * block_m / a_rows``.
+
+    ``split`` > 1: a split-K partial tile (fp32 output, K a multiple of ``split * BLOCK_K``,
+    each tile ``K / split`` of it), see ``ops.gemm_splitk``."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -149,14 +158,19 @@ def sm90_config(
         return None
     if not isinstance(n, int) or (n * out_dtype.itemsize) % 16:
         return None
+    if split > 1 and (out_dtype != torch.float32 or fused or grouped or residual):
+        return None
+    if split > 1 and k % (split * BLOCK_K):
+        return None
     if m_max is None:
         a_rows = block_m
     elif grouped:
         a_rows = min(block_m, max(8, 1 << (max(m_max, 1) - 1).bit_length()))
     else:
         a_rows = min(block_m, _round_up(max(m_max, 1), 8))
+    k_tiles = -(-k // BLOCK_K) // split
     return Sm90GemmConfig(
-        block_m, block_n, n_b, -(-k // BLOCK_K), dtype, out_dtype, a_rows, grouped, residual
+        block_m, block_n, n_b, k_tiles, dtype, out_dtype, a_rows, grouped, residual, split
     )
 
 
@@ -201,7 +215,8 @@ def _tiled_mma(cfg: Sm90GemmConfig):
 
 def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor) -> tuple:
     """Host side (inside a ``@cute.jit`` launch): ``(atom_a, tma_a, atom_b, tma_b, atom_u,
-    tma_u, atom_c, tma_c)``; without the fused epilogue the ``u`` pair repeats B's.
+    tma_u, atom_c, tma_c)``; without the fused epilogue the ``u`` pair repeats B's; a split-K
+    partial has no ``c`` pair.
     mA: (m, k); mB: (n, k) or (2n, k) = [W_gate; W_up], grouped (experts, n or 2n, k);
     mC: (m, n). Grouped, B's descriptors are (n, k, experts): the expert is a coordinate."""
     a_one, b_one = _slice_layouts(cfg, cfg.a_rows)
@@ -209,7 +224,7 @@ def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Ten
     b_one = cute.slice_(b_one, (None, None, 0))
     load = cpasync.CopyBulkTensorTileG2SOp()
     atom_a, tma_a = cpasync.make_tiled_tma_atom(load, mA, a_one, (cfg.a_rows, BLOCK_K))
-    n = mC.shape[1]
+    n = mC.shape[len(mC.shape) - 1]  # C (m, n), or a split-K partial (splits, m, n)
     if cutlass.const_expr(cfg.grouped):
         nkl = cute.make_layout(
             (n, mB.shape[2], mB.shape[0]), stride=(mB.stride[1], mB.stride[2], mB.stride[0])
@@ -226,6 +241,8 @@ def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Ten
     else:
         atom_b, tma_b = cpasync.make_tiled_tma_atom(load, gate, b_one, (cfg.bn, BLOCK_K))
         atom_u, tma_u = cpasync.make_tiled_tma_atom(load, up, b_one, (cfg.bn, BLOCK_K))
+    if cutlass.const_expr(cfg.split > 1):  # partials are stored from registers
+        return atom_a, tma_a, atom_b, tma_b, atom_u, tma_u
     store = cpasync.CopyBulkTensorTileS2GOp()
     atom_c, tma_c = cpasync.make_tiled_tma_atom(store, mC, _epi_layout(cfg), (cfg.bm, cfg.bn))
     return atom_a, tma_a, atom_b, tma_b, atom_u, tma_u, atom_c, tma_c
@@ -252,7 +269,9 @@ def _ring_views(
 @cute.jit
 def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr):
     """Storer warp: TMA-store the staged tile (coord0, coord1) of C (rows and columns past C's
-    extent are clipped by the copy engine)."""
+    extent are clipped by the copy engine). A split-K partial has nothing staged."""
+    if cutlass.const_expr(cfg.split > 1):
+        return
     out = _CUTE_DTYPES[cfg.out_dtype]
     epi = _epi_layout(cfg)
     sC = cute.make_tensor(cute.recast_ptr(epi_ptr, epi.inner, dtype=out), epi.outer)
@@ -296,6 +315,9 @@ def load_weights(
     _, sB, sU = _ring_views(cfg, ring, stages, slot)
     x = cfg.extra0
     tma_b, tma_u = tensors[x + 3], tensors[x + 5]
+    if cutlass.const_expr(cfg.split > 1):  # K range coord1 % split of column block coord1 // split
+        kt = kt + (coord1 % cfg.split) * cfg.k_tiles
+        coord1 = coord1 // cfg.split
     if cutlass.const_expr(cfg.grouped):
         tma_b = tma_b[None, None, expert]
         tma_u = tma_u[None, None, expert]
@@ -306,9 +328,20 @@ def load_weights(
 
 @cute.jit
 def load_activations(
-    cfg: cutlass.Constexpr, tensors, coord0: Int32, kt: Int32, idx: Int32, bar, ring, stages, slot
+    cfg: cutlass.Constexpr,
+    tensors,
+    coord0: Int32,
+    coord1: Int32,
+    kt: Int32,
+    idx: Int32,
+    bar,
+    ring,
+    stages,
+    slot,
 ):
     """Producer warp: A of slice ``kt`` into slot ``idx`` (after the task's events)."""
+    if cutlass.const_expr(cfg.split > 1):
+        kt = kt + (coord1 % cfg.split) * cfg.k_tiles
     # a_rows < bm only where A has a single row block (coord0 == 0), or grouped, where it
     # divides bm and tile coord0 starts at box coord0 * bm / a_rows
     sA, _, _ = _ring_views(cfg, ring, stages, slot, cfg.a_rows)
@@ -370,6 +403,10 @@ def compute(
     warpgroup.wait_group(0)
     consumer_release(empty, count + cfg.k_tiles - 1, stages, lane)
 
+    if cutlass.const_expr(cfg.split > 1):
+        _store_partial(cfg, tensors[2], acc, tCcC, coord0, coord1)
+        return count + cfg.k_tiles
+
     # epilogue: registers -> shared memory (swizzled); the storer warp issues the TMA store
     out = _CUTE_DTYPES[cfg.out_dtype]
     epi = _epi_layout(cfg)
@@ -395,6 +432,27 @@ def compute(
     # generic-proxy shared-memory writes -> the TMA engine's reads
     cute.arch.fence_proxy("async.shared", space="cta")
     return count + cfg.k_tiles
+
+
+@cute.jit
+def _store_partial(cfg: cutlass.Constexpr, mP: cute.Tensor, acc, tCcC, coord0: Int32, coord1: Int32):
+    """Split-K partial: the fp32 accumulators of tile (coord0, coord1) to ``part[s, rows,
+    cols]`` (part: (split, m, n)), rows and columns inside the tensor only.
+
+    Straight from registers: the partials of decode-sized tiles are a few rows (the TMA store
+    would stage 64), and the storer's fence and release after the consumers' barrier publish
+    them. The staging buffer is still taken and given back, as every ring tile does, so the
+    storer's barrier phases stay paired."""
+    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    s = coord1 % cfg.split
+    r0 = coord0 * cfg.bm
+    c0 = (coord1 // cfg.split) * cfg.bn
+    rows = mP.shape[1]
+    cols = mP.shape[2]
+    for i in cutlass.range(cute.size(acc), unroll_full=True):
+        r, c = tCcC[i]
+        if r0 + r < rows and c0 + c < cols:
+            mP[s, r0 + r, c0 + c] = acc[i]
 
 
 class HopperGemmOp:
@@ -429,7 +487,7 @@ class HopperGemmOp:
     def device_load_dependent(
         self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
     ):
-        load_activations(self.sm90(), tensors, coord0, kt, idx, bar, ring, stages, slot)
+        load_activations(self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot)
 
     @cute.jit
     def device_compute(

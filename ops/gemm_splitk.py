@@ -1,0 +1,385 @@
+"""Split-K GEMM for decode sizes: partial tiles over K ranges, then an event-ordered reduction.
+
+At a few tokens a GEMM is a weight stream: its time is the weight bytes over the bandwidth
+every SM can pull. One tile per (row block, column block) leaves SMs idle or runs a second,
+partial wave (a Qwen3-8B down projection has 16 column blocks of 256 for 132 SMs). Splitting K
+into ``split_k`` ranges gives ``split_k`` times as many tiles, each streaming ``1 / split_k`` of
+its weight slab, so the stream spreads over all SMs:
+
+- :class:`GemmPartialTile` (``gemm_partial``): tile ``(i, j * split_k + s)`` computes the fp32
+  product of row block i and column block j over K range s into ``part[s]`` (split_k, M, N).
+  It is the GEMM tile with a K range (the Hopper path streams the range's slices through the
+  ring; the weights are loaded before the task's events, as for every GEMM);
+- :class:`SplitReduceTile` (``gemm_split_reduce``): sums ``part`` over the ranges and applies
+  the epilogue (``silu_mul`` of the gate and up halves, ``residual``), rounding once. Its events
+  are the partial tiles whose boxes it reads, so a reduce tile starts as soon as its own column
+  block is complete, and the next GEMM's tiles (split too) wait only for the reduce tiles of
+  their K range.
+
+:func:`choose_split_k` picks ``split_k`` from the sizes (``cutemk.layers.linear`` uses it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import cutlass
+import numpy as np
+import torch
+import torch.nn.functional as F
+from cutlass import Float32, Int32, cute
+
+from cutemk.arch import target_arch
+from cutemk.costmodel import H200, Hardware, tile_time_us
+from cutemk.device.config import NUM_THREADS
+from cutemk.errors import ShapeError
+from cutemk.symbolic import IntLike, cdiv, upper
+from cutemk.tileop import (
+    TensorSpec,
+    TileOp,
+    block,
+    blocks,
+    boxes,
+    expect_dtype,
+    expect_ndim,
+    expect_positive_int,
+    expect_same_dim,
+    register_op,
+    span,
+)
+
+from . import gemm_sm90
+from .gemm import GemmTile
+
+REDUCE_EPILOGUES = (None, "silu_mul", "residual")
+
+SLICE = gemm_sm90.BLOCK_K
+"""K granule of a range: each range is a whole number of the Hopper tile's k-slices."""
+
+VEC = 4
+"""fp32 partials a reduce thread moves per load (16 bytes)."""
+
+
+@register_op
+@dataclass(frozen=True)
+class GemmPartialTile(GemmTile):
+    """``part[s] = A[:, K_s] @ B[:, K_s]^T`` in fp32 for the ``split_k`` equal K ranges K_s."""
+
+    split_k: int = 2
+
+    name: ClassVar[str] = "gemm_partial"
+    outputs: ClassVar[tuple[str, ...]] = ("part",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.epilogue is not None or self.r is not None:
+            raise ValueError("gemm_partial has no epilogue: gemm_split_reduce applies it")
+        expect_positive_int(self.split_k, "gemm_partial split_k")
+        k = self.k
+        if not isinstance(k, int) or k % (self.split_k * SLICE):
+            raise ShapeError(
+                f"gemm_partial: K={k} must be a multiple of split_k * {SLICE} = "
+                f"{self.split_k * SLICE} (every range a whole number of {SLICE}-wide slices)"
+            )
+
+    def output_specs(self) -> dict[str, TensorSpec]:
+        return {"part": TensorSpec((self.split_k, self.m, self.n), torch.float32)}
+
+    def grid(self):
+        return (cdiv(self.m, self.block_m), cdiv(self.n, self.block_n) * self.split_k)
+
+    def order_key(self, coord) -> tuple:
+        # a column block's ranges next to each other: its reduce tile is ready early
+        return tuple(coord)
+
+    def _ranges(self, coord, env):
+        m, n, k = self._dims(env)
+        i, c1 = coord
+        j, s = divmod(c1, self.split_k)
+        kq = k // self.split_k
+        return block(i, self.block_m, m), block(j, self.block_n, n), (s * kq, (s + 1) * kq), s
+
+    def reads(self, coord, env, data=None):
+        rows, cols, ks, _ = self._ranges(coord, env)
+        return {"a": (rows, ks), "b": (cols, ks)}
+
+    def writes(self, coord, env, data=None):
+        rows, cols, _, s = self._ranges(coord, env)
+        return {"part": ((s, s + 1), rows, cols)}
+
+    def region_arrays(self, which, env, coords):
+        m, n, k = self._dims(env)
+        rows = blocks(coords[:, 0], self.block_m, m)
+        cols = blocks(coords[:, 1] // self.split_k, self.block_n, n)
+        s = coords[:, 1] % self.split_k
+        if which == "writes":
+            return {"part": boxes(np.stack([s, s + 1], axis=1), rows, cols)}
+        kq = k // self.split_k
+        ks = np.stack([s * kq, (s + 1) * kq], axis=1)
+        return {"a": boxes(rows, ks), "b": boxes(cols, ks)}
+
+    def cost(self, coord, env):
+        _, _, k = self._dims(env)
+        kq = k // self.split_k
+        bm, bn = self.block_m, self.block_n
+        es = self.a.dtype.itemsize
+        return tile_time_us(2.0 * bm * bn * kq, (bm + bn) * kq * es + bm * bn * 4, self.a.dtype)
+
+    def reference(self, coord, env, t):
+        (r0, r1), (c0, c1), (k0, k1), s = self._ranges(coord, env)
+        a = t["a"][r0:r1, k0:k1].float()
+        t["part"][s, r0:r1, c0:c1] = a @ t["b"][c0:c1, k0:k1].float().T
+
+    def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
+        if target_arch() != "sm_90a":
+            return None
+        return gemm_sm90.sm90_config(
+            self.a.dtype,
+            torch.float32,
+            self.block_m,
+            self.block_n,
+            self.k,
+            self.n,
+            False,
+            upper(self.m),
+            split=self.split_k,
+        )
+
+
+@register_op
+@dataclass(frozen=True)
+class SplitReduceTile(TileOp):
+    """``C = epilogue(sum_s part[s])``, one (block_m, block_n) tile of C a task.
+
+    ``silu_mul``: part holds the gate partials in columns [0, N) and the up partials in
+    [N, 2N) (a partial GEMM of the stacked [W_gate; W_up]); ``residual``: C = sum + R."""
+
+    part: TensorSpec  # (split_k, m, n), or (split_k, m, 2n) with silu_mul; fp32
+    r: Optional[TensorSpec] = None  # (m, n) with the residual epilogue
+    epilogue: Optional[str] = None
+    out_dtype: torch.dtype = torch.bfloat16
+    block_m: int = 4
+    block_n: int = VEC * NUM_THREADS
+
+    name: ClassVar[str] = "gemm_split_reduce"
+    outputs: ClassVar[tuple[str, ...]] = ("c",)
+    uniform_cost: ClassVar[bool] = True
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("part", "r") if self.r is not None else ("part",)
+
+    def __post_init__(self) -> None:
+        expect_ndim(self.part, 3, "gemm_split_reduce part")
+        expect_dtype(self.part, (torch.float32,), "gemm_split_reduce part")
+        if not isinstance(self.part.shape[0], int):
+            raise ShapeError("gemm_split_reduce: the number of K ranges must be static")
+        if self.epilogue not in REDUCE_EPILOGUES:
+            raise ValueError(f"gemm_split_reduce epilogue must be one of {REDUCE_EPILOGUES}")
+        if (self.epilogue == "residual") != (self.r is not None):
+            raise ValueError("gemm_split_reduce: the residual epilogue takes r, and only it does")
+        cols = self.part.shape[2]
+        if self.epilogue == "silu_mul" and (not isinstance(cols, int) or cols % 2):
+            raise ShapeError(f"gemm_split_reduce silu_mul needs an even static width, got {cols}")
+        expect_positive_int(self.block_m, "gemm_split_reduce block_m")
+        expect_positive_int(self.block_n, "gemm_split_reduce block_n")
+        if self.r is not None:
+            expect_ndim(self.r, 2, "gemm_split_reduce r")
+            expect_same_dim(self.r.shape[0], self.m, "gemm_split_reduce: r rows vs part rows")
+            expect_same_dim(self.r.shape[1], self.n, "gemm_split_reduce: r cols vs N")
+            if self.r.dtype != self.out_dtype:
+                raise TypeError(f"gemm_split_reduce r must be {self.out_dtype}, got {self.r.dtype}")
+
+    @property
+    def splits(self) -> int:
+        return self.part.shape[0]
+
+    @property
+    def m(self) -> IntLike:
+        return self.part.shape[1]
+
+    @property
+    def n(self) -> IntLike:
+        cols = self.part.shape[2]
+        return cols // 2 if self.epilogue == "silu_mul" else cols
+
+    @property
+    def _vec(self) -> int:
+        """Columns a thread moves at once: VEC where rows and tiles keep 16-byte alignment."""
+        n = self.n
+        ok = isinstance(n, int) and n % VEC == 0 and self.block_n % VEC == 0
+        return VEC if ok else 1
+
+    def output_specs(self):
+        return {"c": TensorSpec((self.m, self.n), self.out_dtype)}
+
+    def grid(self):
+        return (cdiv(self.m, self.block_m), cdiv(self.n, self.block_n))
+
+    def _box(self, coord, env):
+        m, n = (d if isinstance(d, int) else d.eval(env) for d in (self.m, self.n))
+        return block(coord[0], self.block_m, m), block(coord[1], self.block_n, n), n
+
+    def reads(self, coord, env, data=None):
+        rows, cols, n = self._box(coord, env)
+        ranges = (0, self.splits)
+        part = (ranges, rows, cols)
+        if self.epilogue == "silu_mul":  # the gate and the up partials of these columns
+            part = [part, (ranges, rows, (n + cols[0], n + cols[1]))]
+        r = {"part": part}
+        if self.r is not None:
+            r["r"] = (rows, cols)
+        return r
+
+    def writes(self, coord, env, data=None):
+        rows, cols, _ = self._box(coord, env)
+        return {"c": (rows, cols)}
+
+    def region_arrays(self, which, env, coords):
+        if which == "reads" and self.epilogue == "silu_mul":
+            return None  # two boxes a tile: per tile (few tiles at the sizes split-K serves)
+        m, n = (d if isinstance(d, int) else d.eval(env) for d in (self.m, self.n))
+        rows = blocks(coords[:, 0], self.block_m, m)
+        cols = blocks(coords[:, 1], self.block_n, n)
+        if which == "writes":
+            return {"c": boxes(rows, cols)}
+        r = {"part": boxes(span(0, self.splits, len(coords)), rows, cols)}
+        if self.r is not None:
+            r["r"] = boxes(rows, cols)
+        return r
+
+    def cost(self, coord, env):
+        nb = 2 if self.epilogue == "silu_mul" else 1
+        elems = self.block_m * self.block_n
+        nbytes = elems * (4 * self.splits * nb + self.out_dtype.itemsize * (1 + (self.r is not None)))
+        return tile_time_us(elems * self.splits * nb, nbytes, torch.float32)
+
+    def reference(self, coord, env, t):
+        (r0, r1), (c0, c1), n = self._box(coord, env)
+        part = t["part"][:, r0:r1].float()
+        v = part[:, :, c0:c1].sum(0)
+        if self.epilogue == "silu_mul":
+            v = F.silu(v) * part[:, :, n + c0 : n + c1].sum(0)
+        if self.r is not None:
+            v = v + t["r"][r0:r1, c0:c1].float()
+        t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
+
+    @cute.jit
+    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
+        """Tile (coord0, coord1) of C; ``tensors`` = (mPart, [mR,] mC). A thread owns ``_vec``
+        consecutive columns of every row of the tile: it loads every range's partials of them
+        at once (one round trip to memory), sums in fp32, applies the epilogue and stores."""
+        mP, mC = tensors[0], tensors[len(tensors) - 1]
+        fused = self.epilogue == "silu_mul"
+        vec, splits = self._vec, self.splits
+        rows = mC.shape[0]
+        n = mC.shape[1]
+        ncols = mP.shape[2]
+        if cutlass.const_expr(vec > 1):  # static widths: the vector accesses are aligned
+            n = self.n
+            ncols = self.part.shape[2]
+        nv = n // vec
+        p_split = cute.assume(rows * ncols, divby=vec)
+        p4 = cute.make_tensor(
+            mP.iterator,
+            cute.make_layout((splits, rows, ncols // vec, vec), stride=(p_split, ncols, vec, 1)),
+        )
+        c3 = cute.make_tensor(mC.iterator, cute.make_layout((rows, nv, vec), stride=(n, vec, 1)))
+        r3 = c3
+        if cutlass.const_expr(self.r is not None):
+            r3 = cute.make_tensor(
+                tensors[1].iterator, cute.make_layout((rows, nv, vec), stride=(n, vec, 1))
+            )
+        row0 = coord0 * self.block_m
+        tile_v = self.block_n // vec  # vectors of a tile row (block_n is a multiple of vec)
+        v0 = coord1 * tile_v
+        for r in cutlass.range(self.block_m, unroll=1):
+            row = row0 + r
+            for j in cutlass.range_constexpr(-(-tile_v // NUM_THREADS)):
+                lv = tidx + j * NUM_THREADS
+                cv = v0 + lv
+                if row < rows and lv < tile_v and cv < nv:
+                    gs = []
+                    us = []
+                    for s in cutlass.range_constexpr(splits):
+                        g = cute.make_rmem_tensor((vec,), Float32)
+                        cute.autovec_copy(p4[s, row, cv, None], g)
+                        gs.append(g)
+                        if cutlass.const_expr(fused):
+                            u = cute.make_rmem_tensor((vec,), Float32)
+                            cute.autovec_copy(p4[s, row, nv + cv, None], u)
+                            us.append(u)
+                    res = cute.make_rmem_tensor((vec,), mC.element_type)
+                    if cutlass.const_expr(self.r is not None):
+                        cute.autovec_copy(r3[row, cv, None], res)
+                    out = cute.make_rmem_tensor((vec,), mC.element_type)
+                    for e in cutlass.range_constexpr(vec):
+                        acc = gs[0][e]
+                        for s in cutlass.range_constexpr(1, splits):
+                            acc = acc + gs[s][e]
+                        if cutlass.const_expr(fused):
+                            up = us[0][e]
+                            for s in cutlass.range_constexpr(1, splits):
+                                up = up + us[s][e]
+                            acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * up
+                        if cutlass.const_expr(self.r is not None):
+                            acc = acc + res[e].to(Float32)
+                        out[e] = acc.to(mC.element_type)
+                    cute.autovec_copy(out, c3[row, cv, None])
+
+
+def gemm_partial(
+    a: TensorSpec, b: TensorSpec, *, split_k: int, block_m: int = 64, block_n: int = 256
+) -> GemmPartialTile:
+    """fp32 partial products of ``a @ b^T`` over ``split_k`` K ranges: (split_k, M, N)."""
+    return GemmPartialTile(a, b, block_m, block_n, None, torch.float32, None, split_k)
+
+
+def gemm_split_reduce(
+    part: TensorSpec,
+    r: Optional[TensorSpec] = None,
+    *,
+    epilogue: Optional[str] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_m: int = 4,
+    block_n: int = VEC * NUM_THREADS,
+) -> SplitReduceTile:
+    """``epilogue(part.sum(0))`` in ``out_dtype`` (``r`` implies the residual epilogue)."""
+    if r is not None and epilogue is None:
+        epilogue = "residual"
+    return SplitReduceTile(part, r, epilogue, out_dtype, block_m, block_n)
+
+
+def choose_split_k(
+    m_max: int,
+    n: int,
+    k: int,
+    block_m: int,
+    block_n: int,
+    itemsize: int = 2,
+    hw: Hardware = H200,
+    reduce_us: float = 3.0,
+) -> int:
+    """The number of K ranges that streams the weights fastest on ``hw``, 1 for no split.
+
+    A model of the weight-bound regime: each wave of tiles streams one tile's share of the
+    weights per SM at ``hw.mem_bw / hw.num_sms``; a split adds its partials' traffic (written
+    and read back in fp32) and a reduction phase (``reduce_us``: a hop plus the reduce tiles).
+    Only splits that keep every range a whole number of k-slices (at least 2 each) count."""
+    if k % SLICE:
+        return 1
+    tiles = math.ceil(m_max / block_m) * math.ceil(n / block_n)
+    per_sm = hw.mem_bw / hw.num_sms
+    slices = k // SLICE
+
+    def time_us(s: int) -> float:
+        waves = math.ceil(tiles * s / hw.num_sms)
+        task = block_n * (k // s) * itemsize / per_sm * 1e6 + hw.task_overhead_us
+        if s == 1:
+            return waves * task
+        return waves * task + 2 * s * m_max * n * 4 / hw.mem_bw * 1e6 + reduce_us
+
+    candidates = [s for s in range(1, slices // 2 + 1) if slices % s == 0] or [1]
+    return min(candidates, key=lambda s: (time_us(s), s))

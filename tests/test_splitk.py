@@ -1,0 +1,189 @@
+"""Split-K GEMM (``ops/gemm_splitk.py``): partial tiles over K ranges and the event-ordered
+reduction, through ``cutemk.layers.linear``; on the CPU interpreter, compiled for sm_90a, and
+on the GPU against an fp32 torch reference."""
+
+import os
+import tempfile
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk import ops
+from cutemk.errors import ShapeError
+from cutemk.layers import linear, mlp_graph, mlp_reference
+from cutemk.runtime import compile_offline
+from cutemk.tileop import TensorSpec
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF = torch.bfloat16
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def proj_graph(k, n, dtype, epilogue=None, split_k=2, max_t=16, block=(64, 64)):
+    """One projection through ``linear``: x (T, k) @ w^T with the epilogue."""
+    g = mk.Graph("proj")
+    t = mk.sym("T", max_t)
+    x = g.input("x", (t, k), dtype)
+    w = g.weight("w", (2 * n if epilogue == "silu_mul" else n, k), dtype)
+    r = g.input("r", (t, n), dtype) if epilogue == "residual" else None
+    y = linear(g, x, w, r, block_m=block[0], block_n=block[1], epilogue=epilogue, split_k=split_k)
+    g.output(y, "y")
+    return g
+
+
+def proj_reference(x, w, r, epilogue):
+    y = x.float() @ w.float().T
+    if epilogue == "silu_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    if r is not None:
+        y = y + r.float()
+    return y
+
+
+# -- CPU ------------------------------------------------------------------------------------
+def test_split_choice_spreads_decode_weights_over_every_sm():
+    # Qwen3-8B at one token, 64 x 256 partial tiles: gate/up has 96 column blocks, down 16
+    assert ops.choose_split_k(1, 24576, 4096, 64, 256) == 4  # 384 tiles: 2.9 per SM
+    assert ops.choose_split_k(1, 4096, 12288, 64, 256) == 8  # 128 tiles
+    assert ops.choose_split_k(1, 4096, 4096, 64, 256) == 8
+    # K that is not a whole number of slices, or too short to split, is not split
+    assert ops.choose_split_k(1, 4096, 4000, 64, 256) == 1
+    assert ops.choose_split_k(1, 4096, 64, 64, 256) == 1
+
+
+def test_linear_splits_only_decode_sized_inputs():
+    g = mk.Graph("lin")
+    x = g.input("x", (mk.sym("T", 64), 4096), BF)
+    xp = g.input("xp", (mk.sym("S", 4096), 4096), BF)
+    w = g.weight("w", (4096, 4096), BF)
+    linear(g, x, w, block_m=64, block_n=64, split_k=None, name="dec")
+    linear(g, xp, w, block_m=128, block_n=128, split_k=None, name="pre")
+    ops_by_name = {n.name: n.op for n in g.nodes}
+    assert ops_by_name["dec"].name == "gemm_partial" and ops_by_name["dec"].split_k > 1
+    assert ops_by_name["dec_sum"].name == "gemm_split_reduce"
+    assert ops_by_name["pre"].name == "gemm"
+
+
+def test_partial_refuses_ranges_that_are_not_whole_slices():
+    a = TensorSpec((mk.sym("T", 16), 320), BF)
+    b = TensorSpec((256, 320), BF)
+    with pytest.raises(ShapeError, match="multiple of split_k"):
+        ops.gemm_partial(a, b, split_k=2)  # 160 per range
+    with pytest.raises(ValueError, match="no epilogue"):
+        ops.GemmPartialTile(a, b, 64, 64, "silu_mul", None, None, 5)
+
+
+def test_reduce_waits_only_for_its_columns_partials():
+    """Event granularity: a reduce tile waits for the partial tiles of its own column block
+    (every K range), not for the whole partial GEMM."""
+    g = proj_graph(512, 1024, torch.float32, split_k=4, block=(16, 32))
+    c = g.compile("interpret", num_sms=4)
+    plan = c.plan({"T": 3})
+    part_node, red_node = 0, 1
+    partial_tasks = plan.node_tasks[part_node]
+    producers_of: dict[int, set[int]] = {}
+    for task, events in enumerate(plan.notifies):
+        for e in events:
+            producers_of.setdefault(e, set()).add(task)
+    for task in plan.node_tasks[red_node]:
+        producers = {p for e in plan.waits[task] for p in producers_of[e]}
+        assert producers and producers < set(partial_tasks)
+        # 512 reduce columns of 256-wide partial tiles: 2 column blocks x 4 ranges
+        assert len(producers) == 8
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("split_k", [2, 4, None])
+def test_split_mlp_matches_torch_on_the_interpreter(scheduler, split_k):
+    g = mlp_graph(
+        mk.sym("T", max=16), hidden=512, intermediate=256, block_m=8, block_n=16, split_k=split_k
+    )
+    names = [n.name for n in g.nodes]
+    if split_k is not None:
+        assert names == ["gate_up", "gate_up_sum", "down", "down_sum"]
+    c = g.compile("interpret", num_sms=5, scheduler=scheduler)
+    gen = torch.Generator().manual_seed(4)
+    wgu, wd = torch.randn(512, 512, generator=gen) / 22, torch.randn(512, 256, generator=gen) / 16
+    for t in (1, 7, 16):
+        x = torch.randn(t, 512, generator=gen)
+        assert rel_err(c(x, wgu, wd), mlp_reference(x, wgu, wd)) < 1e-5
+
+
+@pytest.mark.parametrize("epilogue", [None, "silu_mul", "residual"])
+def test_split_projection_epilogues_on_the_interpreter(epilogue):
+    c = proj_graph(256, 96, torch.float32, epilogue, split_k=2, block=(8, 32)).compile(
+        "interpret", num_sms=3
+    )
+    gen = torch.Generator().manual_seed(0)
+    nb = 2 if epilogue == "silu_mul" else 1
+    w = torch.randn(nb * 96, 256, generator=gen) / 16
+    for t in (1, 9):
+        x = torch.randn(t, 256, generator=gen)
+        r = torch.randn(t, 96, generator=gen) if epilogue == "residual" else None
+        args = (x, w) if r is None else (x, w, r)
+        assert rel_err(c(*args), proj_reference(x, w, r, epilogue)) < 1e-5
+
+
+def test_split_mlp_compiles_for_hopper():
+    """Qwen3-8B MLP, decode-sized: the partial tiles on the Hopper path (TMA + wgmma, stored
+    from registers), the reduce tiles on the SIMT group with 16-byte loads; no spills."""
+    g = mlp_graph(
+        mk.sym("T", max=16), 4096, 12288, BF, 64, 128, fuse_silu=True, split_k=None
+    )
+    parts = [n.op for n in g.nodes if n.op.name == "gemm_partial"]
+    assert [p.split_k for p in parts] == [4, 8]
+    assert all(p.sm90() is not None and p.sm90().epi_bytes == 0 for p in parts)
+    with tempfile.TemporaryDirectory() as d:
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx,) = [open(os.path.join(d, f)).read() for f in os.listdir(d) if f.endswith(".ptx")]
+    assert "wgmma.mma_async" in ptx
+    assert "ld.global.v4.b32" in ptx  # the reduce tiles load 16-byte vectors
+
+
+# -- GPU ------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("split_k", [2, None])
+def test_split_mlp_on_the_gpu(scheduler, split_k):
+    torch.manual_seed(3)
+    H, I = 1024, 1536
+    g = mlp_graph(mk.sym("T", max=16), H, I, BF, 64, 128, fuse_silu=True, split_k=split_k)
+    assert any(n.op.name == "gemm_partial" for n in g.nodes)
+    c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+    wgu = (torch.randn(2 * I, H, device="cuda") / H**0.5).to(BF)
+    wd = (torch.randn(H, I, device="cuda") / I**0.5).to(BF)
+    for t in (1, 5, 16):
+        x = torch.randn(t, H, device="cuda").to(BF)
+        y = c(x, wgu, wd)
+        assert not torch.isnan(y).any()
+        assert rel_err(y, mlp_reference(x, wgu, wd)) < 1e-2, f"T={t}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [BF, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("epilogue", [None, "silu_mul", "residual"])
+def test_split_projection_on_the_gpu(dtype, epilogue):
+    """Every epilogue; fp32 runs the portable partial tile (SIMT) and the scalar reduce."""
+    torch.manual_seed(5)
+    k, n = 768, 202 if dtype == torch.float32 else 320  # 202: the reduce's scalar path
+    c = proj_graph(k, n, dtype, epilogue, split_k=3, max_t=40).compile(
+        "cute", watchdog=True, poison_outputs=True
+    )
+    nb = 2 if epilogue == "silu_mul" else 1
+    w = (torch.randn(nb * n, k, device="cuda") / k**0.5).to(dtype)
+    for t in (1, 7, 40):
+        x = torch.randn(t, k, device="cuda").to(dtype)
+        r = torch.randn(t, n, device="cuda").to(dtype) if epilogue == "residual" else None
+        y = c(x, w) if r is None else c(x, w, r)
+        assert not torch.isnan(y).any()
+        tol = 1e-2 if dtype == BF else 1e-5
+        assert rel_err(y, proj_reference(x, w, r, epilogue)) < tol, f"T={t}"
