@@ -134,7 +134,7 @@ def sm90_config(
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
 
     ``m_max``, the most rows A can have: below ``block_m`` the A loads shrink to it (rounded up
-    to the 8-row swizzle atom). At decode sizes a 64-row box of mostly out-of-bounds rows
+    to a power of two, at least the 8-row swizzle atom). At decode sizes a 64-row box of mostly out-of-bounds rows
     measured ~1.5x slower than a box of rows that exist (zero fill is not free).
 
     ``grouped``: A is in a grouped layout of ``block_m``-row tiles and ``m_max`` is the most
@@ -162,12 +162,11 @@ def sm90_config(
         return None
     if split > 1 and k % (split * BLOCK_K):
         return None
-    if m_max is None:
-        a_rows = block_m
-    elif grouped:
+    # a power of two >= 8: the swizzled A layout of other row counts (e.g. 40) aborts the
+    # compiler
+    a_rows = block_m
+    if m_max is not None:
         a_rows = min(block_m, max(8, 1 << (max(m_max, 1) - 1).bit_length()))
-    else:
-        a_rows = min(block_m, _round_up(max(m_max, 1), 8))
     k_tiles = -(-k // BLOCK_K) // split
     return Sm90GemmConfig(
         block_m, block_n, n_b, k_tiles, dtype, out_dtype, a_rows, grouped, residual, split

@@ -76,6 +76,20 @@ def test_hopper_path_applies_only_where_it_can():
     ).sm90()
     assert small.a_rows == 8 and small.stage_bytes == (8 + 32) * 128
     assert small.slot_bytes == (64 + 32) * 128
+    # A boxes are a power of two rows: a 40-row swizzled A layout aborted the compiler
+    for rows in range(1, 129):
+        a = TensorSpec((mk.sym("S", rows), 4096), bf)
+        got = GemmTile(a, TensorSpec((4096, 4096), bf), 64, 32).sm90().a_rows
+        assert got == min(64, max(8, 1 << (rows - 1).bit_length())), rows
+
+
+def test_a_graph_of_forty_rows_compiles(tmp_path):
+    compile_offline(
+        gemm_graph(torch.bfloat16, 768, 320, (64, 64), max_t=40),
+        "static",
+        options=f"--keep-ptx --dump-dir={tmp_path}",
+    )
+    assert list(tmp_path.glob("*.ptx"))
 
 
 def test_worker_shape_fits_shared_memory_and_counts_agree():
