@@ -8,9 +8,13 @@ side. Per token: each query head and each key head is RMS-normalised over D (``q
 :func:`rope_table`); value heads are copied. Outputs ``q`` (T, Hq, D), ``k`` (T, Hkv, D),
 ``v`` (T, Hkv, D) in ``qkv``'s dtype, computed in fp32 and rounded once.
 
-Device: one warp per (token, head), a lane holding D/32 consecutive dims; the sum of squares is
-a warp all-reduce and each dim's rotation partner (i +- D/2) sits 16 lanes away (one shuffle).
-A position outside the table is bad data: that token's q and k come out NaN.
+A tile is ``block_m`` tokens by ``head_block`` heads (q, k and v heads counted together), so a
+decode step's few tokens still spread over many SMs. Device: one warp per (token, head), a lane
+holding D/32 consecutive dims; the position, the head's dims, the norm weight and (once the
+position is in) the rotary row are loaded before the sum of squares needs them: two round trips
+to memory an item. The sum of squares is a warp all-reduce and each dim's rotation partner
+(i +- D/2) sits 16 lanes away (one shuffle). A position outside the table is bad data: that
+token's q and k come out NaN.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from cutemk.tileop import (
     block,
     expect_dtype,
     expect_ndim,
+    expect_positive_int,
     expect_same_dim,
     full_box,
     register_op,
@@ -63,6 +68,7 @@ class QkNormRopeTile(TileOp):
     kv_heads: int
     eps: float = 1e-6
     block_m: int = 4  # tokens a tile
+    head_block: int = WARPS  # heads a tile (of the Hq + 2 Hkv)
 
     name: ClassVar[str] = "qk_norm_rope"
     inputs: ClassVar[tuple[str, ...]] = ("qkv", "q_weight", "k_weight", "cos_sin", "positions")
@@ -85,6 +91,8 @@ class QkNormRopeTile(TileOp):
             raise ShapeError(f"qk_norm_rope: head dim {d} must be a multiple of 32, at most 256")
         if self.heads % self.kv_heads:
             raise ShapeError(f"qk_norm_rope: {self.heads} heads not a multiple of {self.kv_heads}")
+        expect_positive_int(self.block_m, "qk_norm_rope block_m")
+        expect_positive_int(self.head_block, "qk_norm_rope head_block")
 
     @property
     def head_dim(self) -> int:
@@ -102,17 +110,32 @@ class QkNormRopeTile(TileOp):
             "v": TensorSpec((t, self.kv_heads, d), dt),
         }
 
+    @property
+    def total_heads(self) -> int:
+        return self.heads + 2 * self.kv_heads
+
     def grid(self):
-        return (cdiv(self.qkv.shape[0], self.block_m),)
+        return (cdiv(self.qkv.shape[0], self.block_m), cdiv(self.total_heads, self.head_block))
 
     def _rows(self, coord, env):
         return block(coord[0], self.block_m, self.qkv.concrete(env)[0])
 
+    def _heads(self, coord):
+        """The tile's heads [h0, h1) and their parts among q, k and v heads (local ranges)."""
+        h0, h1 = block(coord[1], self.head_block, self.total_heads)
+        hq, hkv = self.heads, self.kv_heads
+
+        def part(lo: int, n: int) -> tuple[int, int]:
+            return (min(max(h0 - lo, 0), n), min(max(h1 - lo, 0), n))
+
+        return (h0, h1), part(0, hq), part(hq, hkv), part(hq + hkv, hkv)
+
     def reads(self, coord, env, data=None):
         rows = self._rows(coord, env)
         d = self.head_dim
+        (h0, h1), _, _, _ = self._heads(coord)
         return {
-            "qkv": (rows, (0, self.qkv.shape[1])),
+            "qkv": (rows, (h0 * d, h1 * d)),
             "q_weight": ((0, d),),
             "k_weight": ((0, d),),
             "cos_sin": full_box(self.cos_sin.concrete(env)),
@@ -121,16 +144,13 @@ class QkNormRopeTile(TileOp):
 
     def writes(self, coord, env, data=None):
         rows, d = self._rows(coord, env), self.head_dim
-        return {
-            "q": (rows, (0, self.heads), (0, d)),
-            "k": (rows, (0, self.kv_heads), (0, d)),
-            "v": (rows, (0, self.kv_heads), (0, d)),
-        }
+        _, q, k, v = self._heads(coord)
+        return {"q": (rows, q, (0, d)), "k": (rows, k, (0, d)), "v": (rows, v, (0, d))}
 
     uniform_cost: ClassVar[bool] = True
 
     def cost(self, coord, env):
-        w = self.qkv.shape[1]
+        w = self.head_block * self.head_dim
         return tile_time_us(8.0 * self.block_m * w, 2.0 * self.block_m * w * 2, self.qkv.dtype)
 
     def reference(self, coord, env, t):
@@ -148,28 +168,36 @@ class QkNormRopeTile(TileOp):
             out = torch.cat([h1 * cos - h2 * sin, h2 * cos + h1 * sin], dim=-1)
             return torch.where(bad[:, None, None], float("nan"), out)
 
-        t["q"][r0:r1] = norm_rope(x[:, :hq], t["q_weight"]).to(t["q"].dtype)
-        t["k"][r0:r1] = norm_rope(x[:, hq : hq + hkv], t["k_weight"]).to(t["k"].dtype)
-        t["v"][r0:r1] = x[:, hq + hkv :].to(t["v"].dtype)
+        _, (q0, q1), (k0, k1), (v0, v1) = self._heads(coord)
+        if q1 > q0:
+            t["q"][r0:r1, q0:q1] = norm_rope(x[:, q0:q1], t["q_weight"]).to(t["q"].dtype)
+        if k1 > k0:
+            xk = x[:, hq + k0 : hq + k1]
+            t["k"][r0:r1, k0:k1] = norm_rope(xk, t["k_weight"]).to(t["k"].dtype)
+        if v1 > v0:
+            t["v"][r0:r1, v0:v1] = x[:, hq + hkv + v0 : hq + hkv + v1].to(t["v"].dtype)
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Tokens of row block ``coord0``; ``tensors`` = (mQKV, mQW, mKW, mCS, mPos, mQ, mK,
-        mV). Warp w takes (token, head) pairs w, w + 4, ... of the tile."""
+        """Tile (coord0, coord1): tokens of row block ``coord0`` by heads of head block
+        ``coord1``; ``tensors`` = (mQKV, mQW, mKW, mCS, mPos, mQ, mK, mV). Warp w takes the
+        tile's (token, head) pairs w, w + 4, ..."""
         mQKV, mQW, mKW, mCS, mPos, mQ, mK, mV = tensors
         d, hq, hkv = self.head_dim, self.heads, self.kv_heads
         per = d // WARP
         half = d // 2
-        heads = hq + 2 * hkv
         tokens = mQKV.shape[0]
         max_pos = mCS.shape[0]
         t0 = coord0 * self.block_m
         t1 = cute.min(t0 + self.block_m, tokens)
+        h0 = coord1 * self.head_block
+        nh = cute.min(h0 + self.head_block, self.total_heads) - h0
         warp = tidx // WARP
         lane = tidx % WARP
-        for item in range(warp, (t1 - t0) * heads, WARPS):
-            tok = t0 + item // heads
-            head = item % heads
+        for item in range(warp, (t1 - t0) * nh, WARPS):
+            tok = t0 + item // nh
+            head = h0 + item % nh
+            pos = mPos[tok]
             x = cute.make_rmem_tensor((per,), Float32)
             for i in cutlass.range_constexpr(per):
                 x[i] = mQKV[tok, head * d + lane * per + i].to(Float32)
@@ -177,29 +205,33 @@ class QkNormRopeTile(TileOp):
                 for i in cutlass.range_constexpr(per):
                     mV[tok, head - hq - hkv, lane * per + i] = x[i].to(mV.element_type)
             else:
+                # the weight and the rotary row are in flight while the squares are summed
+                w = cute.make_rmem_tensor((per,), Float32)
+                for i in cutlass.range_constexpr(per):
+                    if head < hq:
+                        w[i] = mQW[lane * per + i].to(Float32)
+                    else:
+                        w[i] = mKW[lane * per + i].to(Float32)
+                ok = pos >= 0 and pos < max_pos
+                pos = cute.max(cute.min(pos, max_pos - 1), 0)
+                cs = cute.make_rmem_tensor((2 * per,), Float32)
+                for i in cutlass.range_constexpr(per):
+                    f = (lane * per + i) % half
+                    cs[2 * i] = mCS[pos, f]
+                    cs[2 * i + 1] = mCS[pos, half + f]
                 ss = Float32(0.0)
                 for i in cutlass.range_constexpr(per):
                     ss = ss + x[i] * x[i]
                 for sh in cutlass.range_constexpr(5):
                     ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
                 rstd = cute.math.rsqrt(ss / Float32(d) + Float32(self.eps), fastmath=True)
-                pos = mPos[tok]
-                ok = pos >= 0 and pos < max_pos
-                pos = cute.max(cute.min(pos, max_pos - 1), 0)
                 first = lane < WARP // 2  # dims [0, D/2): the partner is D/2 above
                 out = cute.make_rmem_tensor((per,), Float32)
                 for i in cutlass.range_constexpr(per):
-                    dim = lane * per + i
-                    w = Float32(0.0)
-                    if head < hq:
-                        w = mQW[dim].to(Float32)
-                    else:
-                        w = mKW[dim].to(Float32)
-                    y = x[i] * rstd * w
+                    y = x[i] * rstd * w[i]
                     partner = cute.arch.shuffle_sync_bfly(y, WARP // 2)
-                    f = dim % half
-                    c = mCS[pos, f]
-                    s = mCS[pos, half + f]
+                    c = cs[2 * i]
+                    s = cs[2 * i + 1]
                     r = y * c + partner * s
                     if first:
                         r = y * c - partner * s
@@ -224,8 +256,9 @@ def qk_norm_rope(
     kv_heads: int,
     eps: float = 1e-6,
     block_m: int = 4,
+    head_block: int = WARPS,
 ) -> QkNormRopeTile:
     """Per-head RMSNorm + rotary embedding of q and k, v split off (see the module doc)."""
     return QkNormRopeTile(
-        qkv, q_weight, k_weight, cos_sin, positions, heads, kv_heads, eps, block_m
+        qkv, q_weight, k_weight, cos_sin, positions, heads, kv_heads, eps, block_m, head_block
     )

@@ -17,7 +17,7 @@ from cutemk.runtime import compile_offline
 HQ, HKV, D, MAXPOS = 8, 2, 64, 512
 
 
-def _graph(dtype, hq=HQ, hkv=HKV, d=D, maxpos=MAXPOS):
+def _graph(dtype, hq=HQ, hkv=HKV, d=D, maxpos=MAXPOS, head_block=4):
     g = mk.Graph("qk_norm_rope")
     T = mk.sym("T", min=1, max=256)
     qkv = g.input("qkv", (T, (hq + 2 * hkv) * d), dtype)
@@ -25,7 +25,9 @@ def _graph(dtype, hq=HQ, hkv=HKV, d=D, maxpos=MAXPOS):
     kw = g.weight("k_weight", (d,), dtype)
     cs = g.weight("cos_sin", (maxpos, d), torch.float32)
     pos = g.input("positions", (T,), torch.int32)
-    q, k, v = g.call(ops.qk_norm_rope, qkv, qw, kw, cs, pos, heads=hq, kv_heads=hkv)
+    q, k, v = g.call(
+        ops.qk_norm_rope, qkv, qw, kw, cs, pos, heads=hq, kv_heads=hkv, head_block=head_block
+    )
     for name, val in (("q", q), ("k", k), ("v", v)):
         g.output(val, name)
     return g
@@ -70,9 +72,11 @@ def _inputs(t, gen, dtype=torch.float32, device="cpu"):
     }
 
 
-def test_matches_hf_interpreted():
+# head blocks of 5 of the 12 heads: tiles across the q/k and k/v boundaries, a short last one
+@pytest.mark.parametrize("head_block", [4, 5])
+def test_matches_hf_interpreted(head_block):
     pytest.importorskip("transformers")
-    c = _graph(torch.float32).compile("interpret", num_sms=4)
+    c = _graph(torch.float32, head_block=head_block).compile("interpret", num_sms=4)
     gen = torch.Generator().manual_seed(0)
     for t in (1, 5, 37):
         a = _inputs(t, gen)
@@ -100,11 +104,12 @@ def test_compiles_for_hopper(tmp_path):
 
 
 @pytest.mark.gpu
-def test_matches_hf_on_the_gpu():
+@pytest.mark.parametrize("head_block", [4, 5])
+def test_matches_hf_on_the_gpu(head_block):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("transformers")
-    c = _graph(torch.bfloat16).compile("cute", poison_outputs=True)
+    c = _graph(torch.bfloat16, head_block=head_block).compile("cute", poison_outputs=True)
     gen = torch.Generator().manual_seed(2)
     for t in (1, 7, 200):
         a = _inputs(t, gen, torch.bfloat16, "cuda")
