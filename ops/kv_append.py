@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import cutlass
 from cutlass import Int32, cute
 
 from cutemk.costmodel import tile_time_us
@@ -146,16 +147,38 @@ class KvAppendTile(TileOp):
         mKn, mVn, _, _, mPT, mLen, mKo, mVo = tensors
         page = self.k_cache.shape[1]
         hkv, d = self.k_new.shape[1], self.k_new.shape[2]
+        row = hkv * d  # one token's keys (or values): contiguous in both layouts
+        vec = 16 // self.k_new.dtype.itemsize
+        if cutlass.const_expr(row % vec):
+            vec = 1
+        nv = row // vec
+        # (rows, vectors, vec) views of the new rows and of the caches' token slots
+        kn = cute.make_tensor(
+            mKn.iterator, cute.make_layout((mKn.shape[0], nv, vec), stride=(row, vec, 1))
+        )
+        vn = cute.make_tensor(
+            mVn.iterator, cute.make_layout((mVn.shape[0], nv, vec), stride=(row, vec, 1))
+        )
+        slots = mKo.shape[0] * page
+        ko = cute.make_tensor(
+            mKo.iterator, cute.make_layout((slots, nv, vec), stride=(row, vec, 1))
+        )
+        vo = cute.make_tensor(
+            mVo.iterator, cute.make_layout((slots, nv, vec), stride=(row, vec, 1))
+        )
         pos = mLen[coord0] - 1
         cap = mPT.shape[1] * page
         if pos >= 0 and pos < cap:
             pg = mPT[coord0, pos // page]
             if pg >= 0 and pg < mKo.shape[0]:
-                slot = pos % page
-                for i in range(tidx, hkv * d, NUM_THREADS):
-                    h = i // d
-                    mKo[pg, slot, h, i - h * d] = mKn[coord0, h, i - h * d]
-                    mVo[pg, slot, h, i - h * d] = mVn[coord0, h, i - h * d]
+                dst = pg * page + pos % page
+                for i in range(tidx, nv, NUM_THREADS):
+                    kr = cute.make_rmem_tensor((vec,), mKn.element_type)
+                    vr = cute.make_rmem_tensor((vec,), mVn.element_type)
+                    cute.autovec_copy(kn[coord0, i, None], kr)
+                    cute.autovec_copy(vn[coord0, i, None], vr)
+                    cute.autovec_copy(kr, ko[dst, i, None])
+                    cute.autovec_copy(vr, vo[dst, i, None])
 
 
 def kv_append(

@@ -136,6 +136,8 @@ class RmsNormTile(TileOp):
         mX, mW, mY = tensors
         rows = mX.shape[0]
         cols = mX.shape[1]
+        if cutlass.const_expr(self._vectors):  # static: every vector access is aligned
+            cols = self.x.shape[1]
         vec = self._vec
         nvec = cols // vec
         x3 = cute.make_tensor(
