@@ -434,7 +434,9 @@ def compute(
 
 
 @cute.jit
-def _store_partial(cfg: cutlass.Constexpr, mP: cute.Tensor, acc, tCcC, coord0: Int32, coord1: Int32):
+def _store_partial(
+    cfg: cutlass.Constexpr, mP: cute.Tensor, acc, tCcC, coord0: Int32, coord1: Int32
+):
     """Split-K partial: the fp32 accumulators of tile (coord0, coord1) to ``part[s, rows,
     cols]`` (part: (split, m, n)), rows and columns inside the tensor only.
 

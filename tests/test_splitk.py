@@ -134,9 +134,7 @@ def test_split_projection_epilogues_on_the_interpreter(epilogue):
 def test_split_mlp_compiles_for_hopper():
     """Qwen3-8B MLP, decode-sized: the partial tiles on the Hopper path (TMA + wgmma, stored
     from registers), the reduce tiles on the SIMT group with 16-byte loads; no spills."""
-    g = mlp_graph(
-        mk.sym("T", max=16), 4096, 12288, BF, 64, 128, fuse_silu=True, split_k=None
-    )
+    g = mlp_graph(mk.sym("T", max=16), 4096, 12288, BF, 64, 128, fuse_silu=True, split_k=None)
     parts = [n.op for n in g.nodes if n.op.name == "gemm_partial"]
     assert [p.split_k for p in parts] == [4, 8]
     assert all(p.sm90() is not None and p.sm90().epi_bytes == 0 for p in parts)
