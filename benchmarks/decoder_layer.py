@@ -143,7 +143,7 @@ def main(argv=None) -> int:
             for _ in range(3):
                 profiled(x, pos, k_pages, v_pages, table, lens)
             torch.cuda.synchronize()
-            res.add_trace(case, profiled._fn().profile_records())
+            res.add_trace(case, profiled._fn(batch=b).profile_records())
         impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]

@@ -65,6 +65,9 @@ MLP_SPLIT_K: dict[tuple[str, str], int | None] = {("cute", "gemv"): None}
 per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream, and
 K ranges spread it over every SM (``ops.gemm_splitk``)."""
 
+GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
+"""MegaDecoderLayer: batches up to this run a graph compiled for it (see ``_fn``)."""
+
 REGIMES = tuple(REGIME_LIMITS)
 _SILU_NAMES = ("silu", "swish")
 
@@ -648,16 +651,22 @@ class MegaDecoderLayer(_KeyedModule):
             )
         return cls(w, cfg, moe=moe, **kwargs)
 
-    def _fn(self, w: torch.Tensor | None = None) -> Any:
-        """The compiled graph for weights like ``w`` (default: this module's ``w_down``)."""
+    def _fn(self, w: torch.Tensor | None = None, batch: int | None = None) -> Any:
+        """The compiled graph for weights like ``w`` (default: this module's ``w_down``) that
+        serves ``batch`` sequences (default: ``max_batch``): one graph up to
+        ``GEMV_MAX_BATCH``, one for the rest. A graph's weight loads are sized for its largest
+        batch, and a box of mostly absent rows costs the copy engine nearly a full one."""
         w = self.w_down if w is None else w
         backend = self.resolved_backend(w)
-        key = (backend, w.dtype, w.device)
+        limit = self.max_batch
+        if (batch or limit) <= GEMV_MAX_BATCH:
+            limit = min(limit, GEMV_MAX_BATCH)
+        key = (backend, w.dtype, w.device, limit)
         fn = self._compiled.get(key)
         if fn is None:
             from .layers import decoder_layer_graph
 
-            g = decoder_layer_graph(sym("B", max=self.max_batch), self.cfg, w.dtype, self.moe)
+            g = decoder_layer_graph(sym("B", max=limit), self.cfg, w.dtype, self.moe)
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
 
@@ -676,7 +685,7 @@ class MegaDecoderLayer(_KeyedModule):
         """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
         named = dict(zip(self._names, weights))
         with torch.no_grad():
-            return self._fn(named["w_down"])(
+            return self._fn(named["w_down"], x.shape[0])(
                 x=x,
                 positions=positions,
                 k_cache=k_cache,

@@ -61,8 +61,9 @@ SLICE = gemm_sm90.BLOCK_K
 VEC = 4
 """fp32 partials a reduce thread moves per load (16 bytes)."""
 
-MAX_VECTORS_IN_FLIGHT = 32
-"""Partial vectors a reduce thread loads at once (128 registers)."""
+MAX_VECTORS_IN_FLIGHT = 16
+"""Partial vectors a reduce thread loads at once (64 registers: more spilled in the
+megakernel, whose threads have 168)."""
 
 
 @register_op
@@ -163,7 +164,7 @@ class SplitReduceTile(TileOp):
     r: Optional[TensorSpec] = None  # (m, n) with the residual epilogue
     epilogue: Optional[str] = None
     out_dtype: torch.dtype = torch.bfloat16
-    block_m: int = 4
+    block_m: int = 2
     block_n: int = VEC * NUM_THREADS
 
     name: ClassVar[str] = "gemm_split_reduce"
@@ -362,7 +363,7 @@ def gemm_split_reduce(
     *,
     epilogue: Optional[str] = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    block_m: int = 4,
+    block_m: int = 2,
     block_n: int = VEC * NUM_THREADS,
 ) -> SplitReduceTile:
     """``epilogue(part.sum(0))`` in ``out_dtype`` (``r`` implies the residual epilogue)."""

@@ -152,11 +152,15 @@ def test_mega_decoder_layer_from_hf():
         page_size=CFG.page_size,
         max_pages=CFG.max_pages,
         max_positions=256,
-        max_batch=8,
+        max_batch=18,
         backend="interpret",
     )
-    inputs, want = _step_case(layer, rotary, CFG, [3, 40], torch.Generator().manual_seed(2))
-    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    gen = torch.Generator().manual_seed(2)
+    # 2 sequences run the graph compiled for at most 16, 17 the one for max_batch
+    for lens in ([3, 40], [1 + i for i in range(17)]):
+        inputs, want = _step_case(layer, rotary, CFG, lens, gen)
+        torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    assert sorted(k[-1] for k in mega._compiled) == [16, 18]
 
 
 @pytest.mark.gpu
