@@ -61,10 +61,6 @@ SLICE = gemm_sm90.BLOCK_K
 VEC = 4
 """fp32 partials a reduce thread moves per load (16 bytes)."""
 
-MAX_VECTORS_IN_FLIGHT = 16
-"""Partial vectors a reduce thread loads at once (64 registers: more spilled in the
-megakernel, whose threads have 168)."""
-
 
 @register_op
 @dataclass(frozen=True)
@@ -301,53 +297,39 @@ class SplitReduceTile(TileOp):
         row0 = coord0 * self.block_m
         tile_v = self.block_n // vec  # vectors of a tile row (block_n is a multiple of vec)
         v0 = coord1 * tile_v
-        nb = 2 if fused else 1
-        # all the tile's rows in one pass where their partials fit in registers (one round
-        # trip to memory a tile), else a row a pass
-        rows_pass = self.block_m if self.block_m * splits * nb <= MAX_VECTORS_IN_FLIGHT else 1
-        for rp in cutlass.range(0, self.block_m, rows_pass, unroll=1):
+        for r in cutlass.range(self.block_m, unroll=1):
+            row = row0 + r
             for j in cutlass.range_constexpr(-(-tile_v // NUM_THREADS)):
                 lv = tidx + j * NUM_THREADS
                 cv = v0 + lv
-                col_ok = lv < tile_v and cv < nv
-                gs = []
-                us = []
-                rs = []
-                for rr in cutlass.range_constexpr(rows_pass):
-                    row = row0 + rp + rr
-                    ok = col_ok and row < rows
+                if row < rows and lv < tile_v and cv < nv:
+                    gs = []
+                    us = []
                     for s in cutlass.range_constexpr(splits):
                         g = cute.make_rmem_tensor((vec,), Float32)
-                        u = cute.make_rmem_tensor((vec,), Float32)
-                        if ok:
-                            cute.autovec_copy(p4[s, row, cv, None], g)
-                            if cutlass.const_expr(fused):
-                                cute.autovec_copy(p4[s, row, nv + cv, None], u)
+                        cute.autovec_copy(p4[s, row, cv, None], g)
                         gs.append(g)
-                        us.append(u)
+                        if cutlass.const_expr(fused):
+                            u = cute.make_rmem_tensor((vec,), Float32)
+                            cute.autovec_copy(p4[s, row, nv + cv, None], u)
+                            us.append(u)
                     res = cute.make_rmem_tensor((vec,), mC.element_type)
                     if cutlass.const_expr(self.r is not None):
-                        if ok:
-                            cute.autovec_copy(r3[row, cv, None], res)
-                    rs.append(res)
-                for rr in cutlass.range_constexpr(rows_pass):
-                    row = row0 + rp + rr
-                    if col_ok and row < rows:
-                        out = cute.make_rmem_tensor((vec,), mC.element_type)
-                        base = rr * splits
-                        for e in cutlass.range_constexpr(vec):
-                            acc = gs[base][e]
+                        cute.autovec_copy(r3[row, cv, None], res)
+                    out = cute.make_rmem_tensor((vec,), mC.element_type)
+                    for e in cutlass.range_constexpr(vec):
+                        acc = gs[0][e]
+                        for s in cutlass.range_constexpr(1, splits):
+                            acc = acc + gs[s][e]
+                        if cutlass.const_expr(fused):
+                            up = us[0][e]
                             for s in cutlass.range_constexpr(1, splits):
-                                acc = acc + gs[base + s][e]
-                            if cutlass.const_expr(fused):
-                                up = us[base][e]
-                                for s in cutlass.range_constexpr(1, splits):
-                                    up = up + us[base + s][e]
-                                acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * up
-                            if cutlass.const_expr(self.r is not None):
-                                acc = acc + rs[rr][e].to(Float32)
-                            out[e] = acc.to(mC.element_type)
-                        cute.autovec_copy(out, c3[row, cv, None])
+                                up = up + us[s][e]
+                            acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * up
+                        if cutlass.const_expr(self.r is not None):
+                            acc = acc + res[e].to(Float32)
+                        out[e] = acc.to(mC.element_type)
+                    cute.autovec_copy(out, c3[row, cv, None])
 
 
 def gemm_partial(

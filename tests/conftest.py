@@ -21,3 +21,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def spill_stores():
+    """``spill_stores(ptx_path)``: the spill-store bytes ``ptxas -v`` reports for the kernel
+    (the megakernel's threads have 168 registers: a body that needs more spills to local
+    memory, silently and slowly); the test skips where ptxas is not installed."""
+    import re
+    import shutil
+    import subprocess
+
+    def run(path) -> int:
+        if shutil.which("ptxas") is None:
+            pytest.skip("ptxas is not installed")
+        out = subprocess.run(
+            ["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+        return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out))
+
+    return run
