@@ -6,11 +6,15 @@ contiguous KV cache, in-place cache writes), eager and under a CUDA graph, in on
 Columns: median_us, floor_us = (layer weights + the KV cache read) / 4.3 TB/s, of_floor,
 rel_err against an fp32 torch step, ``speedup_vs_torch_graph``.
 
+The megakernel gets the layer's weights with the RMSNorm weights folded into the projections
+after them (``cutemk.layers.fold_norm``, as ``MegaDecoderLayer.from_hf`` does; the norms then
+run inside the split projections' reduce tiles); ``--unfolded-norms`` keeps them as phases.
+
 ``--trace``: a profiled static module's per-node spans (tasks, SMs, first start, last end,
 median task time; microseconds since the launch's first task) go to the JSON's ``trace`` and
 are printed.
 
-Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace]
+Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace] [--unfolded-norms]
 """
 
 from __future__ import annotations
@@ -89,10 +93,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--block-n", type=int, default=64, help="GEMM tile width (decode: 32 or 64)")
     p.add_argument("--trace", action="store_true", help="per-node spans of a profiled launch")
+    p.add_argument(
+        "--unfolded-norms", action="store_true", help="RMSNorm phases of their own (no folding)"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    from cutemk.layers import DecoderConfig
+    from cutemk.layers import DecoderConfig, fold_norm
     from cutemk.nn import MegaDecoderLayer
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
@@ -109,16 +116,27 @@ def main(argv=None) -> int:
         max_positions=KV + 1,
         block_m=64,
         block_n=args.block_n,
+        fold_norms=not args.unfolded_norms,
     )
+    wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
+    if cfg.fold_norms:
+        wm["w_qkv"] = fold_norm(wm["w_qkv"], wm.pop("input_norm"))
+        wm["w_gate_up"] = fold_norm(wm["w_gate_up"], wm.pop("post_norm"))
     megas = {
-        f"mk_{s}": MegaDecoderLayer(w, cfg, max_batch=max(args.batch), scheduler=s)
+        f"mk_{s}": MegaDecoderLayer(wm, cfg, max_batch=max(args.batch), scheduler=s)
         for s in ("static", "dynamic")
     }
     profiled = None
     if args.trace:  # a separate module: profiling adds a timestamp store per task
-        profiled = MegaDecoderLayer(w, cfg, max_batch=max(args.batch), scheduler="static")
+        profiled = MegaDecoderLayer(wm, cfg, max_batch=max(args.batch), scheduler="static")
         profiled.profile = True
-    meta = {"layer": "Qwen3-8B", "kv_len": KV, "rep": rep, "block_n": args.block_n}
+    meta = {
+        "layer": "Qwen3-8B",
+        "kv_len": KV,
+        "rep": rep,
+        "block_n": args.block_n,
+        "fold_norms": cfg.fold_norms,
+    }
     res = Results("decoder_layer", meta=meta)
     weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
     for b in args.batch:

@@ -53,6 +53,17 @@ SPLIT_BLOCK_N = 256
 """Columns of a split-K partial tile: one 256-row weight box a slice (wide boxes stream best)."""
 
 
+def fold_norm(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """``w diag(norm_weight)`` in ``w``'s dtype (the product taken in fp32, rounded once): the
+    weight of a projection that reads ``rmsnorm(x) * norm_weight``, to be applied to the
+    weightless norm (``linear(..., norm_eps=)``)."""
+    if norm_weight.shape != (w.shape[-1],):
+        raise ValueError(
+            f"norm weight {tuple(norm_weight.shape)} does not match w {tuple(w.shape)}"
+        )
+    return (w.float() * norm_weight.float()).to(w.dtype)
+
+
 def linear(
     g: Graph,
     x,
@@ -64,6 +75,7 @@ def linear(
     epilogue: str | None = None,
     split_k: int | None = 1,
     split_block_n: int = SPLIT_BLOCK_N,
+    norm_eps: float | None = None,
     name: str | None = None,
 ):
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
@@ -71,6 +83,10 @@ def linear(
     node of ``(block_m, split_block_n)`` tiles named ``name``, then a reduce node
     ``{name}_sum`` applying the epilogue. ``split_k`` None picks the split from the sizes
     (:func:`ops.choose_split_k`) where x has at most ``block_m`` rows (decode); 1 never splits.
+
+    ``norm_eps``: ``rmsnorm(x) @ w^T`` for an RMSNorm whose weight is folded into ``w``
+    (:func:`fold_norm`). Split, the reduce scales each row by x's inverse RMS (no norm phase);
+    otherwise a weightless ``rmsnorm`` node ``{name}_norm`` precedes the GEMM.
     Returns the output value."""
     if r is not None and epilogue is None:
         epilogue = "residual"
@@ -84,6 +100,10 @@ def linear(
             )
     expect_positive_int(split_k, "linear split_k")
     res = () if r is None else (r,)
+    if norm_eps is not None and split_k == 1:
+        norm_name = None if name is None else f"{name}_norm"
+        x = g.call(ops.rmsnorm, x, eps=norm_eps, block_m=NUM_WARPS, name=norm_name)
+        norm_eps = None
     if split_k == 1:
         return g.call(
             ops.gemm, x, w, *res, block_m=block_m, block_n=block_n, epilogue=epilogue, name=name
@@ -95,8 +115,10 @@ def linear(
     return g.call(
         ops.gemm_split_reduce,
         part,
+        *((x,) if norm_eps is not None else ()),
         *res,
         epilogue=epilogue,
+        norm_eps=norm_eps,
         out_dtype=x.spec.dtype,
         name=reduce_name,
     )
@@ -291,6 +313,11 @@ class DecoderConfig:
     split: int | None = None
     # K ranges of the projections (see ``linear``): None picks them per GEMM, 1 never splits
     split_k: int | None = None
+    # the RMSNorm weights are folded into the projections after them (``fold_norm``): the
+    # graph has no input_norm leaf, w_qkv is fold_norm(w_qkv, input_norm), and (dense MLP)
+    # no post_norm leaf, w_gate_up is fold_norm(w_gate_up, post_norm); split projections then
+    # apply the norm in their reduce tiles, with no norm phase of their own
+    fold_norms: bool = False
 
 
 def attention_split(max_batch: int) -> int:
@@ -317,7 +344,9 @@ def decoder_layer_graph(
     k_norm (D,), cos_sin (max_positions, D) (``ops.rope_table``), w_o (H, Hq D),
     post_norm (H,), w_gate_up (2I, H) = cat(gate, up), w_down (H, I). With ``moe`` (a
     Qwen3-MoE layer) the MLP is the sparse MoE block of :func:`moe_block` plus a residual add,
-    its weights w_router (E, H), w_gate_up (E, 2I, H), w_down (E, H, I)."""
+    its weights w_router (E, H), w_gate_up (E, 2I, H), w_down (E, H, I). With
+    ``cfg.fold_norms`` the norm weights are folded into the projections (see
+    :class:`DecoderConfig`)."""
     _positive(
         hidden=cfg.hidden,
         intermediate=cfg.intermediate,
@@ -336,18 +365,22 @@ def decoder_layer_graph(
     v_cache = g.input("v_cache", (pages, cfg.page_size, hkv, d), dtype)
     page_table = g.input("page_table", (batch, cfg.max_pages), torch.int32)
     seq_lens = g.input("seq_lens", (batch,), torch.int32)
-    input_norm = g.weight("input_norm", (h,), dtype)
+    fold_mlp = cfg.fold_norms and moe is None
+    input_norm = None if cfg.fold_norms else g.weight("input_norm", (h,), dtype)
     w_qkv = g.weight("w_qkv", ((hq + 2 * hkv) * d, h), dtype)
     q_norm = g.weight("q_norm", (d,), dtype)
     k_norm = g.weight("k_norm", (d,), dtype)
     cos_sin = g.weight("cos_sin", (cfg.max_positions, d), torch.float32)
     w_o = g.weight("w_o", (h, hq * d), dtype)
-    post_norm = g.weight("post_norm", (h,), dtype)
+    post_norm = None if fold_mlp else g.weight("post_norm", (h,), dtype)
     tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n, "split_k": cfg.split_k}
     # a norm tile is a row per SIMT warp: the rows spread over SMs, each a memory round trip
     norm_rows = NUM_WARPS
-    hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
-    qkv = linear(g, hn, w_qkv, **tiles, name="qkv_proj")
+    if cfg.fold_norms:
+        qkv = linear(g, x, w_qkv, **tiles, norm_eps=cfg.eps, name="qkv_proj")
+    else:
+        hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
+        qkv = linear(g, hn, w_qkv, **tiles, name="qkv_proj")
     q, k, v = g.call(
         ops.qk_norm_rope,
         qkv,
@@ -372,13 +405,20 @@ def decoder_layer_graph(
         out_dtype=dtype,
     )
     h1 = linear(g, o, w_o, x, **tiles, name="o_proj")  # + residual
-    h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
     if moe is not None:
+        h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
         y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
     else:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
         w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
-        act = linear(g, h2, w_gu, **tiles, epilogue="silu_mul", name="gate_up")
+        if fold_mlp:
+            gu_in, gu_norm = h1, {"norm_eps": cfg.eps}
+        else:
+            gu_in, gu_norm = (
+                g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm"),
+                {},
+            )
+        act = linear(g, gu_in, w_gu, **tiles, **gu_norm, epilogue="silu_mul", name="gate_up")
         y = linear(g, act, w_down, h1, **tiles, name="down")  # + residual
     g.output(y, "y")
     return g

@@ -33,7 +33,7 @@ from cutlass import Float32, Int32, cute
 
 from cutemk.arch import target_arch
 from cutemk.costmodel import H200, Hardware, tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import NUM_THREADS, NUM_WARPS, WARP_SIZE, simt_sync
 from cutemk.errors import ShapeError
 from cutemk.symbolic import IntLike, cdiv, upper
 from cutemk.tileop import (
@@ -154,7 +154,12 @@ class SplitReduceTile(TileOp):
     """``C = epilogue(sum_s part[s])``, one (block_m, block_n) tile of C a task.
 
     ``silu_mul``: part holds the gate partials in columns [0, N) and the up partials in
-    [N, 2N) (a partial GEMM of the stacked [W_gate; W_up]); ``residual``: C = sum + R."""
+    [N, 2N) (a partial GEMM of the stacked [W_gate; W_up]); ``residual``: C = sum + R.
+
+    ``norm_eps`` (with ``x``, the GEMM's A operand (m, K)): the GEMM was ``x @ (W diag(g))^T``
+    for an RMSNorm ``y = x / rms(x) * g`` folded into the weight, and each row's sum is scaled
+    by ``1 / sqrt(mean(x_row^2) + eps)`` here, before the epilogue: the norm then costs no
+    phase of its own between the layer's previous output and the projection."""
 
     part: TensorSpec  # (split_k, m, n), or (split_k, m, 2n) with silu_mul; fp32
     r: Optional[TensorSpec] = None  # (m, n) with the residual epilogue
@@ -162,6 +167,8 @@ class SplitReduceTile(TileOp):
     out_dtype: torch.dtype = torch.bfloat16
     block_m: int = 2
     block_n: int = VEC * NUM_THREADS
+    x: Optional[TensorSpec] = None  # (m, K): the un-normalised A operand, with norm_eps
+    norm_eps: Optional[float] = None
 
     name: ClassVar[str] = "gemm_split_reduce"
     outputs: ClassVar[tuple[str, ...]] = ("c",)
@@ -169,7 +176,7 @@ class SplitReduceTile(TileOp):
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return ("part", "r") if self.r is not None else ("part",)
+        return ("part",) + ("x",) * (self.x is not None) + ("r",) * (self.r is not None)
 
     def __post_init__(self) -> None:
         expect_ndim(self.part, 3, "gemm_split_reduce part")
@@ -191,6 +198,15 @@ class SplitReduceTile(TileOp):
             expect_same_dim(self.r.shape[1], self.n, "gemm_split_reduce: r cols vs N")
             if self.r.dtype != self.out_dtype:
                 raise TypeError(f"gemm_split_reduce r must be {self.out_dtype}, got {self.r.dtype}")
+        if (self.x is None) != (self.norm_eps is None):
+            raise ValueError("gemm_split_reduce: norm_eps takes x (the GEMM's A), and only it does")
+        if self.x is not None:
+            expect_ndim(self.x, 2, "gemm_split_reduce x")
+            expect_same_dim(self.x.shape[0], self.m, "gemm_split_reduce: x rows vs part rows")
+            if not isinstance(self.x.shape[1], int):
+                raise ShapeError("gemm_split_reduce: x needs a static width")
+            if not self.norm_eps > 0:
+                raise ValueError(f"gemm_split_reduce norm_eps must be > 0, got {self.norm_eps}")
 
     @property
     def splits(self) -> int:
@@ -231,6 +247,8 @@ class SplitReduceTile(TileOp):
         r = {"part": part}
         if self.r is not None:
             r["r"] = (rows, cols)
+        if self.x is not None:
+            r["x"] = (rows, (0, self.x.shape[1]))
         return r
 
     def writes(self, coord, env, data=None):
@@ -248,6 +266,8 @@ class SplitReduceTile(TileOp):
         r = {"part": boxes(span(0, self.splits, len(coords)), rows, cols)}
         if self.r is not None:
             r["r"] = boxes(rows, cols)
+        if self.x is not None:
+            r["x"] = boxes(rows, span(0, self.x.shape[1], len(coords)))
         return r
 
     def cost(self, coord, env):
@@ -256,24 +276,68 @@ class SplitReduceTile(TileOp):
         nbytes = elems * (
             4 * self.splits * nb + self.out_dtype.itemsize * (1 + (self.r is not None))
         )
+        if self.x is not None:
+            nbytes += self.block_m * self.x.shape[1] * self.x.dtype.itemsize
         return tile_time_us(elems * self.splits * nb, nbytes, torch.float32)
 
     def reference(self, coord, env, t):
         (r0, r1), (c0, c1), n = self._box(coord, env)
         part = t["part"][:, r0:r1].float()
-        v = part[:, :, c0:c1].sum(0)
+        scale = 1.0
+        if self.x is not None:
+            x = t["x"][r0:r1].float()
+            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        v = part[:, :, c0:c1].sum(0) * scale
         if self.epilogue == "silu_mul":
-            v = F.silu(v) * part[:, :, n + c0 : n + c1].sum(0)
+            v = F.silu(v) * (part[:, :, n + c0 : n + c1].sum(0) * scale)
         if self.r is not None:
             v = v + t["r"][r0:r1, c0:c1].float()
         t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
 
+    def device_smem_bytes(self) -> int:
+        return 4 * NUM_WARPS if self.x is not None else 0  # the row norm's warp sums
+
+    @cute.jit
+    def _row_rstd(self, mX, row: Int32, tidx: Int32, sSum) -> Float32:
+        """1 / sqrt(mean(x[row]^2) + eps) over the SIMT group: every thread sums the squares
+        of its columns, a warp all-reduce, the warps' sums through shared memory."""
+        k = self.x.shape[1]
+        vx = 16 // self.x.dtype.itemsize
+        if cutlass.const_expr(k % vx):
+            vx = 1
+        nvx = k // vx
+        x3 = cute.make_tensor(
+            mX.iterator, cute.make_layout((mX.shape[0], nvx, vx), stride=(k, vx, 1))
+        )
+        ss = Float32(0.0)
+        for i in cutlass.range_constexpr(-(-nvx // NUM_THREADS)):
+            c = tidx + i * NUM_THREADS
+            if c < nvx:
+                xv = cute.make_rmem_tensor((vx,), mX.element_type)
+                cute.autovec_copy(x3[row, c, None], xv)
+                for e in cutlass.range_constexpr(vx):
+                    v = xv[e].to(Float32)
+                    ss = ss + v * v
+        ss = cute.arch.warp_reduction_sum(ss)
+        if tidx % WARP_SIZE == 0:
+            sSum[tidx // WARP_SIZE] = ss
+        simt_sync()
+        tot = sSum[0]
+        for w in cutlass.range_constexpr(1, NUM_WARPS):
+            tot = tot + sSum[w]
+        simt_sync()  # read by all before the next row's sums
+        return cute.math.rsqrt(tot / Float32(k) + Float32(self.norm_eps))
+
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Tile (coord0, coord1) of C; ``tensors`` = (mPart, [mR,] mC). A thread owns ``_vec``
-        consecutive columns of every row of the tile: it loads every range's partials of them
-        at once (one round trip to memory), sums in fp32, applies the epilogue and stores."""
+        """Tile (coord0, coord1) of C; ``tensors`` = (mPart, [mX,] [mR,] mC). A thread owns
+        ``_vec`` consecutive columns of every row of the tile: it loads every range's partials
+        of them at once (one round trip to memory), sums in fp32, applies the row's norm scale
+        (with ``x``) and the epilogue, and stores."""
         mP, mC = tensors[0], tensors[len(tensors) - 1]
+        sSum = cute.make_tensor(
+            cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout((NUM_WARPS,))
+        )
         fused = self.epilogue == "silu_mul"
         vec, splits = self._vec, self.splits
         rows = mC.shape[0]
@@ -292,13 +356,18 @@ class SplitReduceTile(TileOp):
         r3 = c3
         if cutlass.const_expr(self.r is not None):
             r3 = cute.make_tensor(
-                tensors[1].iterator, cute.make_layout((rows, nv, vec), stride=(n, vec, 1))
+                tensors[len(tensors) - 2].iterator,
+                cute.make_layout((rows, nv, vec), stride=(n, vec, 1)),
             )
         row0 = coord0 * self.block_m
         tile_v = self.block_n // vec  # vectors of a tile row (block_n is a multiple of vec)
         v0 = coord1 * tile_v
         for r in cutlass.range(self.block_m, unroll=1):
             row = row0 + r
+            scale = Float32(1.0)
+            if cutlass.const_expr(self.x is not None):
+                if row < rows:  # uniform over the group: the norm's barriers are safe
+                    scale = self._row_rstd(tensors[1], row, tidx, sSum)
             for j in cutlass.range_constexpr(-(-tile_v // NUM_THREADS)):
                 lv = tidx + j * NUM_THREADS
                 cv = v0 + lv
@@ -321,11 +390,12 @@ class SplitReduceTile(TileOp):
                         acc = gs[0][e]
                         for s in cutlass.range_constexpr(1, splits):
                             acc = acc + gs[s][e]
+                        acc = acc * scale
                         if cutlass.const_expr(fused):
                             up = us[0][e]
                             for s in cutlass.range_constexpr(1, splits):
                                 up = up + us[s][e]
-                            acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * up
+                            acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * (up * scale)
                         if cutlass.const_expr(self.r is not None):
                             acc = acc + res[e].to(Float32)
                         out[e] = acc.to(mC.element_type)
@@ -341,17 +411,24 @@ def gemm_partial(
 
 def gemm_split_reduce(
     part: TensorSpec,
-    r: Optional[TensorSpec] = None,
-    *,
+    *operands: TensorSpec,
     epilogue: Optional[str] = None,
+    norm_eps: Optional[float] = None,
     out_dtype: torch.dtype = torch.bfloat16,
     block_m: int = 2,
     block_n: int = VEC * NUM_THREADS,
 ) -> SplitReduceTile:
-    """``epilogue(part.sum(0))`` in ``out_dtype`` (``r`` implies the residual epilogue)."""
+    """``epilogue(part.sum(0) * row scale)`` in ``out_dtype``. ``operands``: ``x`` first where
+    ``norm_eps`` is given (the row scale is its RMSNorm's), then the residual ``r`` (which
+    implies the residual epilogue)."""
+    operands = list(operands)
+    x = operands.pop(0) if norm_eps is not None and operands else None
+    r = operands.pop(0) if operands else None
+    if operands:
+        raise ValueError(f"gemm_split_reduce takes at most x and r, got {len(operands) + 2}")
     if r is not None and epilogue is None:
         epilogue = "residual"
-    return SplitReduceTile(part, r, epilogue, out_dtype, block_m, block_n)
+    return SplitReduceTile(part, r, epilogue, out_dtype, block_m, block_n, x, norm_eps)
 
 
 def choose_split_k(

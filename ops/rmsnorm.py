@@ -1,4 +1,7 @@
-"""RMSNorm tile op: y = x / sqrt(mean(x^2) + eps) * weight, one block of rows a task."""
+"""RMSNorm tile op: y = x / sqrt(mean(x^2) + eps) * weight, one block of rows a task.
+
+``weight`` None: y = x / sqrt(mean(x^2) + eps), for a norm whose weight is folded into the
+projection that reads y (see ``cutemk.layers.fold_norm``)."""
 
 from __future__ import annotations
 
@@ -34,28 +37,35 @@ W_BATCH = 8
 @dataclass(frozen=True)
 class RmsNormTile(TileOp):
     x: TensorSpec  # (rows, hidden)
-    weight: TensorSpec  # (hidden,)
+    weight: TensorSpec | None  # (hidden,), or None for a weight of ones
     eps: float = 1e-6
     block_m: int = 16
 
     name: ClassVar[str] = "rmsnorm"
-    inputs: ClassVar[tuple[str, ...]] = ("x", "weight")
     outputs: ClassVar[tuple[str, ...]] = ("y",)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("x",) if self.weight is None else ("x", "weight")
 
     def __post_init__(self) -> None:
         expect_ndim(self.x, 2, "rmsnorm x")
-        expect_ndim(self.weight, 1, "rmsnorm weight")
         expect_dtype(self.x, FLOAT_DTYPES, "rmsnorm x")
+        if self.weight is not None:
+            self._check_weight()
+        if not isinstance(self.block_m, int) or self.block_m < 1:
+            raise ValueError(f"rmsnorm block_m must be a positive int, got {self.block_m!r}")
+        if not self.eps > 0:
+            raise ValueError(f"rmsnorm eps must be > 0, got {self.eps}")
+
+    def _check_weight(self) -> None:
+        expect_ndim(self.weight, 1, "rmsnorm weight")
         expect_dtype(self.weight, (self.x.dtype,), "rmsnorm weight")
         if self.weight.shape[0] != self.x.shape[1]:
             raise ShapeError(
                 f"rmsnorm weight has {self.weight.shape[0]} elements, x has "
                 f"{self.x.shape[1]} columns"
             )
-        if not isinstance(self.block_m, int) or self.block_m < 1:
-            raise ValueError(f"rmsnorm block_m must be a positive int, got {self.block_m!r}")
-        if not self.eps > 0:
-            raise ValueError(f"rmsnorm eps must be > 0, got {self.eps}")
 
     def output_specs(self):
         return {"y": TensorSpec(self.x.shape, self.x.dtype)}
@@ -68,7 +78,10 @@ class RmsNormTile(TileOp):
 
     def reads(self, coord, env, data=None):
         rows, cols = self._dims(env)
-        return {"x": (block(coord[0], self.block_m, rows), (0, cols)), "weight": ((0, cols),)}
+        r = {"x": (block(coord[0], self.block_m, rows), (0, cols))}
+        if self.weight is not None:
+            r["weight"] = ((0, cols),)
+        return r
 
     def writes(self, coord, env, data=None):
         rows, cols = self._dims(env)
@@ -82,6 +95,8 @@ class RmsNormTile(TileOp):
         b = boxes(blocks(coords[:, 0], self.block_m, rows), span(0, cols, n_t))
         if which == "writes":
             return {"y": b}
+        if self.weight is None:
+            return {"x": b}
         return {"x": b, "weight": boxes(span(0, cols, n_t))}
 
     def cost(self, coord, env):
@@ -92,7 +107,9 @@ class RmsNormTile(TileOp):
     def reference(self, coord, env, t):
         (r0, r1), _ = self.writes(coord, env)["y"]
         x = t["x"][r0:r1].float()
-        y = x * (x.pow(2).mean(dim=-1, keepdim=True) + self.eps).rsqrt() * t["weight"].float()
+        y = x * (x.pow(2).mean(dim=-1, keepdim=True) + self.eps).rsqrt()
+        if self.weight is not None:
+            y = y * t["weight"].float()
         t["y"][r0:r1] = y.to(t["y"].dtype)
 
     # -- device -----------------------------------------------------------------------------
@@ -133,7 +150,9 @@ class RmsNormTile(TileOp):
         hits L1/L2), four vectors a lane in flight; a width known only at run time goes
         element by element.
         """
-        mX, mW, mY = tensors
+        mX, mY = tensors[0], tensors[len(tensors) - 1]
+        mW = tensors[1]  # x itself without a weight: never read then
+        has_w = self.weight is not None
         rows = mX.shape[0]
         cols = mX.shape[1]
         if cutlass.const_expr(self._vectors):  # static: every vector access is aligned
@@ -174,12 +193,15 @@ class RmsNormTile(TileOp):
                         ws = []
                         for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
                             wv = cute.make_rmem_tensor((vec,), mW.element_type)
-                            cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
+                            if cutlass.const_expr(has_w):
+                                cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
                             ws.append(wv)
                         for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
                             yv = cute.make_rmem_tensor((vec,), mY.element_type)
                             for e in cutlass.range_constexpr(vec):
-                                y = xs[i][e].to(Float32) * rstd * ws[i - i0][e].to(Float32)
+                                y = xs[i][e].to(Float32) * rstd
+                                if cutlass.const_expr(has_w):
+                                    y = y * ws[i - i0][e].to(Float32)
                                 yv[e] = y.to(mY.element_type)
                             cute.autovec_copy(yv, y3[row, lane + i * WARP_SIZE, None])
                 elif cutlass.const_expr(self._vectors):
@@ -196,10 +218,13 @@ class RmsNormTile(TileOp):
                         xv = cute.make_rmem_tensor((vec,), mX.element_type)
                         wv = cute.make_rmem_tensor((vec,), mW.element_type)
                         cute.autovec_copy(x3[row, c, None], xv)
-                        cute.autovec_copy(w2[c, None], wv)
+                        if cutlass.const_expr(has_w):
+                            cute.autovec_copy(w2[c, None], wv)
                         yv = cute.make_rmem_tensor((vec,), mY.element_type)
                         for e in cutlass.range_constexpr(vec):
-                            y = xv[e].to(Float32) * rstd * wv[e].to(Float32)
+                            y = xv[e].to(Float32) * rstd
+                            if cutlass.const_expr(has_w):
+                                y = y * wv[e].to(Float32)
                             yv[e] = y.to(mY.element_type)
                         cute.autovec_copy(yv, y3[row, c, None])
                 else:  # a width known only at run time: element by element
@@ -210,11 +235,13 @@ class RmsNormTile(TileOp):
                     ss = cute.arch.warp_reduction_sum(ss)
                     rstd = cute.math.rsqrt(ss * inv_cols + Float32(self.eps))
                     for c in cutlass.range(lane, cols, WARP_SIZE, unroll=4):
-                        y = mX[row, c].to(Float32) * rstd * mW[c].to(Float32)
+                        y = mX[row, c].to(Float32) * rstd
+                        if cutlass.const_expr(has_w):
+                            y = y * mW[c].to(Float32)
                         mY[row, c] = y.to(mY.element_type)
 
 
 def rmsnorm(
-    x: TensorSpec, weight: TensorSpec, *, eps: float = 1e-6, block_m: int = 16
+    x: TensorSpec, weight: TensorSpec | None = None, *, eps: float = 1e-6, block_m: int = 16
 ) -> RmsNormTile:
     return RmsNormTile(x, weight, eps, block_m)

@@ -6,6 +6,7 @@ the earlier tokens, and appends the new token's. CPU: the interpreter in fp32 (r
 on), both schedulers, and a compile of the layer for sm_90a at Qwen3-8B's size."""
 
 import os
+from dataclasses import replace
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -14,7 +15,7 @@ import torch
 
 import cutemk as mk
 from cutemk import ops
-from cutemk.layers import DecoderConfig, decoder_layer_graph
+from cutemk.layers import DecoderConfig, decoder_layer_graph, fold_norm
 from cutemk.runtime import compile_offline
 
 CFG = DecoderConfig(
@@ -127,17 +128,41 @@ def _step_case(layer, rotary, cfg, lens, gen):
     return inputs, torch.stack(want)
 
 
+def _folded(w):
+    """The weights with the RMSNorm weights folded into the projections (``fold_norms``)."""
+    w = dict(w)
+    w["w_qkv"] = fold_norm(w["w_qkv"], w.pop("input_norm"))
+    w["w_gate_up"] = fold_norm(w["w_gate_up"], w.pop("post_norm"))
+    return w
+
+
+# K wide enough to split every projection in two: the folded norms run in the reduce tiles
+CFG_SPLIT = replace(
+    CFG, hidden=256, intermediate=256, head_dim=64, split_k=2, fold_norms=True, split=16
+)
+LAYERS = {
+    "plain": CFG,
+    "folded": replace(CFG, fold_norms=True),  # unsplit: weightless rmsnorm nodes
+    "folded_split": CFG_SPLIT,
+}
+
+
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_decode_step_matches_hf_layer(scheduler):
+@pytest.mark.parametrize("which", list(LAYERS))
+def test_decode_step_matches_hf_layer(scheduler, which):
     pytest.importorskip("transformers")
-    layer, rotary = _hf(CFG)
-    c = decoder_layer_graph(mk.sym("B", max=8), CFG).compile(
-        "interpret", num_sms=8, scheduler=scheduler
-    )
-    w = _weights(layer, CFG)
+    cfg = LAYERS[which]
+    layer, rotary = _hf(cfg)
+    g = decoder_layer_graph(mk.sym("B", max=8), cfg)
+    norm_nodes = [n.name for n in g.nodes if n.op.name == "rmsnorm"]
+    assert (norm_nodes == []) == (which == "folded_split"), norm_nodes
+    c = g.compile("interpret", num_sms=8, scheduler=scheduler)
+    w = _weights(layer, cfg)
+    if cfg.fold_norms:
+        w = _folded(w)
     gen = torch.Generator().manual_seed(1)
-    for lens in ([1], [5, 17], [CFG.page_size * CFG.max_pages, 9, 2]):
-        inputs, want = _step_case(layer, rotary, CFG, lens, gen)
+    for lens in ([1], [5, 17], [cfg.page_size * cfg.max_pages, 9, 2]):
+        inputs, want = _step_case(layer, rotary, cfg, lens, gen)
         y = c(**inputs, **w)
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
 
@@ -288,6 +313,7 @@ def test_decode_layer_compiles_for_hopper(tmp_path, which, scheduler, max_batch,
             max_pages=512,
             block_m=64,
             block_n=64,
+            fold_norms=True,
         )
     else:
         cfg = DecoderConfig(

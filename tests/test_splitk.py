@@ -25,20 +25,34 @@ def rel_err(y, ref):
     return float((y.float() - ref).norm() / ref.norm())
 
 
-def proj_graph(k, n, dtype, epilogue=None, split_k=2, max_t=16, block=(64, 64)):
-    """One projection through ``linear``: x (T, k) @ w^T with the epilogue."""
+def proj_graph(k, n, dtype, epilogue=None, split_k=2, max_t=16, block=(64, 64), norm_eps=None):
+    """One projection through ``linear``: x (T, k) @ w^T with the epilogue (``norm_eps``:
+    rmsnorm(x) @ w^T, the norm's weight folded into w)."""
     g = mk.Graph("proj")
     t = mk.sym("T", max_t)
     x = g.input("x", (t, k), dtype)
     w = g.weight("w", (2 * n if epilogue == "silu_mul" else n, k), dtype)
     r = g.input("r", (t, n), dtype) if epilogue == "residual" else None
-    y = linear(g, x, w, r, block_m=block[0], block_n=block[1], epilogue=epilogue, split_k=split_k)
+    y = linear(
+        g,
+        x,
+        w,
+        r,
+        block_m=block[0],
+        block_n=block[1],
+        epilogue=epilogue,
+        split_k=split_k,
+        norm_eps=norm_eps,
+    )
     g.output(y, "y")
     return g
 
 
-def proj_reference(x, w, r, epilogue):
-    y = x.float() @ w.float().T
+def proj_reference(x, w, r, epilogue, norm_eps=None):
+    x = x.float()
+    if norm_eps is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps)
+    y = x @ w.float().T
     if epilogue == "silu_mul":
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
@@ -131,6 +145,26 @@ def test_split_projection_epilogues_on_the_interpreter(epilogue):
         assert rel_err(c(*args), proj_reference(x, w, r, epilogue)) < 1e-5
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("epilogue", [None, "silu_mul"])
+def test_folded_norm_on_the_interpreter(split_k, epilogue):
+    """rmsnorm(x) * g @ W^T as x @ fold_norm(W, g)^T: split, the reduce tiles scale each row
+    by x's inverse RMS (no norm node); unsplit, a weightless rmsnorm node runs first."""
+    from cutemk.layers import fold_norm
+
+    g = proj_graph(256, 96, torch.float32, epilogue, split_k, block=(8, 32), norm_eps=1e-5)
+    assert any(n.op.name == "rmsnorm" for n in g.nodes) == (split_k == 1)
+    c = g.compile("interpret", num_sms=3)
+    gen = torch.Generator().manual_seed(7)
+    nb = 2 if epilogue == "silu_mul" else 1
+    w = torch.randn(nb * 96, 256, generator=gen) / 16
+    gamma = 1 + 0.1 * torch.randn(256, generator=gen)
+    for t in (1, 11):
+        x = 3 * torch.randn(t, 256, generator=gen)
+        want = proj_reference(x, w * gamma, None, epilogue, norm_eps=1e-5)
+        assert rel_err(c(x, fold_norm(w, gamma)), want) < 1e-5
+
+
 def test_split_mlp_compiles_for_hopper(spill_stores):
     """Qwen3-8B MLP, decode-sized: the partial tiles on the Hopper path (TMA + wgmma, stored
     from registers), the reduce tiles on the SIMT group with 16-byte loads; no spills."""
@@ -165,6 +199,28 @@ def test_split_mlp_on_the_gpu(scheduler, split_k):
         y = c(x, wgu, wd)
         assert not torch.isnan(y).any()
         assert rel_err(y, mlp_reference(x, wgu, wd)) < 1e-2, f"T={t}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_folded_norm_on_the_gpu(split_k):
+    from cutemk.layers import fold_norm
+
+    torch.manual_seed(6)
+    k, n = 1024, 512
+    c = proj_graph(k, n, BF, "silu_mul", split_k, norm_eps=1e-6).compile(
+        "cute", watchdog=True, poison_outputs=True
+    )
+    w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(BF)
+    gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(BF)
+    wf = fold_norm(w, gamma)
+    for t in (1, 7, 16):
+        x = (3 * torch.randn(t, k, device="cuda")).to(BF)
+        y = c(x, wf)
+        assert not torch.isnan(y).any()
+        want = proj_reference(x, w.float() * gamma.float(), None, "silu_mul", norm_eps=1e-6)
+        assert rel_err(y, want) < 1e-2, f"T={t}"
 
 
 @pytest.mark.gpu
