@@ -39,7 +39,7 @@ from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import ShapeError
-from cutemk.symbolic import cdiv
+from . import attention_decode_sm90 as dsm90
 from cutemk.tileop import (
     FLOAT_DTYPES,
     RingTile,
@@ -52,8 +52,6 @@ from cutemk.tileop import (
     full_box,
     register_op,
 )
-
-from . import attention_decode_sm90 as dsm90
 
 WARPS = NUM_THREADS // WARP
 UNROLL = 4
@@ -387,7 +385,6 @@ class AttentionCombineTile(TileOp):
     split: int
     max_tokens: int  # the page table's capacity: longer lengths are bad data
     out_dtype: torch.dtype = torch.bfloat16
-    head_block: int = 4  # query heads a tile merges (their loads interleave: fewer, wider tiles)
 
     name: ClassVar[str] = "attention_combine"
     inputs: ClassVar[tuple[str, ...]] = ("part_o", "part_ml", "seq_lens")
@@ -403,10 +400,6 @@ class AttentionCombineTile(TileOp):
             expect_same_dim(self.part_o.shape[i], self.part_ml.shape[i], f"part dim {i}")
         if self.out_dtype not in FLOAT_DTYPES:
             raise TypeError(f"attention_combine out_dtype must be one of {FLOAT_DTYPES}")
-        if not isinstance(self.head_block, int) or self.head_block < 1:
-            raise ValueError(
-                f"attention_combine head_block must be a positive int, got {self.head_block!r}"
-            )
         # the split and capacity decide how many splits a length reads: they must be the
         # partials' (more would read past part_o)
         splits = self.part_o.shape[2]
@@ -431,92 +424,68 @@ class AttentionCombineTile(TileOp):
         return {"out": TensorSpec((b, hq * d), self.out_dtype)}
 
     def grid(self):
-        return (self.part_o.shape[0], cdiv(self.part_o.shape[1], self.head_block))
-
-    def _heads(self, coord, env) -> tuple[int, int]:
-        return block(coord[1], self.head_block, self.part_o.concrete(env)[1])
+        return (self.part_o.shape[0], self.part_o.shape[1])
 
     def reads(self, coord, env, data=None):
-        b = coord[0]
-        h0, h1 = self._heads(coord, env)
+        b, hq = coord
         _, _, splits, d = self.part_o.concrete(env)
         if data is not None:  # only the splits that exist
             n = int(data["seq_lens"][b])
             splits = -(-n // self.split) if 1 <= n <= self.max_tokens else 0
         return {
-            "part_o": ((b, b + 1), (h0, h1), (0, splits), (0, d)),
-            "part_ml": ((b, b + 1), (h0, h1), (0, splits), (0, 2)),
+            "part_o": ((b, b + 1), (hq, hq + 1), (0, splits), (0, d)),
+            "part_ml": ((b, b + 1), (hq, hq + 1), (0, splits), (0, 2)),
             "seq_lens": ((b, b + 1),),
         }
 
     def writes(self, coord, env, data=None):
-        h0, h1 = self._heads(coord, env)
+        b, hq = coord
         d = self.part_o.shape[3]
-        return {"out": ((coord[0], coord[0] + 1), (h0 * d, h1 * d))}
+        return {"out": ((b, b + 1), (hq * d, (hq + 1) * d))}
 
     def cost(self, coord, env):
-        s, d = self.part_o.shape[2], self.part_o.shape[3] * self.head_block
+        s, d = self.part_o.shape[2], self.part_o.shape[3]
         return tile_time_us(3.0 * s * d, 4.0 * s * (d + 2), torch.float32)
 
     def reference(self, coord, env, t):
-        b = coord[0]
+        b, hq = coord
         length = int(t["seq_lens"][b])
         d = self.part_o.shape[3]
-        for hq in range(*self._heads(coord, env)):
-            if not 1 <= length <= self.max_tokens:
-                t["out"][b, hq * d : (hq + 1) * d] = float("nan")
-                continue
-            n = -(-length // self.split)
-            ml = t["part_ml"][b, hq, :n]
-            m = ml[:, 0].max()
-            f = torch.exp2(ml[:, 0] - m)
-            out = (t["part_o"][b, hq, :n] * f[:, None]).sum(0) / (ml[:, 1] * f).sum()
-            t["out"][b, hq * d : (hq + 1) * d] = out.to(t["out"].dtype)
+        if not 1 <= length <= self.max_tokens:
+            t["out"][b, hq * d : (hq + 1) * d] = float("nan")
+            return
+        n = -(-length // self.split)
+        ml = t["part_ml"][b, hq, :n]
+        m = ml[:, 0].max()
+        f = torch.exp2(ml[:, 0] - m)
+        out = (t["part_o"][b, hq, :n] * f[:, None]).sum(0) / (ml[:, 1] * f).sum()
+        t["out"][b, hq * d : (hq + 1) * d] = out.to(t["out"].dtype)
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Query heads of block ``coord1`` of sequence ``coord0``; ``tensors`` = (mPO, mPML,
-        mLen, mOut). A thread owns (head, dim) pairs tidx, tidx + NUM_THREADS, ... and merges
-        them over the sequence's splits in order in one pass (running max, rescaled sums);
-        the pairs' loads of one split are independent, so they are in flight together."""
+        """Query head (b, hq): thread d merges dimension d over the sequence's splits in
+        order; ``tensors`` = (mPO, mPML, mLen, mOut)."""
         mPO, mPML, mLen, mOut = tensors
         d = self.part_o.shape[3]
-        heads = mPO.shape[1]
-        h0 = coord1 * self.head_block
-        nh = cute.min(h0 + self.head_block, heads) - h0
         length = mLen[coord0]
         valid = length >= 1 and length <= self.max_tokens
         n = Int32(0)
         if valid:
             n = (length + self.split - 1) // self.split
-        per = -(-self.head_block * d // NUM_THREADS)
-        m = cute.make_rmem_tensor((per,), Float32)
-        acc = cute.make_rmem_tensor((per,), Float32)
-        tot = cute.make_rmem_tensor((per,), Float32)
-        for p in cutlass.range_constexpr(per):
-            m[p] = Float32(-math.inf)
-            acc[p] = Float32(0.0)
-            tot[p] = Float32(0.0)
-        for s in cutlass.range(n, unroll=1):
-            for p in cutlass.range_constexpr(per):
-                idx = cute.min(tidx + p * NUM_THREADS, nh * d - 1)  # clamped: reads in range
-                h = h0 + idx // d
-                ms = mPML[coord0, h, s, 0]
-                ls = mPML[coord0, h, s, 1]
-                os = mPO[coord0, h, s, idx % d]
-                m_new = cute.arch.fmax(m[p], ms)
-                a = cute.math.exp2(m[p] - m_new, fastmath=True)
-                f = cute.math.exp2(ms - m_new, fastmath=True)
-                acc[p] = acc[p] * a + os * f
-                tot[p] = tot[p] * a + ls * f
-                m[p] = m_new
-        for p in cutlass.range_constexpr(per):
-            idx = tidx + p * NUM_THREADS
-            if idx < nh * d:
-                res = acc[p] / tot[p]
-                if not valid:
-                    res = Float32(math.nan)
-                mOut[coord0, h0 * d + idx] = res.to(mOut.element_type)
+        for dim in range(tidx, d, NUM_THREADS):
+            mm = Float32(-math.inf)
+            for s in range(n):
+                mm = cute.arch.fmax(mm, mPML[coord0, coord1, s, 0])
+            acc = Float32(0.0)
+            tot = Float32(0.0)
+            for s in range(n):
+                f = cute.math.exp2(mPML[coord0, coord1, s, 0] - mm, fastmath=True)
+                acc = acc + mPO[coord0, coord1, s, dim] * f
+                tot = tot + mPML[coord0, coord1, s, 1] * f
+            res = acc / tot
+            if not valid:
+                res = Float32(math.nan)
+            mOut[coord0, coord1 * d + dim] = res.to(mOut.element_type)
 
 
 def attention_decode(
@@ -541,9 +510,8 @@ def attention_combine(
     split: int,
     max_tokens: int,
     out_dtype: torch.dtype = torch.bfloat16,
-    head_block: int = 4,
 ) -> AttentionCombineTile:
-    return AttentionCombineTile(part_o, part_ml, seq_lens, split, max_tokens, out_dtype, head_block)
+    return AttentionCombineTile(part_o, part_ml, seq_lens, split, max_tokens, out_dtype)
 
 
 def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, scale=None):

@@ -18,7 +18,7 @@ from cutemk.runtime import compile_offline
 from cutemk.ops.attention_decode import decode_attention_reference
 
 
-def _graph(hq, hkv, d, page, max_pages, split, dtype, max_b=8, head_block=4):
+def _graph(hq, hkv, d, page, max_pages, split, dtype, max_b=8):
     g = mk.Graph("decode_attention")
     B = mk.sym("B", min=1, max=max_b)
     q = g.input("q", (B, hq, d), dtype)
@@ -35,7 +35,6 @@ def _graph(hq, hkv, d, page, max_pages, split, dtype, max_b=8, head_block=4):
         split=split,
         max_tokens=page * max_pages,
         out_dtype=dtype,
-        head_block=head_block,
     )
     g.output(out, "out")
     return g
@@ -62,14 +61,12 @@ def _inputs(lens, hq, hkv, d, page, max_pages, dtype, gen, device="cpu"):
 
 
 @pytest.mark.parametrize(
-    "hq,hkv,page,split,head_block",
-    [(4, 1, 16, 64, 4), (8, 2, 64, 128, 4), (8, 8, 16, 32, 4), (8, 2, 16, 64, 3)],
+    "hq,hkv,page,split",
+    [(4, 1, 16, 64), (8, 2, 64, 128), (8, 8, 16, 32)],
 )
-def test_decode_attention_interpreted(hq, hkv, page, split, head_block):
+def test_decode_attention_interpreted(hq, hkv, page, split):
     d, max_pages = 64, 260
-    c = _graph(hq, hkv, d, page, max_pages, split, torch.float32, head_block=head_block).compile(
-        "interpret", num_sms=8
-    )
+    c = _graph(hq, hkv, d, page, max_pages, split, torch.float32).compile("interpret", num_sms=8)
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     for lens in ([1], [7, 129], [4097, 1, 200]):
         if max(lens) > page * max_pages:
@@ -137,16 +134,14 @@ def test_hopper_tile_config():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "scheduler,head_block", [("static", 4), ("dynamic", 4), ("static", 3)]
-)  # 3: combine tiles of 3 heads, the last of 2
-def test_decode_attention_on_the_gpu(scheduler, head_block):
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_decode_attention_on_the_gpu(scheduler):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     hq, hkv, d, page, max_pages, split = 32, 8, 128, 16, 2048, 256
-    c = _graph(
-        hq, hkv, d, page, max_pages, split, torch.bfloat16, max_b=64, head_block=head_block
-    ).compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+    c = _graph(hq, hkv, d, page, max_pages, split, torch.bfloat16, max_b=64).compile(
+        "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
+    )
     gen = torch.Generator().manual_seed(1)
     for lens in ([1], [7, 129, 4097], [8192], [32768], [4096] * 16):
         a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
