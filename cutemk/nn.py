@@ -662,7 +662,7 @@ class MegaDecoderLayer(_KeyedModule):
         w = self.w_down if w is None else w
         backend = self.resolved_backend(w)
         limit = self.max_batch
-        if (batch or limit) <= GEMV_MAX_BATCH:
+        if (limit if batch is None else batch) <= GEMV_MAX_BATCH:
             limit = min(limit, GEMV_MAX_BATCH)
         key = (backend, w.dtype, w.device, limit)
         fn = self._compiled.get(key)

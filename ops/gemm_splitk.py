@@ -34,9 +34,10 @@ from cutlass import Float32, Int32, cute
 from cutemk.arch import target_arch
 from cutemk.costmodel import H200, Hardware, tile_time_us
 from cutemk.device.config import NUM_THREADS, NUM_WARPS, WARP_SIZE, simt_sync
-from cutemk.errors import ShapeError
+from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import IntLike, cdiv, upper
 from cutemk.tileop import (
+    FLOAT_DTYPES,
     TensorSpec,
     TileOp,
     block,
@@ -76,7 +77,11 @@ class GemmPartialTile(GemmTile):
         super().__post_init__()
         if self.epilogue is not None or self.r is not None:
             raise ValueError("gemm_partial has no epilogue: gemm_split_reduce applies it")
+        if self.out_dtype not in (None, torch.float32):
+            raise TypeError(f"gemm_partial writes fp32 partials, got out_dtype={self.out_dtype}")
         expect_positive_int(self.split_k, "gemm_partial split_k")
+        if self.split_k < 2:
+            raise ValueError("gemm_partial split_k must be >= 2 (one range is ops.gemm), got 1")
         k = self.k
         if not isinstance(k, int) or k % (self.split_k * SLICE):
             raise ShapeError(
@@ -185,6 +190,8 @@ class SplitReduceTile(TileOp):
             raise ShapeError("gemm_split_reduce: the number of K ranges must be static")
         if self.epilogue not in REDUCE_EPILOGUES:
             raise ValueError(f"gemm_split_reduce epilogue must be one of {REDUCE_EPILOGUES}")
+        if self.out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"gemm_split_reduce out_dtype must be one of {FLOAT_DTYPES}")
         if (self.epilogue == "residual") != (self.r is not None):
             raise ValueError("gemm_split_reduce: the residual epilogue takes r, and only it does")
         cols = self.part.shape[2]
@@ -202,11 +209,20 @@ class SplitReduceTile(TileOp):
             raise ValueError("gemm_split_reduce: norm_eps takes x (the GEMM's A), and only it does")
         if self.x is not None:
             expect_ndim(self.x, 2, "gemm_split_reduce x")
+            expect_dtype(self.x, FLOAT_DTYPES, "gemm_split_reduce x")
             expect_same_dim(self.x.shape[0], self.m, "gemm_split_reduce: x rows vs part rows")
             if not isinstance(self.x.shape[1], int):
                 raise ShapeError("gemm_split_reduce: x needs a static width")
             if not self.norm_eps > 0:
                 raise ValueError(f"gemm_split_reduce norm_eps must be > 0, got {self.norm_eps}")
+
+    def check_producers(self, producers) -> None:
+        src = producers.get("part")
+        if self.x is not None and isinstance(src, GemmPartialTile) and self.x.shape[1] != src.k:
+            raise GraphError(
+                f"gemm_split_reduce: x has {self.x.shape[1]} columns, but the partials are over "
+                f"K={src.k} (x must be the partial GEMM's A operand)"
+            )
 
     @property
     def splits(self) -> int:
@@ -421,11 +437,13 @@ def gemm_split_reduce(
     """``epilogue(part.sum(0) * row scale)`` in ``out_dtype``. ``operands``: ``x`` first where
     ``norm_eps`` is given (the row scale is its RMSNorm's), then the residual ``r`` (which
     implies the residual epilogue)."""
+    if len(operands) > 1 + (norm_eps is not None):
+        raise ValueError(
+            f"gemm_split_reduce takes x (with norm_eps) and r, got {len(operands)} operands"
+        )
     operands = list(operands)
     x = operands.pop(0) if norm_eps is not None and operands else None
     r = operands.pop(0) if operands else None
-    if operands:
-        raise ValueError(f"gemm_split_reduce takes at most x and r, got {len(operands) + 2}")
     if r is not None and epilogue is None:
         epilogue = "residual"
     return SplitReduceTile(part, r, epilogue, out_dtype, block_m, block_n, x, norm_eps)

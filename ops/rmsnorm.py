@@ -151,7 +151,7 @@ class RmsNormTile(TileOp):
         element by element.
         """
         mX, mY = tensors[0], tensors[len(tensors) - 1]
-        mW = tensors[1]  # x itself without a weight: never read then
+        mW = tensors[1]  # without a weight this is y: never read then
         has_w = self.weight is not None
         rows = mX.shape[0]
         cols = mX.shape[1]

@@ -94,6 +94,33 @@ def test_partial_refuses_ranges_that_are_not_whole_slices():
         ops.GemmPartialTile(a, b, 64, 64, "silu_mul", None, None, 5)
 
 
+def test_split_ops_refuse_bad_configurations():
+    T16 = mk.sym("T", 16)
+    a = TensorSpec((T16, 512), BF)
+    b = TensorSpec((256, 512), BF)
+    with pytest.raises(ValueError, match="split_k must be >= 2"):
+        ops.gemm_partial(a, b, split_k=1)  # one range would compile as a 2-D GEMM
+    with pytest.raises(TypeError, match="fp32 partials"):
+        ops.GemmPartialTile(a, b, 64, 64, None, BF, None, 2)
+    part = TensorSpec((2, T16, 256), torch.float32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.gemm_split_reduce(part, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="got 2 operands"):
+        ops.gemm_split_reduce(part, TensorSpec((T16, 256), BF), TensorSpec((T16, 256), BF))
+    with pytest.raises(Exception, match="must have dtype"):
+        ops.gemm_split_reduce(part, TensorSpec((T16, 512), torch.int32), norm_eps=1e-6)
+    # x must be the partial GEMM's A: its width is the partials' K
+    g = mk.Graph("bad_norm")
+    x = g.input("x", (T16, 512), BF)
+    other = g.input("other", (T16, 384), BF)
+    w = g.weight("w", (256, 512), BF)
+    p = g.call(ops.gemm_partial, x, w, split_k=2)
+    y = g.call(ops.gemm_split_reduce, p, other, norm_eps=1e-6)
+    g.output(y, "y")
+    with pytest.raises(mk.GraphError, match="K=512"):
+        g.validate()
+
+
 def test_reduce_waits_only_for_its_columns_partials():
     """Event granularity: a reduce tile waits for the partial tiles of its own column block
     (every K range), not for the whole partial GEMM."""
