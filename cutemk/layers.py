@@ -411,14 +411,15 @@ def decoder_layer_graph(
     else:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
         w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
-        if fold_mlp:
-            gu_in, gu_norm = h1, {"norm_eps": cfg.eps}
-        else:
-            gu_in, gu_norm = (
-                g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm"),
-                {},
+        gu_in, norm_eps = h1, cfg.eps  # folded: the gate/up reduce normalises h1's rows
+        if not fold_mlp:
+            gu_in = g.call(
+                ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm"
             )
-        act = linear(g, gu_in, w_gu, **tiles, **gu_norm, epilogue="silu_mul", name="gate_up")
+            norm_eps = None
+        act = linear(
+            g, gu_in, w_gu, **tiles, norm_eps=norm_eps, epilogue="silu_mul", name="gate_up"
+        )
         y = linear(g, act, w_down, h1, **tiles, name="down")  # + residual
     g.output(y, "y")
     return g

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import cutlass
-import numpy as np
 import torch
 import torch.nn.functional as F
 from cutlass import BFloat16, Float16, Float32, Int32, cute
@@ -211,7 +210,7 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             return None
         return gemm_sm90.sm90_config(
             self.a.dtype,
-            self.out_dtype or self.a.dtype,
+            self.output_specs()[self.outputs[0]].dtype,
             self.block_m,
             self.block_n,
             self.k,
@@ -219,6 +218,7 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             self.epilogue == "silu_mul",
             upper(self.m),
             residual=self.r is not None,
+            split=self.split_k,
         )
 
     def device_plan(self) -> GemmDevicePlan:

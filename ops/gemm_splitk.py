@@ -31,11 +31,10 @@ import torch
 import torch.nn.functional as F
 from cutlass import Float32, Int32, cute
 
-from cutemk.arch import target_arch
 from cutemk.costmodel import H200, Hardware, tile_time_us
 from cutemk.device.config import NUM_THREADS, NUM_WARPS, WARP_SIZE, simt_sync
 from cutemk.errors import GraphError, ShapeError
-from cutemk.symbolic import IntLike, cdiv, upper
+from cutemk.symbolic import IntLike, cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -136,21 +135,6 @@ class GemmPartialTile(GemmTile):
         (r0, r1), (c0, c1), (k0, k1), s = self._ranges(coord, env)
         a = t["a"][r0:r1, k0:k1].float()
         t["part"][s, r0:r1, c0:c1] = a @ t["b"][c0:c1, k0:k1].float().T
-
-    def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
-        if target_arch() != "sm_90a":
-            return None
-        return gemm_sm90.sm90_config(
-            self.a.dtype,
-            torch.float32,
-            self.block_m,
-            self.block_n,
-            self.k,
-            self.n,
-            False,
-            upper(self.m),
-            split=self.split_k,
-        )
 
 
 @register_op

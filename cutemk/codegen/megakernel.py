@@ -93,7 +93,7 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
     scratch = -(-scratch // SMEM_ALIGN) * SMEM_ALIGN
     slot = max([r.slot_bytes for r in rings], default=0)
     # the staging buffer exists whenever the ring does (the storer's barriers pair per tile)
-    epi = max([r.epi_bytes for r in rings] + [SMEM_ALIGN], default=0) if rings else 0
+    epi = max([SMEM_ALIGN] + [r.epi_bytes for r in rings]) if rings else 0
     stages = 0
     if rings:
         free = SMEM_LIMIT - SMEM_RESERVED - epi - scratch
