@@ -7,7 +7,10 @@ Columns: median_us, floor_us = bytes of K, V, q and out / 4.3 TB/s, of_floor, re
 an fp32 reference, and ``speedup_vs_sdpa``. cutemk's KV pages are scattered through the cache
 (a page table as vLLM / FlashInfer keep it); SDPA and FA4 read a contiguous cache.
 
-Run: python benchmarks/attention.py [--split 512] [--quick]
+One cutemk graph (page tables of the longest case's capacity) serves every case: each
+sequence is split into a share of its live length per tile (``ops.kv_split``).
+
+Run: python benchmarks/attention.py [--splits 16] [--target-tiles 264] [--quick]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
 MAX_B = 64
 
 
-def _graph(split: int, max_len: int):
+def _graph(splits: int, target_tiles: int, max_len: int):
     import cutemk as mk
     from cutemk import ops
 
@@ -37,9 +40,18 @@ def _graph(split: int, max_len: int):
     v = g.input("v_cache", (k.spec.shape[0], PAGE, HKV, D), dt)
     pt = g.input("page_table", (B, max_len // PAGE), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
-    po, pml = g.call(ops.attention_decode, q, k, v, pt, lens, split=split)
+    po, pml = g.call(
+        ops.attention_decode, q, k, v, pt, lens, splits=splits, target_tiles=target_tiles
+    )
     out = g.call(
-        ops.attention_combine, po, pml, lens, split=split, max_tokens=max_len, out_dtype=dt
+        ops.attention_combine,
+        po,
+        pml,
+        lens,
+        kv_heads=HKV,
+        max_tokens=max_len,
+        target_tiles=target_tiles,
+        out_dtype=dt,
     )
     g.output(out, "out")
     return g
@@ -56,7 +68,8 @@ def _fa4():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--split", type=int, default=512, help="KV tokens per cutemk tile")
+    p.add_argument("--splits", type=int, default=16, help="most KV ranges a sequence")
+    p.add_argument("--target-tiles", type=int, default=264, help="tiles the split aims for")
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     args = p.parse_args(argv)
@@ -65,8 +78,10 @@ def main(argv=None) -> int:
     from cutemk.ops.attention_decode import decode_attention_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
-    # one graph per KV length: its page table holds that length, so no split tiles are skipped
-    compiled = {}
+    max_len = max(n for _, n in CASES)
+    mk_attn = _graph(args.splits, args.target_tiles, max_len).compile(
+        "cute", scheduler=args.scheduler
+    )
     fa4 = _fa4()
     res = Results(
         "attention",
@@ -74,7 +89,9 @@ def main(argv=None) -> int:
             "dtype": "bf16",
             "heads": f"{HQ} query / {HKV} KV, head dim {D}",
             "page_size": PAGE,
-            "split": args.split,
+            "splits": args.splits,
+            "target_tiles": args.target_tiles,
+            "page_table_tokens": max_len,
             "scheduler": args.scheduler,
             "rep": rep,
         },
@@ -84,10 +101,7 @@ def main(argv=None) -> int:
         case = f"decode B={b} KV={n}"
         pages = b * (n // PAGE)
         perm = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
-        if n not in compiled:
-            compiled[n] = _graph(args.split, n).compile("cute", scheduler=args.scheduler)
-        mk_attn = compiled[n]
-        table = torch.zeros(b, n // PAGE, dtype=torch.int32, device="cuda")
+        table = torch.zeros(b, max_len // PAGE, dtype=torch.int32, device="cuda")
         table[:, : n // PAGE] = perm.view(b, n // PAGE)
         kc = torch.randn(pages, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
         vc = torch.randn(pages, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cutemk import ops
+from cutemk.ops import kv_split
 from cutemk.device.config import NUM_WARPS
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym, upper
@@ -309,8 +310,10 @@ class DecoderConfig:
     eps: float = 1e-6
     block_m: int = 16  # row tile of the GEMMs and norms
     block_n: int = 32
-    # KV tokens an attention tile takes; None: ``attention_split(max batch)``
-    split: int | None = None
+    # decode attention's split policy (``ops.kv_split``): at most this many KV ranges a
+    # (sequence, KV head), each a multiple of ``attention_align`` tokens
+    attention_splits: int = kv_split.SPLITS
+    attention_align: int = kv_split.ALIGN
     # K ranges of the projections (see ``linear``): None picks them per GEMM, 1 never splits
     split_k: int | None = None
     # the RMSNorm weights are folded into the projections after them (``fold_norm``): the
@@ -318,17 +321,6 @@ class DecoderConfig:
     # no post_norm leaf, w_gate_up is fold_norm(w_gate_up, post_norm); split projections then
     # apply the norm in their reduce tiles, with no norm phase of their own
     fold_norms: bool = False
-
-
-def attention_split(max_batch: int) -> int:
-    """KV tokens a decode-attention tile takes in a graph for up to ``max_batch`` sequences.
-
-    A tile costs ~0.8 us besides streaming its keys and values (measured on the H200,
-    ``benchmarks/attention.py``): few sequences need short splits to spread over the SMs,
-    many fill them anyway and run faster with long ones (Qwen3-8B layer, B=64, KV 4096:
-    attention 305 us with 512 tokens a tile against 314 with 256; with the dynamic scheduler
-    the whole layer 621 us against 875)."""
-    return 256 if max_batch <= 16 else 512
 
 
 def decoder_layer_graph(
@@ -393,16 +385,26 @@ def decoder_layer_graph(
         eps=cfg.eps,
     )
     k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
-    split = cfg.split or attention_split(upper(batch))
-    part_o, part_ml = g.call(ops.attention_decode, q, k2, v2, page_table, seq_lens, split=split)
+    attn = {"target_tiles": kv_split.TARGET_TILES, "align": cfg.attention_align}
+    part_o, part_ml = g.call(
+        ops.attention_decode,
+        q,
+        k2,
+        v2,
+        page_table,
+        seq_lens,
+        splits=cfg.attention_splits,
+        **attn,
+    )
     o = g.call(
         ops.attention_combine,
         part_o,
         part_ml,
         seq_lens,
-        split=split,
+        kv_heads=hkv,
         max_tokens=cfg.page_size * cfg.max_pages,
         out_dtype=dtype,
+        **attn,
     )
     h1 = linear(g, o, w_o, x, **tiles, name="o_proj")  # + residual
     if moe is not None:

@@ -242,6 +242,15 @@ class TileOp:
         events, and passed to both load phases as ``word``; the slices never re-read it."""
         raise NotImplementedError(f"{self.name}: exists_on_device without device_task_word")
 
+    dynamic_slices: ClassVar[bool] = False
+    """Ring op with ``exists_on_device``: a tile streams :meth:`device_slices` slices, read
+    from launch data (at most ``ring_tile().slices``), instead of always that many."""
+
+    def device_slices(self, tensors, coord0, coord1, word):
+        """Int32 slices a live tile streams (>= 1), from its task ``word``; the producer takes
+        it with the verdict and the consumers (``device_compute``) must count the same."""
+        raise NotImplementedError(f"{self.name}: dynamic_slices without device_slices")
+
     def device_tile(self, tensors, coord0, coord1, tidx, smem_ptr) -> None:
         """SIMT op: one tile on the SIMT group; ``tidx`` in ``[0, NUM_THREADS)``, ``smem_ptr``
         1024-byte aligned scratch of :meth:`device_smem_bytes`. ``tensors`` are the op's

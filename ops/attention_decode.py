@@ -5,10 +5,11 @@ values in pages: ``k_cache`` / ``v_cache`` (num_pages, page_size, Hkv, D), ``pag
 (B, max_pages) int32 naming sequence b's pages in order, ``seq_lens`` (B,) int32 (data: which
 tiles exist is decided at run time).
 
-- ``attention_decode`` tile (b, h * S + s): the G query heads of KV head h over tokens
-  [s * split, (s + 1) * split) of sequence b: per head the running max ``m`` (log2 units), the
-  sum ``l`` of exp2(score - m) and the unnormalised output ``o`` -> ``part_o`` (B, Hq, S, D)
-  and ``part_ml`` (B, Hq, S, 2), fp32. Splits past the sequence do not exist.
+- ``attention_decode`` tile (b, h * S + s): the G query heads of KV head h over range s of
+  sequence b (``ops.kv_split``: S(B) ranges a sequence, each a share of its live length, a
+  multiple of ``align`` tokens): per head the running max ``m`` (log2 units), the sum ``l`` of
+  exp2(score - m) and the unnormalised output ``o`` -> ``part_o`` (B, Hq, splits, D) and
+  ``part_ml`` (B, Hq, splits, 2), fp32. Ranges past the sequence do not exist.
 - ``attention_combine`` tile (b, hq): the splits of one query head merged in split order (a
   fixed order: bit-identical runs) -> ``out`` (B, Hq * D) in q's dtype (the heads side by
   side, as the output projection reads them).
@@ -39,19 +40,21 @@ from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import ShapeError
-from . import attention_decode_sm90 as dsm90
+from cutemk.symbolic import evaluate
 from cutemk.tileop import (
     FLOAT_DTYPES,
     RingTile,
     TensorSpec,
     TileOp,
-    block,
     expect_dtype,
     expect_ndim,
     expect_same_dim,
     full_box,
     register_op,
 )
+
+from . import attention_decode_sm90 as dsm90
+from . import kv_split as kvs
 
 WARPS = NUM_THREADS // WARP
 UNROLL = 4
@@ -90,7 +93,9 @@ class AttentionDecodeTile(TileOp):
     v_cache: TensorSpec  # (pages, page_size, Hkv, D)
     page_table: TensorSpec  # (B, max_pages) int32
     seq_lens: TensorSpec  # (B,) int32
-    split: int = 256  # tokens a tile
+    splits: int = kvs.SPLITS  # most ranges a (sequence, KV head): see ``ops.kv_split``
+    target_tiles: int = kvs.TARGET_TILES
+    align: int = kvs.ALIGN  # tokens a range is a multiple of
     scale: float | None = None  # softmax scale (default 1/sqrt(D))
 
     name: ClassVar[str] = "attention_decode"
@@ -108,8 +113,9 @@ class AttentionDecodeTile(TileOp):
         expect_same_dim(self.seq_lens.shape[0], self.q.shape[0], "attention: batch of lengths")
         if not isinstance(self.page_table.shape[1], int):
             raise ShapeError("attention: the page table's width must be a static int")
-        if not isinstance(self.split, int) or self.split < 1 or self.split % UNROLL:
-            raise ValueError(f"attention split must be a positive multiple of {UNROLL}")
+        kvs.check_policy(self.splits, self.target_tiles, self.align, "attention")
+        if self.align % UNROLL:
+            raise ValueError(f"attention align must be a multiple of {UNROLL}, got {self.align}")
 
     # -- shapes ------------------------------------------------------------------------------
     @property
@@ -122,8 +128,12 @@ class AttentionDecodeTile(TileOp):
         return self.page_table.shape[1] * self.k_cache.shape[1]
 
     @property
-    def splits(self) -> int:
-        return -(-self.max_tokens // self.split)
+    def kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    def split_count(self, batch):
+        """Ranges a sequence is split into at ``batch`` sequences (``ops.kv_split``)."""
+        return kvs.split_count(batch, self.kv_heads, self.splits, self.target_tiles)
 
     @property
     def softmax_scale(self) -> float:
@@ -137,19 +147,30 @@ class AttentionDecodeTile(TileOp):
         }
 
     def grid(self):
-        return (self.q.shape[0], self.k_cache.shape[2] * self.splits)
+        b = self.q.shape[0]
+        return (b, self.kv_heads * self.split_count(b))
 
-    def _heads(self, coord) -> tuple[int, int, int]:
-        """(batch, KV head, split) of a tile."""
+    def _heads(self, coord, env) -> tuple[int, int, int, int]:
+        """(batch, KV head, range, ranges a sequence) of a tile."""
         b, hs = coord
-        return b, hs // self.splits, hs % self.splits
+        count = evaluate(self.split_count(self.q.shape[0]), env)
+        return b, hs // count, hs % count, count
+
+    def _span(self, coord, env, length: int) -> tuple[int, int]:
+        """Tokens [lo, hi) of tile ``coord`` for a sequence of ``length`` tokens."""
+        _, _, s, count = self._heads(coord, env)
+        length = min(length, self.max_tokens)
+        if length < 1:
+            return (0, 0)
+        c = kvs.span(length, count, self.align)
+        return (min(s * c, length), min((s + 1) * c, length))
 
     def exists(self, coord, env, data):
-        b, _, s = self._heads(coord)
-        return s * self.split < min(int(data["seq_lens"][b]), self.max_tokens)
+        lo, hi = self._span(coord, env, int(data["seq_lens"][coord[0]]))
+        return lo < hi
 
     def reads(self, coord, env, data=None):
-        b, h, _ = self._heads(coord)
+        b, h, _, _ = self._heads(coord, env)
         g = self.group
         return {
             "q": ((b, b + 1), (h * g, (h + 1) * g), (0, self.q.shape[2])),
@@ -160,7 +181,7 @@ class AttentionDecodeTile(TileOp):
         }
 
     def writes(self, coord, env, data=None):
-        b, h, s = self._heads(coord)
+        b, h, s, _ = self._heads(coord, env)
         g, d = self.group, self.q.shape[2]
         heads = (h * g, (h + 1) * g)
         return {
@@ -170,15 +191,13 @@ class AttentionDecodeTile(TileOp):
 
     def cost(self, coord, env):
         d, es = self.q.shape[2], self.q.dtype.itemsize
-        return tile_time_us(
-            4.0 * self.group * self.split * d, 2.0 * self.split * d * es, self.q.dtype
-        )
+        tokens = self.max_tokens / self._heads(coord, env)[3]  # the longest range
+        return tile_time_us(4.0 * self.group * tokens * d, 2.0 * tokens * d * es, self.q.dtype)
 
     def reference(self, coord, env, t):
-        b, h, s = self._heads(coord)
+        b, h, s, _ = self._heads(coord, env)
         g, page = self.group, self.k_cache.shape[1]
-        length = min(int(t["seq_lens"][b]), self.max_tokens)
-        lo, hi = block(s, self.split, length)
+        lo, hi = self._span(coord, env, int(t["seq_lens"][b]))
         pos = torch.arange(lo, hi, device=t["q"].device)
         pages = t["page_table"][b, pos // page].long()
         bad = bool(((pages < 0) | (pages >= t["k_cache"].shape[0])).any())
@@ -206,8 +225,10 @@ class AttentionDecodeTile(TileOp):
             self.group,
             self.q.shape[2],
             self.k_cache.shape[1],
-            self.split,
+            self.kv_heads,
             self.splits,
+            self.target_tiles,
+            self.align,
             self.max_tokens,
             self.softmax_scale,
         )
@@ -229,8 +250,30 @@ class AttentionDecodeTile(TileOp):
 
     @cute.jit
     def device_task_word(self, tensors, coord0: Int32, coord1: Int32) -> Int32:
-        """The sequence's length, clamped to the page table: the producer's loads stop there."""
-        return cute.min(tensors[4][coord0], self.max_tokens)
+        """The sequence's length, clamped to [0, the page table]: the tile's range follows."""
+        return cute.max(cute.min(tensors[4][coord0], self.max_tokens), 0)
+
+    @cute.jit
+    def device_span(self, tensors, coord1: Int32, length: Int32):
+        """(KV head, range, first token, end token) of a tile (``ops.kv_split``)."""
+        return kvs.device_tile_span(
+            tensors[4].shape[0],
+            coord1,
+            length,
+            self.kv_heads,
+            self.splits,
+            self.target_tiles,
+            self.align,
+        )
+
+    @cute.jit
+    def device_slices(self, tensors, coord0: Int32, coord1: Int32, word: Int32) -> Int32:
+        """Ring slices of a live tile: its range in slices of the Hopper tile."""
+        _, _, t0, t1 = self.device_span(tensors, coord1, word)
+        st = self.sm90().slice_tokens
+        return (t1 - t0 + st - 1) // st
+
+    dynamic_slices: ClassVar[bool] = True
 
     @cute.jit
     def device_load_independent(
@@ -275,23 +318,21 @@ class AttentionDecodeTile(TileOp):
 
     @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
-        s = coord1 % self.splits
-        return s * self.split < tensors[4][coord0]
+        word = self.device_task_word(tensors, coord0, coord1)
+        _, _, t0, t1 = self.device_span(tensors, coord1, word)
+        return t0 < t1
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
         """Tile (b, h * S + s); ``tensors`` = (mQ, mK, mV, mPT, mLen, mPO, mPML)."""
-        mQ, mK, mV, mPT, mLen, mPO, mPML = tensors
+        mQ, mK, mV, mPT, _, mPO, mPML = tensors
         g_n, d = self.group, self.q.shape[2]
         per = d // WARP  # dims a lane holds
         page = self.k_cache.shape[1]
         b = coord0
-        h = coord1 // self.splits
-        s = coord1 % self.splits
-        length = cute.min(mLen[b], self.max_tokens)  # never past the page table
+        length = self.device_task_word(tensors, coord0, coord1)  # never past the page table
+        h, s, t0, t1 = self.device_span(tensors, coord1, length)
         num_pages = mK.shape[0]
-        t0 = s * self.split
-        t1 = cute.min(t0 + self.split, length)
         poisoned = Boolean(False)
         warp = tidx // WARP
         lane = tidx % WARP
@@ -382,8 +423,10 @@ class AttentionCombineTile(TileOp):
     part_o: TensorSpec  # (B, Hq, S, D) fp32
     part_ml: TensorSpec  # (B, Hq, S, 2) fp32
     seq_lens: TensorSpec  # (B,) int32
-    split: int
+    kv_heads: int
     max_tokens: int  # the page table's capacity: longer lengths are bad data
+    target_tiles: int = kvs.TARGET_TILES  # the split policy of the partials (``ops.kv_split``)
+    align: int = kvs.ALIGN
     out_dtype: torch.dtype = torch.bfloat16
 
     name: ClassVar[str] = "attention_combine"
@@ -400,24 +443,35 @@ class AttentionCombineTile(TileOp):
             expect_same_dim(self.part_o.shape[i], self.part_ml.shape[i], f"part dim {i}")
         if self.out_dtype not in FLOAT_DTYPES:
             raise TypeError(f"attention_combine out_dtype must be one of {FLOAT_DTYPES}")
-        # the split and capacity decide how many splits a length reads: they must be the
-        # partials' (more would read past part_o)
-        splits = self.part_o.shape[2]
-        if not isinstance(splits, int) or -(-self.max_tokens // self.split) != splits:
-            raise ShapeError(
-                f"attention_combine split={self.split}, max_tokens={self.max_tokens} give "
-                f"{-(-self.max_tokens // self.split)} splits; the partials have {splits}"
-            )
+        if not isinstance(self.part_o.shape[2], int):
+            raise ShapeError("attention_combine: the partials' split dim must be a static int")
+        kvs.check_policy(self.part_o.shape[2], self.target_tiles, self.align, "attention_combine")
+        hq = self.part_o.shape[1]
+        if not isinstance(self.kv_heads, int) or self.kv_heads < 1 or hq % self.kv_heads:
+            raise ShapeError(f"attention_combine: {hq} query heads, kv_heads={self.kv_heads}")
+
+    def _policy(self) -> tuple:
+        return (self.kv_heads, self.part_o.shape[2], self.target_tiles, self.align)
 
     def check_producers(self, producers) -> None:
+        # the policy decides which ranges a length has: it must be the partials' (another one
+        # would merge stale or missing ranges)
         src = producers.get("part_o")
-        if getattr(src, "name", None) == "attention_decode" and (
-            src.split != self.split or src.max_tokens != self.max_tokens
-        ):
-            raise ShapeError(
-                f"attention_combine (split={self.split}, max_tokens={self.max_tokens}) merges "
-                f"partials made with split={src.split}, max_tokens={src.max_tokens}"
-            )
+        if getattr(src, "name", None) == "attention_decode":
+            theirs = (src.kv_heads, src.splits, src.target_tiles, src.align, src.max_tokens)
+            if theirs != self._policy() + (self.max_tokens,):
+                raise ShapeError(
+                    "attention_combine (kv_heads, splits, target_tiles, align, max_tokens) = "
+                    f"{self._policy() + (self.max_tokens,)} merges partials made with {theirs}"
+                )
+
+    def _ranges(self, length: int, env) -> int:
+        """Ranges that exist for a sequence of ``length`` tokens (0: bad length)."""
+        if not 1 <= length <= self.max_tokens:
+            return 0
+        kv, splits, target, align = self._policy()
+        count = evaluate(kvs.split_count(self.part_o.shape[0], kv, splits, target), env)
+        return kvs.ranges_of(length, count, align)
 
     def output_specs(self):
         b, hq, _, d = self.part_o.shape
@@ -429,9 +483,8 @@ class AttentionCombineTile(TileOp):
     def reads(self, coord, env, data=None):
         b, hq = coord
         _, _, splits, d = self.part_o.concrete(env)
-        if data is not None:  # only the splits that exist
-            n = int(data["seq_lens"][b])
-            splits = -(-n // self.split) if 1 <= n <= self.max_tokens else 0
+        if data is not None:  # only the ranges that exist
+            splits = self._ranges(int(data["seq_lens"][b]), env)
         return {
             "part_o": ((b, b + 1), (hq, hq + 1), (0, splits), (0, d)),
             "part_ml": ((b, b + 1), (hq, hq + 1), (0, splits), (0, 2)),
@@ -454,7 +507,7 @@ class AttentionCombineTile(TileOp):
         if not 1 <= length <= self.max_tokens:
             t["out"][b, hq * d : (hq + 1) * d] = float("nan")
             return
-        n = -(-length // self.split)
+        n = self._ranges(length, env)
         ml = t["part_ml"][b, hq, :n]
         m = ml[:, 0].max()
         f = torch.exp2(ml[:, 0] - m)
@@ -471,7 +524,10 @@ class AttentionCombineTile(TileOp):
         valid = length >= 1 and length <= self.max_tokens
         n = Int32(0)
         if valid:
-            n = (length + self.split - 1) // self.split
+            kv, splits, target, align = self._policy()
+            count = kvs.device_split_count(mLen.shape[0], kv, splits, target)
+            c = kvs.device_span(length, count, align)
+            n = (length + c - 1) // c
         for dim in range(tidx, d, NUM_THREADS):
             mm = Float32(-math.inf)
             for s in range(n):
@@ -495,11 +551,16 @@ def attention_decode(
     page_table: TensorSpec,
     seq_lens: TensorSpec,
     *,
-    split: int = 256,
+    splits: int = kvs.SPLITS,
+    target_tiles: int = kvs.TARGET_TILES,
+    align: int = kvs.ALIGN,
     scale: float | None = None,
 ) -> AttentionDecodeTile:
-    """Split-KV partial attention (see the module doc); merge with :func:`attention_combine`."""
-    return AttentionDecodeTile(q, k_cache, v_cache, page_table, seq_lens, split, scale)
+    """Split-KV partial attention (see the module doc and ``ops.kv_split``); merge with
+    :func:`attention_combine` given the same ``target_tiles`` and ``align``."""
+    return AttentionDecodeTile(
+        q, k_cache, v_cache, page_table, seq_lens, splits, target_tiles, align, scale
+    )
 
 
 def attention_combine(
@@ -507,11 +568,17 @@ def attention_combine(
     part_ml: TensorSpec,
     seq_lens: TensorSpec,
     *,
-    split: int,
+    kv_heads: int,
     max_tokens: int,
+    target_tiles: int = kvs.TARGET_TILES,
+    align: int = kvs.ALIGN,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionCombineTile:
-    return AttentionCombineTile(part_o, part_ml, seq_lens, split, max_tokens, out_dtype)
+    """Merge the ranges of :func:`attention_decode` (same ``kv_heads``, ``target_tiles``,
+    ``align``; ``max_tokens`` = the page table's capacity) into (B, Hq * D)."""
+    return AttentionCombineTile(
+        part_o, part_ml, seq_lens, kv_heads, max_tokens, target_tiles, align, out_dtype
+    )
 
 
 def decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, scale=None):

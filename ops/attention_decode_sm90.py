@@ -7,8 +7,10 @@ registers, a few KB in flight per SM) reaches ~15% of HBM bandwidth; here the pr
 keeps the ring's slots full (tens of KB per SM, across task boundaries) and the consumers only
 read shared memory.
 
-- **Slices.** A tile (b, h, s) takes the ``split`` tokens of split s, ``C`` tokens a ring slot
-  (``C`` = 64, or 32 for one-token pages). A slot holds the slice's K rows then its V rows,
+- **Slices.** A tile (b, h, s) takes range s of sequence b (``ops.kv_split``: a multiple of
+  ``C`` tokens), ``C`` tokens a ring slot (``C`` = 64, or 32 for one-token pages); how many
+  slices a tile streams follows the sequence's live length (``slices_of``), so producer and
+  consumers agree on it from the length the producer read. A slot holds the slice's K rows then its V rows,
   ``(C, D)`` each, row-major, as TMA lands them: one box of ``R = min(page, C)`` rows per page
   (a page's rows are strided by the KV heads in the cache; the box gathers one head's).
 - **Host** (``tma_args``): one descriptor each for K and V over the cache viewed as
@@ -30,7 +32,9 @@ read shared memory.
   and the consumers write ``part_o`` / ``part_ml`` themselves; the storer warp has nothing to
   store and only publishes the tile.
 - Bad data: a page id outside the cache anywhere in the tile's valid range makes the tile's
-  output NaN (the combine then makes the sequence NaN), as the reference does.
+  output NaN (the combine then makes the sequence NaN), as the reference does. Warp 0 reads
+  each slice's page ids as the slice starts and checks them one slice later (the load's
+  latency hides behind the slice).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from cutemk.device.config import (
 )
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
+from . import kv_split as kvs
+
 CONSUMER_THREADS = 2 * WARPGROUP
 CONSUMER_WARPS = CONSUMER_THREADS // WARP_SIZE
 STORE_THREADS = CONSUMER_THREADS + WARP_SIZE
@@ -68,8 +74,10 @@ class Sm90DecodeConfig:
     group: int  # G: query heads per KV head
     head_dim: int
     page: int  # tokens a page
-    split: int  # tokens a tile
-    splits: int  # tiles a (sequence, KV head)
+    kv_heads: int
+    splits: int  # the split policy (``ops.kv_split``)
+    target_tiles: int
+    align: int
     max_tokens: int
     scale_log2: float  # softmax scale * log2(e)
     dtype: torch.dtype
@@ -92,7 +100,8 @@ class Sm90DecodeConfig:
 
     @property
     def slices(self) -> int:
-        return self.split // self.slice_tokens
+        """Most slices a tile streams (a sequence at the page table's capacity in one range)."""
+        return -(-self.max_tokens // self.slice_tokens)
 
     @property
     def rows_per_warp(self) -> int:
@@ -110,11 +119,6 @@ class Sm90DecodeConfig:
     @property
     def parts_per_128b(self) -> int:
         return max(1, 128 // (self.head_dim // ROW_LANES * self.es))
-
-    @property
-    def page_checks(self) -> int:
-        """Page ids a consumer thread checks (a tile spans at most split / page + 1 pages)."""
-        return -(-(self.split // self.page + 1) // CONSUMER_THREADS)
 
     @property
     def pv_dims(self) -> int:
@@ -154,11 +158,20 @@ class Sm90DecodeConfig:
 
 
 def sm90_decode_config(
-    dtype, group: int, head_dim: int, page: int, split: int, splits: int, max_tokens: int, scale
+    dtype,
+    group: int,
+    head_dim: int,
+    page: int,
+    kv_heads: int,
+    splits: int,
+    target_tiles: int,
+    align: int,
+    max_tokens: int,
+    scale,
 ) -> Sm90DecodeConfig | None:
     """The Hopper tile's config, or None where its shapes do not fit it (the portable tile
     runs): a 16-bit cache, head dim a multiple of 64 up to 256, a power-of-two page of at most
-    256 tokens, a split that is a multiple of the slice, G * D / 8 q values a lane."""
+    256 tokens, ranges aligned to the slice, G * D / 8 q values a lane."""
     if dtype not in _CUTE_DTYPES or head_dim % 64 or head_dim > 256:
         return None
     if page < 1 or page & (page - 1) or page > 256:
@@ -166,9 +179,18 @@ def sm90_decode_config(
     if group * head_dim // ROW_LANES > MAX_Q_REGS:
         return None
     cfg = Sm90DecodeConfig(
-        group, head_dim, page, split, splits, max_tokens, scale * math.log2(math.e), dtype
+        group,
+        head_dim,
+        page,
+        kv_heads,
+        splits,
+        target_tiles,
+        align,
+        max_tokens,
+        scale * math.log2(math.e),
+        dtype,
     )
-    if split % cfg.slice_tokens or cfg.boxes > WARP_SIZE:
+    if align % cfg.slice_tokens or cfg.boxes > WARP_SIZE:
         return None
     return cfg
 
@@ -207,6 +229,19 @@ def tma_args(cfg: Sm90DecodeConfig, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.T
     return atom_k, tma_k, atom_v, tma_v, atom_q, tma_q
 
 
+@cute.jit
+def tile_span(cfg: cutlass.Constexpr, batch: Int32, coord1: Int32, length: Int32):
+    """(KV head, range, first token, end token) of a tile (``ops.kv_split``)."""
+    return kvs.device_tile_span(
+        batch, coord1, length, cfg.kv_heads, cfg.splits, cfg.target_tiles, cfg.align
+    )
+
+
+@cute.jit
+def slices_of(cfg: cutlass.Constexpr, t0: Int32, t1: Int32) -> Int32:
+    return (t1 - t0 + cfg.slice_tokens - 1) // cfg.slice_tokens
+
+
 def _slot_ptr(cfg: Sm90DecodeConfig, ring, idx: Int32, slot: int):
     """Typed pointer to ring slot ``idx`` (1024-byte aligned)."""
     ab = _CUTE_DTYPES[cfg.dtype]
@@ -232,9 +267,9 @@ def load_kv(
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = tensors[7], tensors[8], tensors[9], tensors[10]
     lane = cute.arch.lane_idx()
-    h = coord1 // cfg.splits
+    h, _, t0, _ = tile_span(cfg, tensors[4].shape[0], coord1, word)
     num_pages = mK.shape[0]
-    base = (coord1 % cfg.splits) * cfg.split + kt * cfg.slice_tokens
+    base = t0 + kt * cfg.slice_tokens
     pos = base + lane * cfg.box_rows
     pg = num_pages  # out of bounds: a zero-filled box, no memory read
     if lane < cfg.boxes and pos < word:
@@ -300,7 +335,7 @@ def compute(
 ) -> Int32:
     """Consumer warps: the tile's slices ``count ..``, then ``part_o`` / ``part_ml`` written;
     returns the ring count after the tile."""
-    mK, mPT, mPO, mPML = tensors[1], tensors[3], tensors[5], tensors[6]
+    mK, mPT, mLen, mPO, mPML = tensors[1], tensors[3], tensors[4], tensors[5], tensors[6]
     g_n, d, rw = cfg.group, cfg.head_dim, cfg.rows_per_warp
     nch, pv = cfg.chunks, cfg.pv_dims
     ab = _CUTE_DTYPES[cfg.dtype]
@@ -310,20 +345,14 @@ def compute(
     part = lane % ROW_LANES
     rot = part // cfg.parts_per_128b
     b = coord0
-    h = coord1 // cfg.splits
-    s = coord1 % cfg.splits
-    length = word  # the sequence's length, clamped to the page table (the producer read it)
-    t0 = s * cfg.split
-    t1 = cute.min(t0 + cfg.split, length)
+    # the sequence's length, clamped to the page table (the producer read it)
+    h, s, t0, t1 = tile_span(cfg, mLen.shape[0], coord1, word)
+    n = slices_of(cfg, t0, t1)
     num_pages = mK.shape[0]
-
-    # the page ids of the tile's range, loaded now and checked after the main loop (a bad id
-    # poisons the tile): their latency hides behind the slices
-    first = t0 // cfg.page
-    last = (t1 - 1) // cfg.page
-    pids = cute.make_rmem_tensor((cfg.page_checks,), Int32)
-    for i in cutlass.range_constexpr(cfg.page_checks):
-        pids[i] = mPT[b, cute.min(first + ctid + i * CONSUMER_THREADS, last)]
+    # a bad page id poisons the tile: thread r < boxes reads box r's id as a slice starts
+    # and checks it as the next one starts (the load's latency hides behind the slice)
+    pid = Int32(0)
+    bad = Boolean(False)
 
     # q of this lane's dimensions (its chunks in rotated order) from slice 0's slot, in
     # log2 units
@@ -361,7 +390,13 @@ def compute(
     # the previous ring tile's store has read the staging buffer
     cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
 
-    for kt in cutlass.range(cfg.slices, unroll=1):
+    for kt in cutlass.range(n, unroll=1):
+        if pid < 0 or pid >= num_pages:
+            bad = Boolean(True)
+        pos = t0 + kt * cfg.slice_tokens + ctid * cfg.box_rows
+        pid = Int32(0)
+        if ctid < cfg.boxes and pos < t1:
+            pid = mPT[b, pos // cfg.page]
         idx = consumer_wait(full, count + kt, stages, wait)
         ptr = _slot_ptr(cfg, ring, idx, slot)
         sK = cute.make_tensor(
@@ -429,10 +464,8 @@ def compute(
         consumer_release(empty, count + kt, stages, lane)
 
     # merge the warps
-    bad = Boolean(False)
-    for i in cutlass.range_constexpr(cfg.page_checks):
-        if pids[i] < 0 or pids[i] >= num_pages:
-            bad = Boolean(True)
+    if pid < 0 or pid >= num_pages:
+        bad = Boolean(True)
     bad = cute.arch.vote_any_sync(bad)
     for g in cutlass.range_constexpr(g_n):
         tot = lsum[g]
@@ -471,4 +504,4 @@ def compute(
         if dim == 0:
             mPML[b, h * g_n + g, s, 0] = mm
             mPML[b, h * g_n + g, s, 1] = tot
-    return count + cfg.slices
+    return count + n

@@ -18,7 +18,7 @@ from cutemk.runtime import compile_offline
 from cutemk.ops.attention_decode import decode_attention_reference
 
 
-def _graph(hq, hkv, d, page, max_pages, split, dtype, max_b=8):
+def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264):
     g = mk.Graph("decode_attention")
     B = mk.sym("B", min=1, max=max_b)
     q = g.input("q", (B, hq, d), dtype)
@@ -26,15 +26,17 @@ def _graph(hq, hkv, d, page, max_pages, split, dtype, max_b=8):
     v = g.input("v_cache", (k.spec.shape[0], page, hkv, d), dtype)
     pt = g.input("page_table", (B, max_pages), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
-    po, pml = g.call(ops.attention_decode, q, k, v, pt, lens, split=split)
+    policy = {"target_tiles": target_tiles, "align": align}
+    po, pml = g.call(ops.attention_decode, q, k, v, pt, lens, **policy)
     out = g.call(
         ops.attention_combine,
         po,
         pml,
         lens,
-        split=split,
+        kv_heads=hkv,
         max_tokens=page * max_pages,
         out_dtype=dtype,
+        **policy,
     )
     g.output(out, "out")
     return g
@@ -61,12 +63,14 @@ def _inputs(lens, hq, hkv, d, page, max_pages, dtype, gen, device="cpu"):
 
 
 @pytest.mark.parametrize(
-    "hq,hkv,page,split",
-    [(4, 1, 16, 64), (8, 2, 64, 128), (8, 8, 16, 32)],
+    "hq,hkv,page,align,target",
+    # target 264: one sequence in 16 ranges; 6 / 3: fewer ranges as the batch grows, down to one
+    [(4, 1, 16, 64, 264), (8, 2, 64, 128, 6), (8, 8, 16, 32, 264), (4, 2, 16, 16, 3)],
 )
-def test_decode_attention_interpreted(hq, hkv, page, split):
+def test_decode_attention_interpreted(hq, hkv, page, align, target):
     d, max_pages = 64, 260
-    c = _graph(hq, hkv, d, page, max_pages, split, torch.float32).compile("interpret", num_sms=8)
+    g = _graph(hq, hkv, d, page, max_pages, align, torch.float32, target_tiles=target)
+    c = g.compile("interpret", num_sms=8)
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     for lens in ([1], [7, 129], [4097, 1, 200]):
         if max(lens) > page * max_pages:
@@ -77,9 +81,30 @@ def test_decode_attention_interpreted(hq, hkv, page, split):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_kv_split_ranges_cover_each_sequence_once():
+    """Every length's ranges tile [0, length) in order, aligned, at most ``splits`` of them,
+    and the symbolic count agrees with the int one at every batch."""
+    from cutemk.ops import kv_split as kvs
+
+    B = mk.sym("B", min=1, max=64)
+    expr = kvs.split_count(B, 8, 16, 264)
+    for b in range(1, 65):
+        count = kvs.split_count(b, 8, 16, 264)
+        assert expr.eval({"B": b}) == count and 1 <= count <= 16
+        assert b * 8 * count <= 264 or count == 1
+    assert [kvs.split_count(b, 8, 16, 264) for b in (1, 2, 3, 16, 17, 64)] == [16, 16, 11, 2, 1, 1]
+    for count in (1, 2, 5, 16):
+        for length in range(1, 700, 7):
+            c = kvs.span(length, count, 64)
+            n = kvs.ranges_of(length, count, 64)
+            assert c % 64 == 0 and 1 <= n <= count
+            assert (n - 1) * c < length <= n * c
+    assert kvs.ranges_of(0, 4, 64) == 0 and kvs.ranges_of(-3, 4, 64) == 0
+
+
 def test_decode_attention_bad_data_makes_that_sequence_nan():
-    hq, hkv, d, page, max_pages, split = 4, 2, 32, 16, 8, 32
-    c = _graph(hq, hkv, d, page, max_pages, split, torch.float32).compile("interpret", num_sms=4)
+    hq, hkv, d, page, max_pages, align = 4, 2, 32, 16, 8, 16
+    c = _graph(hq, hkv, d, page, max_pages, align, torch.float32).compile("interpret", num_sms=4)
     gen = torch.Generator().manual_seed(0)
     a = _inputs([40, 50, 60, 70], hq, hkv, d, page, max_pages, torch.float32, gen)
     a["page_table"][1, 2] = 10_000  # a page outside the cache
@@ -95,7 +120,7 @@ def test_decode_attention_bad_data_makes_that_sequence_nan():
 
 
 def test_decode_attention_compiles_for_hopper(tmp_path):
-    g = _graph(32, 8, 128, 16, 2048, 256, torch.bfloat16, max_b=64)
+    g = _graph(32, 8, 128, 16, 2048, 64, torch.bfloat16, max_b=64)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
@@ -106,11 +131,11 @@ def test_decode_attention_compiles_for_hopper(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "hq,hkv,page,split", [(32, 4, 1, 128), (16, 16, 64, 512), (8, 1, 256, 256)]
+    "hq,hkv,page,align", [(32, 4, 1, 32), (16, 16, 64, 512), (8, 1, 256, 256)]
 )
-def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, split):
+def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, align):
     """One-token pages (32-token slices, 32 boxes), pages wider than a slice, G = 8 and 1."""
-    g = _graph(hq, hkv, 128, page, 4096 // page, split, torch.bfloat16)
+    g = _graph(hq, hkv, 128, page, 4096 // page, align, torch.bfloat16)
     assert g.nodes[0].op.ring_tile() is not None
     compile_offline(g, "dynamic", options=f"--keep-ptx --dump-dir={tmp_path}")
 
@@ -118,19 +143,20 @@ def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, sp
 def test_hopper_tile_config():
     from cutemk.ops.attention_decode_sm90 import sm90_decode_config
 
-    cfg = sm90_decode_config(torch.bfloat16, 4, 128, 16, 512, 16, 8192, 128**-0.5)
-    assert (cfg.slice_tokens, cfg.box_rows, cfg.boxes, cfg.slices) == (64, 16, 4, 8)
+    policy = (8, 16, 264, 64)  # kv heads, splits, target tiles, align
+    cfg = sm90_decode_config(torch.bfloat16, 4, 128, 16, *policy, 8192, 128**-0.5)
+    assert (cfg.slice_tokens, cfg.box_rows, cfg.boxes, cfg.slices) == (64, 16, 4, 128)
     assert cfg.tx_bytes == (2 * 64 + 4) * 128 * 2 and cfg.slot_bytes % 1024 == 0
-    assert sm90_decode_config(torch.bfloat16, 4, 128, 1, 512, 16, 8192, 1.0).slice_tokens == 32
+    assert sm90_decode_config(torch.bfloat16, 4, 128, 1, *policy, 8192, 1.0).slice_tokens == 32
     # shapes the tile does not take fall back to the portable tile
-    for args in [
-        (torch.float32, 4, 128, 16, 512),  # a 32-bit cache
-        (torch.bfloat16, 4, 96, 16, 512),  # head dim not a multiple of 64
-        (torch.bfloat16, 4, 128, 12, 512),  # page not a power of two
-        (torch.bfloat16, 4, 128, 16, 96),  # split not a multiple of the slice
-        (torch.bfloat16, 16, 128, 16, 512),  # G * D / 8 q values past the registers
+    for args, align in [
+        ((torch.float32, 4, 128, 16), 64),  # a 32-bit cache
+        ((torch.bfloat16, 4, 96, 16), 64),  # head dim not a multiple of 64
+        ((torch.bfloat16, 4, 128, 12), 64),  # page not a power of two
+        ((torch.bfloat16, 4, 128, 16), 96),  # ranges not a multiple of the slice
+        ((torch.bfloat16, 16, 128, 16), 64),  # G * D / 8 q values past the registers
     ]:
-        assert sm90_decode_config(*args, 1, 8192, 1.0) is None, args
+        assert sm90_decode_config(*args, 8, 16, 264, align, 8192, 1.0) is None, args
 
 
 @pytest.mark.gpu
@@ -138,12 +164,14 @@ def test_hopper_tile_config():
 def test_decode_attention_on_the_gpu(scheduler):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    hq, hkv, d, page, max_pages, split = 32, 8, 128, 16, 2048, 256
-    c = _graph(hq, hkv, d, page, max_pages, split, torch.bfloat16, max_b=64).compile(
+    hq, hkv, d, page, max_pages = 32, 8, 128, 16, 2048
+    c = _graph(hq, hkv, d, page, max_pages, 64, torch.bfloat16, max_b=64).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
     )
     gen = torch.Generator().manual_seed(1)
-    for lens in ([1], [7, 129, 4097], [8192], [32768], [4096] * 16):
+    # one sequence (16 ranges), 3 (11), 16 (2), 40 of varied lengths (one range: no merge)
+    varied = [1000 + 37 * i for i in range(40)]
+    for lens in ([1], [7, 129, 4097], [8192], [32768], [4096] * 16, varied):
         a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
         out = c(**a)
         ref = decode_attention_reference(**a)

@@ -29,7 +29,7 @@ CFG = DecoderConfig(
     max_positions=256,
     block_m=16,
     block_n=32,
-    split=16,
+    attention_align=16,
 )
 
 
@@ -138,7 +138,7 @@ def _folded(w):
 
 # K wide enough to split every projection in two: the folded norms run in the reduce tiles
 CFG_SPLIT = replace(
-    CFG, hidden=256, intermediate=256, head_dim=64, split_k=2, fold_norms=True, split=16
+    CFG, hidden=256, intermediate=256, head_dim=64, split_k=2, fold_norms=True, attention_align=16
 )
 LAYERS = {
     "plain": CFG,

@@ -17,7 +17,7 @@ from cutemk.errors import GraphError
 from cutemk.ops.attention_decode import decode_attention_reference
 from cutemk.runtime import compile_offline
 
-HQ, HKV, D, PAGE, MAXP, SPLIT = 8, 2, 64, 16, 32, 64
+HQ, HKV, D, PAGE, MAXP, ALIGN = 8, 2, 64, 16, 32, 64
 
 
 def _graph(dtype=torch.float32):
@@ -32,9 +32,16 @@ def _graph(dtype=torch.float32):
     pt = g.input("page_table", (B, MAXP), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
     k2, v2 = g.call(ops.kv_append, kn, vn, kc, vc, pt, lens)
-    po, pml = g.call(ops.attention_decode, q, k2, v2, pt, lens, split=SPLIT)
+    po, pml = g.call(ops.attention_decode, q, k2, v2, pt, lens, align=ALIGN)
     out = g.call(
-        ops.attention_combine, po, pml, lens, split=SPLIT, max_tokens=PAGE * MAXP, out_dtype=dtype
+        ops.attention_combine,
+        po,
+        pml,
+        lens,
+        kv_heads=HKV,
+        max_tokens=PAGE * MAXP,
+        align=ALIGN,
+        out_dtype=dtype,
     )
     g.output(out, "out")
     return g
@@ -101,7 +108,7 @@ def test_the_updated_input_has_one_reader():
     lens = next(v for v in g.values if v.name == "seq_lens")
     pt = next(v for v in g.values if v.name == "page_table")
     vc = next(v for v in g.values if v.name == "v_cache")
-    g.call(ops.attention_decode, q, kc, vc, pt, lens, split=SPLIT, name="stale_reader")
+    g.call(ops.attention_decode, q, kc, vc, pt, lens, align=ALIGN, name="stale_reader")
     with pytest.raises(GraphError, match="updates in place"):
         g.validate()
 

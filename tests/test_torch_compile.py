@@ -118,7 +118,7 @@ def test_decoder_layer_under_fullgraph_compile(compile_backend):
         page_size=8,
         max_pages=4,
         max_positions=64,
-        split=16,
+        attention_align=16,
     )
     g = torch.Generator().manual_seed(4)
 

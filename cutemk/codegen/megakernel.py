@@ -163,10 +163,15 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         self.num_nodes = len(spec.ops)
         self.ring_of = tuple(op.ring_tile() for op in spec.ops)
         self.has_exists = tuple(op.exists_on_device for op in spec.ops)
+        self.dynamic_slices = tuple(
+            r is not None and op.dynamic_slices for r, op in zip(self.ring_of, spec.ops)
+        )
         for k, op in enumerate(spec.ops):
             # a ring tile that might not exist is decided after its events (the producer and
             # the consumers read the same settled data): nothing of it may be loaded before
             assert not (self.ring_of[k] and op.exists_on_device and spec.prefetch[k]), op.name
+            # a slice count read from launch data is read with the existence verdict
+            assert not self.dynamic_slices[k] or op.exists_on_device, op.name
         # some tile reads global memory through the async proxy (TMA): every task's stores
         # are fenced into it before they are notified
         self.fence_async = any(op.reads_async_proxy() for op in spec.ops)

@@ -67,14 +67,18 @@ class ProducerRole:
         # a tile that exists by data (read after the acquire, as the consumers will) loads
         # nothing when it does not; after an abort the data may be unsettled: none either
         # the task word is read here once (not by every slice's loads)
+        # and so is a slice count that follows the data (``TileOp.device_slices``)
         live = Boolean(True)
         word = Int32(0)
+        n = Int32(0)
         for k in cutlass.range_constexpr(self.num_nodes):
             if cutlass.const_expr(self.ring_of[k] is not None and self.has_exists[k]):
                 if node == k:
                     live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
                     if live:
                         word = self.spec.ops[k].device_task_word(tensors[k], c0, c1)
+                        if cutlass.const_expr(self.dynamic_slices[k]):
+                            n = self.spec.ops[k].device_slices(tensors[k], c0, c1, word)
         # (3) loads of data produced in this launch (even after an abort: the armed slots must
         # complete, their data is never read)
         if cutlass.const_expr(self.fence_async):
@@ -85,7 +89,15 @@ class ProducerRole:
                 if node == k and live:
                     pre = min(r.slices, w.ring_stages)
                     for j in cutlass.range_constexpr(pre):
-                        if cutlass.const_expr(self.spec.prefetch[k]):
+                        if cutlass.const_expr(self.dynamic_slices[k]):
+                            if j < n:
+                                idx = producer_acquire(
+                                    r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
+                                )
+                                self._issue(
+                                    tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
+                                )
+                        elif cutlass.const_expr(self.spec.prefetch[k]):
                             idx = (rcount + j) % w.ring_stages
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, False, True
@@ -119,14 +131,16 @@ class ProducerRole:
                 r = self.ring_of[k]
                 if cutlass.const_expr(r is not None):
                     if node == k and live:
-                        for j in cutlass.range(min(r.slices, w.ring_stages), r.slices, unroll=1):
+                        if cutlass.const_expr(not self.dynamic_slices[k]):
+                            n = Int32(r.slices)
+                        for j in cutlass.range(min(r.slices, w.ring_stages), n, unroll=1):
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                             )
-                        rcount = rcount + r.slices
+                        rcount = rcount + n
         return ok, qcount, rcount
 
     @cute.jit

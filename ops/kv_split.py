@@ -1,0 +1,94 @@
+"""How decode attention splits each sequence's keys and values over tiles (flash-decoding).
+
+A fixed number of KV ranges per (sequence, KV head), each a share of the sequence's *live*
+length, instead of a fixed number of tokens per tile: every tile that exists has about the same
+work whatever the lengths, and the tile count follows the batch, not the cache's capacity.
+
+- **Count.** At batch ``B`` with ``Hkv`` KV heads, a sequence is split into
+  ``S(B) = min(splits, max(1, target_tiles // (B * Hkv)))`` ranges (``split_count``): one
+  sequence spreads over many SMs, a large batch fills them with one range a (sequence, head)
+  and no merge work. ``B`` is bound when a plan is built, so the task grid is ``(B, Hkv *
+  S(B))``; the device evaluates the same expression from the live batch.
+- **Range.** Tile ``s`` of a sequence of length ``n`` takes tokens ``[s * c, min(n, (s + 1) *
+  c))`` with ``c = align * ceil(ceil(n / S) / align)`` (``span``): ranges are whole multiples
+  of ``align`` tokens (the Hopper tile's 64-token ring slice), so short sequences have fewer
+  than ``S`` tiles and the rest do not exist (data decides, at run time).
+
+The host functions here and their device twins (``device_*``) must agree exactly: the planner,
+the interpreter and the kernel decide the same tiles.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Int32, cute
+
+from cutemk.symbolic import IntLike, smax, smin
+
+SPLITS = 16
+"""Most ranges a (sequence, KV head) is split into (one sequence: 16 x 8 KV heads = 128 tiles
+of the 132 SMs)."""
+TARGET_TILES = 264
+"""Tiles the count aims for: two per SM of an H200 (a second wave evens out the SMs' rates)."""
+ALIGN = 64
+"""Tokens a range is a multiple of."""
+
+
+def split_count(batch: IntLike, kv_heads: int, splits: int, target_tiles: int) -> IntLike:
+    """Ranges per (sequence, KV head) at ``batch`` sequences (symbolic where ``batch`` is)."""
+    return smin(splits, smax(1, target_tiles // (batch * kv_heads)))
+
+
+def span(length: int, count: int, align: int) -> int:
+    """Tokens of one range of a sequence of ``length`` (>= 1) tokens split ``count`` ways."""
+    per = -(-length // count)
+    return -(-per // align) * align
+
+
+def ranges_of(length: int, count: int, align: int) -> int:
+    """Ranges (tiles) that exist for a sequence of ``length`` tokens (0 for length < 1)."""
+    if length < 1:
+        return 0
+    return -(-length // span(length, count, align))
+
+
+def check_policy(splits: int, target_tiles: int, align: int, what: str) -> None:
+    for name, v in (("splits", splits), ("target_tiles", target_tiles), ("align", align)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{what} {name} must be a positive int, got {v!r}")
+
+
+@cute.jit
+def device_split_count(
+    batch: Int32,
+    kv_heads: cutlass.Constexpr,
+    splits: cutlass.Constexpr,
+    target_tiles: cutlass.Constexpr,
+) -> Int32:
+    return cute.min(Int32(splits), cute.max(Int32(1), Int32(target_tiles) // (batch * kv_heads)))
+
+
+@cute.jit
+def device_span(length: Int32, count: Int32, align: cutlass.Constexpr) -> Int32:
+    """``span`` for ``length`` >= 0 (0 gives 0)."""
+    per = (length + count - 1) // count
+    return (per + align - 1) // align * align
+
+
+@cute.jit
+def device_tile_span(
+    batch: Int32,
+    coord1: Int32,
+    length: Int32,
+    kv_heads: cutlass.Constexpr,
+    splits: cutlass.Constexpr,
+    target_tiles: cutlass.Constexpr,
+    align: cutlass.Constexpr,
+):
+    """(KV head, range, first token, end token) of tile ``(b, coord1)`` of a sequence of
+    ``length`` (>= 0, clamped to the page table) tokens; the tile exists where first < end."""
+    count = device_split_count(batch, kv_heads, splits, target_tiles)
+    c = device_span(length, count, align)
+    s = coord1 % count
+    t0 = s * c
+    return coord1 // count, s, t0, cute.min(t0 + c, length)
