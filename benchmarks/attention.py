@@ -1,5 +1,5 @@
 """Decode attention (GQA 32 query / 8 KV heads, head dim 128, bf16): cutemk's paged split-KV
-megakernel (``ops.attention_decode`` + ``ops.attention_combine``) vs torch SDPA over a
+megakernel (``ops.attention_decode``: split-KV tiles, the last range merges) vs torch SDPA over a
 contiguous KV cache and FlashAttention-4 (``flash_attn.cute``) where importable, all in one
 process, CUDA-graph replays.
 
@@ -40,19 +40,9 @@ def _graph(splits: int, target_tiles: int, max_len: int):
     v = g.input("v_cache", (k.spec.shape[0], PAGE, HKV, D), dt)
     pt = g.input("page_table", (B, max_len // PAGE), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
-    po, pml = g.call(
-        ops.attention_decode, q, k, v, pt, lens, splits=splits, target_tiles=target_tiles
-    )
     out = g.call(
-        ops.attention_combine,
-        po,
-        pml,
-        lens,
-        kv_heads=HKV,
-        max_tokens=max_len,
-        target_tiles=target_tiles,
-        out_dtype=dt,
-    )
+        ops.attention_decode, q, k, v, pt, lens, splits=splits, target_tiles=target_tiles
+    )[0]
     g.output(out, "out")
     return g
 

@@ -107,6 +107,15 @@ def env_key(env: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(env.items()))
 
 
+def starts_zeroed(v) -> bool:
+    """Whether graph value ``v`` is a counter its op keeps at zero (``TileOp.zeroed_outputs``):
+    its buffer is allocated zeroed, not poisoned."""
+    node = v.producer
+    return node is not None and any(
+        node.results.get(o) is v for o in node.op.zeroed_outputs
+    )
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with a value no kernel writes by accident (NaN for floats)."""
     if t.is_floating_point():

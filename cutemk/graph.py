@@ -99,6 +99,10 @@ class Graph:
                     f"argument {i} of {getattr(op, '__name__', op)} is not a value "
                     f"of graph {self.name!r}"
                 )
+        for a in args:
+            node = a.producer
+            if node is not None and any(node.results.get(o) is a for o in node.op.zeroed_outputs):
+                raise GraphError(f"{a.name} is {node.op.name}'s own counter: no node may read it")
         if isinstance(op, TileOp):
             if config:
                 raise GraphError(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .binding import bind, env_key, poison_
+from .binding import bind, env_key, poison_, starts_zeroed
 from .comm import PeerTable, peer_key
 from .errors import DeadlockError, RaceError
 from .graph import Graph
@@ -130,9 +130,8 @@ class InterpretedGraph:
             if v.kind == "intermediate" and v.alias_of is not None:  # an input updated in place
                 tensors[v.name] = tensors[v.alias_of.name]
             elif v.kind == "intermediate":
-                tensors[v.name] = poison_(
-                    torch.empty(plan.shapes[v.name], dtype=v.dtype, device=device)
-                )
+                t = torch.empty(plan.shapes[v.name], dtype=v.dtype, device=device)
+                tensors[v.name] = t.zero_() if starts_zeroed(v) else poison_(t)
         sched = self.schedule(env) if self.scheduler.mode is SchedulingMode.STATIC else None
         sim = _Simulation(
             plan, tensors, self.num_sms, random.Random(self.seed + self.launches), self.check_races

@@ -385,8 +385,7 @@ def decoder_layer_graph(
         eps=cfg.eps,
     )
     k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
-    attn = {"target_tiles": kv_split.TARGET_TILES, "align": cfg.attention_align}
-    part_o, part_ml = g.call(
+    o = g.call(
         ops.attention_decode,
         q,
         k2,
@@ -394,18 +393,8 @@ def decoder_layer_graph(
         page_table,
         seq_lens,
         splits=cfg.attention_splits,
-        **attn,
-    )
-    o = g.call(
-        ops.attention_combine,
-        part_o,
-        part_ml,
-        seq_lens,
-        kv_heads=hkv,
-        max_tokens=cfg.page_size * cfg.max_pages,
-        out_dtype=dtype,
-        **attn,
-    )
+        align=cfg.attention_align,
+    )[0]
     h1 = linear(g, o, w_o, x, **tiles, name="o_proj")  # + residual
     if moe is not None:
         h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")

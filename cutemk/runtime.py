@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .arch import target_arch
-from .binding import bind, env_key, poison_
+from .binding import bind, env_key, poison_, starts_zeroed
 from .comm import Communicator, is_distributed, symmetric_values
 from .codegen.lower import (
     ABORT,
@@ -282,14 +282,15 @@ class CuteGraph:
             if not self._scratch_bufs:
                 self._check_scratch_fits()
             numel = max(int(np.prod([upper(d) for d in v.shape])), 1)
+            fill = (lambda t: t.zero_()) if starts_zeroed(v) else poison_
             if v.name in self.symmetric:  # reached by other ranks: symmetric memory
                 buf, ptrs = self.comm.symmetric_empty(numel, v.dtype)
                 self._peer_tables[v.name] = _cute_tensor(self.comm.peer_table(ptrs))
-                poison_(buf)
+                fill(buf)
                 torch.cuda.synchronize()
                 self.comm.barrier()  # no peer writes into it before the poison has landed
             else:
-                buf = poison_(torch.empty(numel, dtype=v.dtype, device="cuda"))
+                buf = fill(torch.empty(numel, dtype=v.dtype, device="cuda"))
             self._scratch_bufs[v.name] = buf
         return buf
 

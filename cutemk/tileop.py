@@ -186,6 +186,11 @@ class TileOp:
     tile that may write its box); with ``data`` they are exact, and the interpreter checks
     that no two unordered tiles write the same element."""
 
+    zeroed_outputs: ClassVar[tuple[str, ...]] = ()
+    """Outputs the op keeps as counters of its own (e.g. how many tiles of a group have
+    finished): allocated zeroed instead of poisoned, and every launch must leave them zero.
+    No other node may read them; their writes need not be declared."""
+
     def cost(self, coord: Coord, env: Bindings) -> float:
         """Estimated microseconds for one tile on one SM (see ``cutemk.costmodel``)."""
         return 1.0

@@ -7,9 +7,7 @@ same name as the module, used with ``Graph.call``: ``g.call(ops.gemm, x, w, bloc
 from .add import AddTile, add
 from .all_gather import AllGatherTile, all_gather
 from .attention_decode import (
-    AttentionCombineTile,
     AttentionDecodeTile,
-    attention_combine,
     attention_decode,
 )
 from .gemm import GemmTile, gemm
@@ -45,8 +43,6 @@ __all__ = [
     "add",
     "AllGatherTile",
     "all_gather",
-    "AttentionCombineTile",
-    "attention_combine",
     "AttentionDecodeTile",
     "attention_decode",
     "ReduceScatterTile",

@@ -5,18 +5,23 @@ values in pages: ``k_cache`` / ``v_cache`` (num_pages, page_size, Hkv, D), ``pag
 (B, max_pages) int32 naming sequence b's pages in order, ``seq_lens`` (B,) int32 (data: which
 tiles exist is decided at run time).
 
-- ``attention_decode`` tile (b, h * S + s): the G query heads of KV head h over range s of
-  sequence b (``ops.kv_split``: S(B) ranges a sequence, each a share of its live length, a
-  multiple of ``align`` tokens): per head the running max ``m`` (log2 units), the sum ``l`` of
-  exp2(score - m) and the unnormalised output ``o`` -> ``part_o`` (B, Hq, splits, D) and
-  ``part_ml`` (B, Hq, splits, 2), fp32. Ranges past the sequence do not exist.
-- ``attention_combine`` tile (b, hq): the splits of one query head merged in split order (a
-  fixed order: bit-identical runs) -> ``out`` (B, Hq * D) in q's dtype (the heads side by
-  side, as the output projection reads them).
+Tile (b, h * S + s) takes the G query heads of KV head h over range s of sequence b
+(``ops.kv_split``: S(B) ranges a sequence, each a share of its live length, a multiple of
+``align`` tokens; ranges past the sequence do not exist). Outputs:
+
+- ``out`` (B, Hq * D) in q's dtype, the heads side by side as the output projection reads
+  them. A sequence's only range writes its heads' output itself. Otherwise each range stores
+  per head the running max ``m`` (log2 units), the sum ``l`` of exp2(score - m) and the
+  unnormalised output ``o`` in ``part_o`` (B, Hq, splits, D) / ``part_ml`` (B, Hq, splits, 2),
+  fp32, and counts itself in ``merges`` (B, Hkv) with an atomic add; the range that brings
+  the count to the sequence's number of ranges merges them all (in range order: bit-identical
+  runs) and puts the count back to zero. No merge phase, no merge tiles: readers of ``out``
+  wait for every range of their heads.
 
 Bad data never leaves a buffer: a length outside [1, the page table's capacity] makes that
-sequence's output NaN (its tiles read at most the capacity), and a page id outside the cache
-makes the heads that meet it NaN (the load goes to page 0); the references do the same.
+sequence's output NaN (range 0 exists for it, reads nothing and writes NaN), and a page id
+outside the cache makes the heads that meet it NaN (the load goes to page 0); the references
+do the same.
 
 Decode attention reads every key and value once and does 4 FLOPs per element, so it is bound
 by memory, not by the tensor cores: the tile runs on the SIMT group. Each warp walks its own
@@ -100,8 +105,11 @@ class AttentionDecodeTile(TileOp):
 
     name: ClassVar[str] = "attention_decode"
     inputs: ClassVar[tuple[str, ...]] = ("q", "k_cache", "v_cache", "page_table", "seq_lens")
-    outputs: ClassVar[tuple[str, ...]] = ("part_o", "part_ml")
+    outputs: ClassVar[tuple[str, ...]] = ("out", "part_o", "part_ml", "merges")
     data_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
+    # every range tile of a (sequence, KV head) may be the one that writes its output
+    scatter_outputs: ClassVar[tuple[str, ...]] = ("out",)
+    zeroed_outputs: ClassVar[tuple[str, ...]] = ("merges",)
 
     def __post_init__(self) -> None:
         _checked_config(self.q, self.k_cache, self.v_cache)
@@ -142,8 +150,10 @@ class AttentionDecodeTile(TileOp):
     def output_specs(self):
         b, hq, d = self.q.shape
         return {
+            "out": TensorSpec((b, hq * d), self.q.dtype),
             "part_o": TensorSpec((b, hq, self.splits, d), torch.float32),
             "part_ml": TensorSpec((b, hq, self.splits, 2), torch.float32),
+            "merges": TensorSpec((b, self.kv_heads), torch.int32),
         }
 
     def grid(self):
@@ -156,18 +166,24 @@ class AttentionDecodeTile(TileOp):
         count = evaluate(self.split_count(self.q.shape[0]), env)
         return b, hs // count, hs % count, count
 
-    def _span(self, coord, env, length: int) -> tuple[int, int]:
-        """Tokens [lo, hi) of tile ``coord`` for a sequence of ``length`` tokens."""
+    def _valid(self, length: int) -> int:
+        """The length tiles use: 0 for a bad one (outside [1, the page table's capacity])."""
+        return length if 1 <= length <= self.max_tokens else 0
+
+    def _span(self, coord, env, length: int) -> tuple[int, int, int]:
+        """Tokens [lo, hi) of tile ``coord`` and the ranges of its sequence, for a sequence of
+        ``length`` tokens."""
         _, _, s, count = self._heads(coord, env)
-        length = min(length, self.max_tokens)
-        if length < 1:
-            return (0, 0)
+        length = self._valid(length)
+        if length == 0:
+            return (0, 0, 0)
         c = kvs.span(length, count, self.align)
-        return (min(s * c, length), min((s + 1) * c, length))
+        return (min(s * c, length), min((s + 1) * c, length), kvs.ranges_of(length, count, self.align))
 
     def exists(self, coord, env, data):
-        lo, hi = self._span(coord, env, int(data["seq_lens"][coord[0]]))
-        return lo < hi
+        # range 0 always exists: for a bad length it writes the sequence's NaN output
+        lo, hi, _ = self._span(coord, env, int(data["seq_lens"][coord[0]]))
+        return lo < hi or self._heads(coord, env)[2] == 0
 
     def reads(self, coord, env, data=None):
         b, h, _, _ = self._heads(coord, env)
@@ -181,12 +197,27 @@ class AttentionDecodeTile(TileOp):
         }
 
     def writes(self, coord, env, data=None):
+        # A tile writes its range's partials; the sequence's only range, or the last of its
+        # ranges to finish, writes the G heads' output. Which one is last is decided at run
+        # time (the ``merges`` count, an atomic the tiles share; not an event), so without
+        # data every range may write the output (readers wait for all of them) and with data
+        # range ``ranges - 1`` stands for the writer: the readers' order is the same.
+        # ``merges`` is the op's own counter: zero before and after every launch, read by
+        # no other node, and not declared.
         b, h, s, _ = self._heads(coord, env)
         g, d = self.group, self.q.shape[2]
         heads = (h * g, (h + 1) * g)
-        return {
+        out = ((b, b + 1), (h * g * d, (h + 1) * g * d))
+        parts = {
             "part_o": ((b, b + 1), heads, (s, s + 1), (0, d)),
             "part_ml": ((b, b + 1), heads, (s, s + 1), (0, 2)),
+        }
+        if data is None:
+            return {"out": out, **parts}
+        ranges = self._span(coord, env, int(data["seq_lens"][b]))[2]
+        return {
+            **({"out": out} if s == max(ranges - 1, 0) else {}),
+            **(parts if ranges > 1 else {}),
         }
 
     def cost(self, coord, env):
@@ -196,8 +227,13 @@ class AttentionDecodeTile(TileOp):
 
     def reference(self, coord, env, t):
         b, h, s, _ = self._heads(coord, env)
-        g, page = self.group, self.k_cache.shape[1]
-        lo, hi = self._span(coord, env, int(t["seq_lens"][b]))
+        g, page, d = self.group, self.k_cache.shape[1], self.q.shape[2]
+        lo, hi, ranges = self._span(coord, env, int(t["seq_lens"][b]))
+        heads = slice(h * g, (h + 1) * g)
+        out = t["out"][b, h * g * d : (h + 1) * g * d].view(g, d)
+        if ranges == 0:  # a bad length
+            out.fill_(float("nan"))
+            return
         pos = torch.arange(lo, hi, device=t["q"].device)
         pages = t["page_table"][b, pos // page].long()
         bad = bool(((pages < 0) | (pages >= t["k_cache"].shape[0])).any())
@@ -208,9 +244,20 @@ class AttentionDecodeTile(TileOp):
         scores = (q @ k.T) * (self.softmax_scale * LOG2E)  # (G, n), log2 units
         m = scores.max(dim=1).values
         p = torch.exp2(scores - m[:, None])
-        t["part_o"][b, h * g : (h + 1) * g, s] = p @ v if not bad else float("nan")
-        t["part_ml"][b, h * g : (h + 1) * g, s, 0] = m
-        t["part_ml"][b, h * g : (h + 1) * g, s, 1] = p.sum(dim=1)
+        o = p @ v if not bad else torch.full((g, d), float("nan"), device=p.device)
+        if ranges == 1:
+            out.copy_(o / p.sum(dim=1)[:, None])
+            return
+        t["part_o"][b, heads, s] = o
+        t["part_ml"][b, heads, s, 0] = m
+        t["part_ml"][b, heads, s, 1] = p.sum(dim=1)
+        t["merges"][b, h] += 1
+        if int(t["merges"][b, h]) == ranges:  # the last range in: merge them all
+            t["merges"][b, h] = 0
+            ml = t["part_ml"][b, heads, :ranges]  # (G, ranges, 2)
+            f = torch.exp2(ml[..., 0] - ml[..., 0].max(dim=1, keepdim=True).values)
+            num = (t["part_o"][b, heads, :ranges] * f[..., None]).sum(dim=1)
+            out.copy_(num / (ml[..., 1] * f).sum(dim=1)[:, None])
 
     # -- device ------------------------------------------------------------------------------
     exists_on_device: ClassVar[bool] = True
@@ -250,8 +297,12 @@ class AttentionDecodeTile(TileOp):
 
     @cute.jit
     def device_task_word(self, tensors, coord0: Int32, coord1: Int32) -> Int32:
-        """The sequence's length, clamped to [0, the page table]: the tile's range follows."""
-        return cute.max(cute.min(tensors[4][coord0], self.max_tokens), 0)
+        """The sequence's length (0 for a bad one): the tile's range follows from it."""
+        n = tensors[4][coord0]
+        word = Int32(0)
+        if n >= 1 and n <= self.max_tokens:
+            word = n
+        return word
 
     @cute.jit
     def device_span(self, tensors, coord1: Int32, length: Int32):
@@ -269,9 +320,9 @@ class AttentionDecodeTile(TileOp):
     @cute.jit
     def device_slices(self, tensors, coord0: Int32, coord1: Int32, word: Int32) -> Int32:
         """Ring slices of a live tile: its range in slices of the Hopper tile."""
-        _, _, t0, t1 = self.device_span(tensors, coord1, word)
+        _, _, t0, t1, _ = self.device_span(tensors, coord1, word)
         st = self.sm90().slice_tokens
-        return (t1 - t0 + st - 1) // st
+        return (t1 - t0 + st - 1) // st  # 0 for range 0 of a bad length
 
     dynamic_slices: ClassVar[bool] = True
 
@@ -313,25 +364,26 @@ class AttentionDecodeTile(TileOp):
         pass  # the consumers wrote the tile; the storer warp only publishes it
 
     def device_smem_bytes(self) -> int:
-        # per warp and head: its m and l, and its o (D floats)
-        return 4 * WARPS * self.group * (2 + self.q.shape[2])
+        # per warp and head: its m and l, and its o (D floats); one word: whether to merge
+        return 4 * WARPS * self.group * (2 + self.q.shape[2]) + 4
 
     @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
         word = self.device_task_word(tensors, coord0, coord1)
-        _, _, t0, t1 = self.device_span(tensors, coord1, word)
-        return t0 < t1
+        _, s, t0, t1, _ = self.device_span(tensors, coord1, word)
+        return t0 < t1 or s == 0
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Tile (b, h * S + s); ``tensors`` = (mQ, mK, mV, mPT, mLen, mPO, mPML)."""
-        mQ, mK, mV, mPT, _, mPO, mPML = tensors
+        """Tile (b, h * S + s); ``tensors`` = (mQ, mK, mV, mPT, mLen, mOut, mPO, mPML,
+        mCnt)."""
+        mQ, mK, mV, mPT, _, mOut, mPO, mPML, mCnt = tensors
         g_n, d = self.group, self.q.shape[2]
         per = d // WARP  # dims a lane holds
         page = self.k_cache.shape[1]
         b = coord0
-        length = self.device_task_word(tensors, coord0, coord1)  # never past the page table
-        h, s, t0, t1 = self.device_span(tensors, coord1, length)
+        length = self.device_task_word(tensors, coord0, coord1)  # 0: a bad length
+        h, s, t0, t1, ranges = self.device_span(tensors, coord1, length)
         num_pages = mK.shape[0]
         poisoned = Boolean(False)
         warp = tidx // WARP
@@ -411,137 +463,20 @@ class AttentionDecodeTile(TileOp):
                     f = cute.math.exp2(sM[w, g, 0] - mm, fastmath=True)
                 acc = acc + sO[w, g, dim] * f
                 tot = tot + sM[w, g, 1] * f
-            mPO[b, h * g_n + g, s, dim] = acc
-            if dim == 0:
-                mPML[b, h * g_n + g, s, 0] = mm
-                mPML[b, h * g_n + g, s, 1] = tot
-
-
-@register_op
-@dataclass(frozen=True)
-class AttentionCombineTile(TileOp):
-    part_o: TensorSpec  # (B, Hq, S, D) fp32
-    part_ml: TensorSpec  # (B, Hq, S, 2) fp32
-    seq_lens: TensorSpec  # (B,) int32
-    kv_heads: int
-    max_tokens: int  # the page table's capacity: longer lengths are bad data
-    target_tiles: int = kvs.TARGET_TILES  # the split policy of the partials (``ops.kv_split``)
-    align: int = kvs.ALIGN
-    out_dtype: torch.dtype = torch.bfloat16
-
-    name: ClassVar[str] = "attention_combine"
-    inputs: ClassVar[tuple[str, ...]] = ("part_o", "part_ml", "seq_lens")
-    outputs: ClassVar[tuple[str, ...]] = ("out",)
-    data_inputs: ClassVar[tuple[str, ...]] = ("seq_lens",)
-
-    def __post_init__(self) -> None:
-        expect_ndim(self.part_o, 4, "attention_combine part_o")
-        expect_ndim(self.part_ml, 4, "attention_combine part_ml")
-        expect_dtype(self.part_o, (torch.float32,), "attention_combine part_o")
-        expect_dtype(self.part_ml, (torch.float32,), "attention_combine part_ml")
-        for i in range(3):
-            expect_same_dim(self.part_o.shape[i], self.part_ml.shape[i], f"part dim {i}")
-        if self.out_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"attention_combine out_dtype must be one of {FLOAT_DTYPES}")
-        if not isinstance(self.part_o.shape[2], int):
-            raise ShapeError("attention_combine: the partials' split dim must be a static int")
-        kvs.check_policy(self.part_o.shape[2], self.target_tiles, self.align, "attention_combine")
-        hq = self.part_o.shape[1]
-        if not isinstance(self.kv_heads, int) or self.kv_heads < 1 or hq % self.kv_heads:
-            raise ShapeError(f"attention_combine: {hq} query heads, kv_heads={self.kv_heads}")
-
-    def _policy(self) -> tuple:
-        return (self.kv_heads, self.part_o.shape[2], self.target_tiles, self.align)
-
-    def check_producers(self, producers) -> None:
-        # the policy decides which ranges a length has: it must be the partials' (another one
-        # would merge stale or missing ranges)
-        src = producers.get("part_o")
-        if getattr(src, "name", None) == "attention_decode":
-            theirs = (src.kv_heads, src.splits, src.target_tiles, src.align, src.max_tokens)
-            if theirs != self._policy() + (self.max_tokens,):
-                raise ShapeError(
-                    "attention_combine (kv_heads, splits, target_tiles, align, max_tokens) = "
-                    f"{self._policy() + (self.max_tokens,)} merges partials made with {theirs}"
-                )
-
-    def _ranges(self, length: int, env) -> int:
-        """Ranges that exist for a sequence of ``length`` tokens (0: bad length)."""
-        if not 1 <= length <= self.max_tokens:
-            return 0
-        kv, splits, target, align = self._policy()
-        count = evaluate(kvs.split_count(self.part_o.shape[0], kv, splits, target), env)
-        return kvs.ranges_of(length, count, align)
-
-    def output_specs(self):
-        b, hq, _, d = self.part_o.shape
-        return {"out": TensorSpec((b, hq * d), self.out_dtype)}
-
-    def grid(self):
-        return (self.part_o.shape[0], self.part_o.shape[1])
-
-    def reads(self, coord, env, data=None):
-        b, hq = coord
-        _, _, splits, d = self.part_o.concrete(env)
-        if data is not None:  # only the ranges that exist
-            splits = self._ranges(int(data["seq_lens"][b]), env)
-        return {
-            "part_o": ((b, b + 1), (hq, hq + 1), (0, splits), (0, d)),
-            "part_ml": ((b, b + 1), (hq, hq + 1), (0, splits), (0, 2)),
-            "seq_lens": ((b, b + 1),),
-        }
-
-    def writes(self, coord, env, data=None):
-        b, hq = coord
-        d = self.part_o.shape[3]
-        return {"out": ((b, b + 1), (hq * d, (hq + 1) * d))}
-
-    def cost(self, coord, env):
-        s, d = self.part_o.shape[2], self.part_o.shape[3]
-        return tile_time_us(3.0 * s * d, 4.0 * s * (d + 2), torch.float32)
-
-    def reference(self, coord, env, t):
-        b, hq = coord
-        length = int(t["seq_lens"][b])
-        d = self.part_o.shape[3]
-        if not 1 <= length <= self.max_tokens:
-            t["out"][b, hq * d : (hq + 1) * d] = float("nan")
-            return
-        n = self._ranges(length, env)
-        ml = t["part_ml"][b, hq, :n]
-        m = ml[:, 0].max()
-        f = torch.exp2(ml[:, 0] - m)
-        out = (t["part_o"][b, hq, :n] * f[:, None]).sum(0) / (ml[:, 1] * f).sum()
-        t["out"][b, hq * d : (hq + 1) * d] = out.to(t["out"].dtype)
-
-    @cute.jit
-    def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Query head (b, hq): thread d merges dimension d over the sequence's splits in
-        order; ``tensors`` = (mPO, mPML, mLen, mOut)."""
-        mPO, mPML, mLen, mOut = tensors
-        d = self.part_o.shape[3]
-        length = mLen[coord0]
-        valid = length >= 1 and length <= self.max_tokens
-        n = Int32(0)
-        if valid:
-            kv, splits, target, align = self._policy()
-            count = kvs.device_split_count(mLen.shape[0], kv, splits, target)
-            c = kvs.device_span(length, count, align)
-            n = (length + c - 1) // c
-        for dim in range(tidx, d, NUM_THREADS):
-            mm = Float32(-math.inf)
-            for s in range(n):
-                mm = cute.arch.fmax(mm, mPML[coord0, coord1, s, 0])
-            acc = Float32(0.0)
-            tot = Float32(0.0)
-            for s in range(n):
-                f = cute.math.exp2(mPML[coord0, coord1, s, 0] - mm, fastmath=True)
-                acc = acc + mPO[coord0, coord1, s, dim] * f
-                tot = tot + mPML[coord0, coord1, s, 1] * f
-            res = acc / tot
-            if not valid:
-                res = Float32(math.nan)
-            mOut[coord0, coord1 * d + dim] = res.to(mOut.element_type)
+            if ranges <= 1:  # the sequence's only range (or a bad length: 0 / 0 is NaN)
+                mOut[b, (h * g_n + g) * d + dim] = (acc / tot).to(mOut.element_type)
+            else:
+                mPO[b, h * g_n + g, s, dim] = acc
+                if dim == 0:
+                    mPML[b, h * g_n + g, s, 0] = mm
+                    mPML[b, h * g_n + g, s, 1] = tot
+        if ranges > 1:
+            sLast = cute.make_tensor(
+                cute.recast_ptr(smem_ptr, dtype=Int32) + WARPS * g_n * (2 + d),
+                cute.make_layout(1),
+            )
+            if kvs.claim_merge(mCnt, b, h, self.kv_heads, ranges, tidx, simt_sync, sLast):
+                kvs.merge_ranges(mPO, mPML, mOut, b, h, g_n, d, ranges, tidx, NUM_THREADS)
 
 
 def attention_decode(
@@ -556,28 +491,10 @@ def attention_decode(
     align: int = kvs.ALIGN,
     scale: float | None = None,
 ) -> AttentionDecodeTile:
-    """Split-KV partial attention (see the module doc and ``ops.kv_split``); merge with
-    :func:`attention_combine` given the same ``target_tiles`` and ``align``."""
+    """Split-KV decode attention (see the module doc and ``ops.kv_split``); ``g.call`` gives
+    ``(out, part_o, part_ml, merges)``: use ``out``."""
     return AttentionDecodeTile(
         q, k_cache, v_cache, page_table, seq_lens, splits, target_tiles, align, scale
-    )
-
-
-def attention_combine(
-    part_o: TensorSpec,
-    part_ml: TensorSpec,
-    seq_lens: TensorSpec,
-    *,
-    kv_heads: int,
-    max_tokens: int,
-    target_tiles: int = kvs.TARGET_TILES,
-    align: int = kvs.ALIGN,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> AttentionCombineTile:
-    """Merge the ranges of :func:`attention_decode` (same ``kv_heads``, ``target_tiles``,
-    ``align``; ``max_tokens`` = the page table's capacity) into (B, Hq * D)."""
-    return AttentionCombineTile(
-        part_o, part_ml, seq_lens, kv_heads, max_tokens, target_tiles, align, out_dtype
     )
 
 

@@ -29,8 +29,9 @@ read shared memory.
   groups), reduced by 3 shuffles. Online softmax per warp (max by 2 shuffles), the warp's
   probabilities through 1 KB of shared memory, then P·V with a lane holding D/32 dimensions of
   o for every head. After the last slice the 8 warps' (m, l, o) merge through shared memory
-  and the consumers write ``part_o`` / ``part_ml`` themselves; the storer warp has nothing to
-  store and only publishes the tile.
+  and the consumers write the output (the sequence's only range) or ``part_o`` / ``part_ml``
+  and count the range in (``ops.kv_split.claim_merge``); the last range merges them all. The
+  storer warp has nothing to store and only publishes the tile.
 - Bad data: a page id outside the cache anywhere in the tile's valid range makes the tile's
   output NaN (the combine then makes the sequence NaN), as the reference does. Warp 0 reads
   each slice's page ids as the slice starts and checks them one slice later (the load's
@@ -67,6 +68,11 @@ MAX_Q_REGS = 128
 """fp32 q values a consumer lane keeps (G * D / 8)."""
 
 _CUTE_DTYPES = {torch.bfloat16: BFloat16, torch.float16: Float16}
+
+# the op's tensors: (q, k_cache, v_cache, page_table, seq_lens) + outputs from T_OUT (out,
+# part_o, part_ml, merges) + ``tma_args`` from T_TMA
+T_OUT = 5
+T_TMA = 9
 
 
 @dataclass(frozen=True)
@@ -152,8 +158,13 @@ class Sm90DecodeConfig:
         return -(-(self.off_flag + CONSUMER_WARPS) // 4) * 4
 
     @property
+    def off_last(self) -> int:
+        """One word: whether this tile merges the sequence's ranges."""
+        return self.off_o + CONSUMER_WARPS * self.group * self.head_dim
+
+    @property
     def epi_bytes(self) -> int:
-        words = self.off_o + CONSUMER_WARPS * self.group * self.head_dim
+        words = self.off_last + 1
         return -(-4 * words // 1024) * 1024
 
 
@@ -265,9 +276,9 @@ def load_kv(
     sequence length (clamped to the page table), read once per task. ``tensors``: the op's
     (q, k_cache, v_cache, page_table, seq_lens, part_o, part_ml) + ``tma_args``."""
     mK, mPT = tensors[1], tensors[3]
-    atom_k, tma_k, atom_v, tma_v = tensors[7], tensors[8], tensors[9], tensors[10]
+    atom_k, tma_k, atom_v, tma_v = (tensors[T_TMA + i] for i in range(4))
     lane = cute.arch.lane_idx()
-    h, _, t0, _ = tile_span(cfg, tensors[4].shape[0], coord1, word)
+    h, _, t0, _, _ = tile_span(cfg, tensors[4].shape[0], coord1, word)
     num_pages = mK.shape[0]
     base = t0 + kt * cfg.slice_tokens
     pos = base + lane * cfg.box_rows
@@ -288,11 +299,12 @@ def load_kv(
         ptr + cfg.q_offset,
         cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1)),
     )
-    gQ = cute.local_tile(tensors[12][None, None, coord0], (cfg.group, cfg.head_dim), (h, 0))
+    atom_q, tma_q = tensors[T_TMA + 4], tensors[T_TMA + 5]
+    gQ = cute.local_tile(tma_q[None, None, coord0], (cfg.group, cfg.head_dim), (h, 0))
     ts, tg = cpasync.tma_partition(
-        tensors[11], 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
     )
-    cute.copy(tensors[11], tg, ts, tma_bar_ptr=bar)
+    cute.copy(atom_q, tg, ts, tma_bar_ptr=bar)
     blk = (base % cfg.page) // cfg.box_rows  # box index inside its page
     for r in cutlass.range_constexpr(cfg.boxes):
         p_r = cute.arch.shuffle_sync(pg, r)
@@ -335,7 +347,8 @@ def compute(
 ) -> Int32:
     """Consumer warps: the tile's slices ``count ..``, then ``part_o`` / ``part_ml`` written;
     returns the ring count after the tile."""
-    mK, mPT, mLen, mPO, mPML = tensors[1], tensors[3], tensors[4], tensors[5], tensors[6]
+    mK, mPT, mLen = tensors[1], tensors[3], tensors[4]
+    mOut, mPO, mPML, mCnt = (tensors[T_OUT + i] for i in range(4))
     g_n, d, rw = cfg.group, cfg.head_dim, cfg.rows_per_warp
     nch, pv = cfg.chunks, cfg.pv_dims
     ab = _CUTE_DTYPES[cfg.dtype]
@@ -346,7 +359,7 @@ def compute(
     rot = part // cfg.parts_per_128b
     b = coord0
     # the sequence's length, clamped to the page table (the producer read it)
-    h, s, t0, t1 = tile_span(cfg, mLen.shape[0], coord1, word)
+    h, s, t0, t1, ranges = tile_span(cfg, mLen.shape[0], coord1, word)
     n = slices_of(cfg, t0, t1)
     num_pages = mK.shape[0]
     # a bad page id poisons the tile: thread r < boxes reads box r's id as a slice starts
@@ -356,18 +369,21 @@ def compute(
 
     # q of this lane's dimensions (its chunks in rotated order) from slice 0's slot, in
     # log2 units
+    # (a tile of a bad length streams no slice: it only writes NaN)
     q = cute.make_rmem_tensor((g_n, nch * 8), Float32)
-    idx0 = consumer_wait(full, count, stages, wait)
-    sQ = cute.make_tensor(
-        _slot_ptr(cfg, ring, idx0, slot) + cfg.q_offset,
-        cute.make_layout((g_n, d // 8, 8), stride=(d, 8, 1)),
-    )
-    for g in cutlass.range_constexpr(g_n):
-        for c in cutlass.range_constexpr(nch):
-            qv = cute.make_rmem_tensor((8,), ab)
-            cute.autovec_copy(sQ[g, part * nch + (c + rot) % nch, None], qv)
-            for e in cutlass.range_constexpr(8):
-                q[g, c * 8 + e] = qv[e].to(Float32) * cfg.scale_log2
+    q.fill(0.0)
+    if n > 0:
+        idx0 = consumer_wait(full, count, stages, wait)
+        sQ = cute.make_tensor(
+            _slot_ptr(cfg, ring, idx0, slot) + cfg.q_offset,
+            cute.make_layout((g_n, d // 8, 8), stride=(d, 8, 1)),
+        )
+        for g in cutlass.range_constexpr(g_n):
+            for c in cutlass.range_constexpr(nch):
+                qv = cute.make_rmem_tensor((8,), ab)
+                cute.autovec_copy(sQ[g, part * nch + (c + rot) % nch, None], qv)
+                for e in cutlass.range_constexpr(8):
+                    q[g, c * 8 + e] = qv[e].to(Float32) * cfg.scale_log2
 
     m = cute.make_rmem_tensor((g_n,), Float32)
     lsum = cute.make_rmem_tensor((g_n,), Float32)  # this lane's row group's share of l
@@ -500,8 +516,22 @@ def compute(
             tot = tot + sML[w, g, 1] * f
         if poisoned > Float32(0.0):
             acc = Float32(math.nan)
-        mPO[b, h * g_n + g, s, dim] = acc
-        if dim == 0:
-            mPML[b, h * g_n + g, s, 0] = mm
-            mPML[b, h * g_n + g, s, 1] = tot
+        if ranges <= 1:  # the sequence's only range (or a bad length: 0 / 0 is NaN)
+            mOut[b, (h * g_n + g) * d + dim] = (acc / tot).to(mOut.element_type)
+        else:
+            mPO[b, h * g_n + g, s, dim] = acc
+            if dim == 0:
+                mPML[b, h * g_n + g, s, 0] = mm
+                mPML[b, h * g_n + g, s, 1] = tot
+    if ranges > 1:
+        sLast = cute.make_tensor(
+            cute.recast_ptr(epi + cfg.off_last, dtype=Int32), cute.make_layout(1)
+        )
+        if kvs.claim_merge(mCnt, b, h, cfg.kv_heads, ranges, ctid, _consumer_sync, sLast):
+            kvs.merge_ranges(mPO, mPML, mOut, b, h, g_n, d, ranges, ctid, CONSUMER_THREADS)
     return count + n
+
+
+@cute.jit
+def _consumer_sync():
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)

@@ -4,10 +4,11 @@ A fixed number of KV ranges per (sequence, KV head), each a share of the sequenc
 length, instead of a fixed number of tokens per tile: every tile that exists has about the same
 work whatever the lengths, and the tile count follows the batch, not the cache's capacity.
 
-- **Count.** At batch ``B`` with ``Hkv`` KV heads, a sequence is split into
-  ``S(B) = min(splits, max(1, target_tiles // (B * Hkv)))`` ranges (``split_count``): one
-  sequence spreads over many SMs, a large batch fills them with one range a (sequence, head)
-  and no merge work. ``B`` is bound when a plan is built, so the task grid is ``(B, Hkv *
+- **Count.** At batch ``B`` with ``Hkv`` KV heads, ``c = target_tiles // (B * Hkv)`` and a
+  sequence is split into ``S(B) = min(splits, max(1, c))`` ranges, except that ``c = 2`` gives
+  one (``split_count``: with two tiles an SM, two ranges would only cut the same time into two
+  waves). One sequence spreads over many SMs; a large batch fills them with one range a
+  (sequence, head) and no merge work. ``B`` is bound when a plan is built, so the task grid is ``(B, Hkv *
   S(B))``; the device evaluates the same expression from the live batch.
 - **Range.** Tile ``s`` of a sequence of length ``n`` takes tokens ``[s * c, min(n, (s + 1) *
   c))`` with ``c = align * ceil(ceil(n / S) / align)`` (``span``): ranges are whole multiples
@@ -21,7 +22,7 @@ the interpreter and the kernel decide the same tiles.
 from __future__ import annotations
 
 import cutlass
-from cutlass import Int32, cute
+from cutlass import Float32, Int32, cute
 
 from cutemk.symbolic import IntLike, smax, smin
 
@@ -36,7 +37,9 @@ ALIGN = 64
 
 def split_count(batch: IntLike, kv_heads: int, splits: int, target_tiles: int) -> IntLike:
     """Ranges per (sequence, KV head) at ``batch`` sequences (symbolic where ``batch`` is)."""
-    return smin(splits, smax(1, target_tiles // (batch * kv_heads)))
+    c = target_tiles // (batch * kv_heads)
+    is_two = smin(1, smax(0, c - 1)) - smin(1, smax(0, c - 2))  # [c == 2] with min / max
+    return smin(splits, smax(1, c - is_two))
 
 
 def span(length: int, count: int, align: int) -> int:
@@ -65,7 +68,10 @@ def device_split_count(
     splits: cutlass.Constexpr,
     target_tiles: cutlass.Constexpr,
 ) -> Int32:
-    return cute.min(Int32(splits), cute.max(Int32(1), Int32(target_tiles) // (batch * kv_heads)))
+    c = Int32(target_tiles) // (batch * kv_heads)
+    if c == 2:
+        c = Int32(1)
+    return cute.min(Int32(splits), cute.max(Int32(1), c))
 
 
 @cute.jit
@@ -85,10 +91,63 @@ def device_tile_span(
     target_tiles: cutlass.Constexpr,
     align: cutlass.Constexpr,
 ):
-    """(KV head, range, first token, end token) of tile ``(b, coord1)`` of a sequence of
-    ``length`` (>= 0, clamped to the page table) tokens; the tile exists where first < end."""
+    """(KV head, range, first token, end token, ranges of the sequence) of tile ``(b,
+    coord1)`` of a sequence of ``length`` tokens (0: a bad length, no range)."""
     count = device_split_count(batch, kv_heads, splits, target_tiles)
     c = device_span(length, count, align)
     s = coord1 % count
     t0 = s * c
-    return coord1 // count, s, t0, cute.min(t0 + c, length)
+    ranges = Int32(0)
+    if c > 0:
+        ranges = (length + c - 1) // c
+    return coord1 // count, s, t0, cute.min(t0 + c, length), ranges
+
+
+# -- merging the ranges: the last range of a (sequence, KV head) to finish merges them all ----
+@cute.jit
+def claim_merge(mCnt, b: Int32, h: Int32, kv_heads: cutlass.Constexpr, ranges, tid, sync, sWord):
+    """After this CTA's partial stores (every thread, then ``sync``, a barrier of the threads
+    calling): count its range in ``merges[b, h]``; True where it was the last one (the count
+    then goes back to zero for the next launch). The acq_rel add releases this range's
+    partials and acquires the others' for the merge that follows."""
+    sync()
+    if tid == 0:
+        ptr = mCnt.iterator + (b * kv_heads + h)
+        old = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(0)
+        if old == ranges - 1:
+            last = Int32(1)
+            cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
+        sWord[0] = last
+    sync()
+    return sWord[0] != 0
+
+
+@cute.jit
+def merge_ranges(
+    mPO,
+    mPML,
+    mOut,
+    b: Int32,
+    h: Int32,
+    group: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    ranges: Int32,
+    tid,
+    nthreads: cutlass.Constexpr,
+):
+    """``out[b]``'s dims of the G query heads of KV head h from the sequence's ``ranges``
+    partials, merged in range order (a fixed order: bit-identical runs)."""
+    for idx in range(tid, group * head_dim, nthreads):
+        hq = h * group + idx // head_dim
+        dim = idx % head_dim
+        mm = mPML[b, hq, 0, 0]
+        for s in range(1, ranges):
+            mm = cute.arch.fmax(mm, mPML[b, hq, s, 0])
+        acc = Float32(0.0)
+        tot = Float32(0.0)
+        for s in range(ranges):
+            f = cute.math.exp2(mPML[b, hq, s, 0] - mm, fastmath=True)
+            acc = acc + mPO[b, hq, s, dim] * f
+            tot = tot + mPML[b, hq, s, 1] * f
+        mOut[b, hq * head_dim + dim] = (acc / tot).to(mOut.element_type)

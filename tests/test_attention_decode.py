@@ -1,5 +1,5 @@
-"""Decode attention over a paged KV cache, split along the sequence (``ops.attention_decode`` +
-``ops.attention_combine``), against an fp32 SDPA per sequence: random lengths (1, 7, 129,
+"""Decode attention over a paged KV cache, split along the sequence (``ops.attention_decode``:
+the last range of a sequence to finish merges the others), against an fp32 SDPA per sequence: random lengths (1, 7, 129,
 4097), page sizes, GQA ratios, scattered pages; bad data (a page id outside the cache, a length
 past the page table or zero) makes exactly that sequence NaN. CPU: the interpreter (race
 checker on) and a compile of the kernel for sm_90a. GPU (``gpu``): the megakernel, both
@@ -26,18 +26,9 @@ def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264)
     v = g.input("v_cache", (k.spec.shape[0], page, hkv, d), dtype)
     pt = g.input("page_table", (B, max_pages), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
-    policy = {"target_tiles": target_tiles, "align": align}
-    po, pml = g.call(ops.attention_decode, q, k, v, pt, lens, **policy)
     out = g.call(
-        ops.attention_combine,
-        po,
-        pml,
-        lens,
-        kv_heads=hkv,
-        max_tokens=page * max_pages,
-        out_dtype=dtype,
-        **policy,
-    )
+        ops.attention_decode, q, k, v, pt, lens, target_tiles=target_tiles, align=align
+    )[0]
     g.output(out, "out")
     return g
 
@@ -92,7 +83,15 @@ def test_kv_split_ranges_cover_each_sequence_once():
         count = kvs.split_count(b, 8, 16, 264)
         assert expr.eval({"B": b}) == count and 1 <= count <= 16
         assert b * 8 * count <= 264 or count == 1
-    assert [kvs.split_count(b, 8, 16, 264) for b in (1, 2, 3, 16, 17, 64)] == [16, 16, 11, 2, 1, 1]
+    assert [kvs.split_count(b, 8, 16, 264) for b in (1, 2, 3, 11, 12, 16, 64)] == [
+        16,
+        16,
+        11,
+        3,
+        1,  # 264 // 96 = 2: two waves of half ranges are no faster than one of whole ones
+        1,
+        1,
+    ]
     for count in (1, 2, 5, 16):
         for length in range(1, 700, 7):
             c = kvs.span(length, count, 64)
@@ -178,3 +177,13 @@ def test_decode_attention_on_the_gpu(scheduler):
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (lens, err)
         assert torch.equal(c(**a), out)
+
+
+def test_the_merge_count_is_the_ops_own():
+    """``merges`` starts at zero and no other node may read it (its values are the op's)."""
+    from cutemk.errors import GraphError
+
+    g = _graph(4, 2, 32, 16, 8, 16, torch.float32)
+    merges = g.nodes[0].results["merges"]
+    with pytest.raises(GraphError, match="own counter"):
+        g.call(ops.silu_mul, merges)

@@ -32,17 +32,7 @@ def _graph(dtype=torch.float32):
     pt = g.input("page_table", (B, MAXP), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
     k2, v2 = g.call(ops.kv_append, kn, vn, kc, vc, pt, lens)
-    po, pml = g.call(ops.attention_decode, q, k2, v2, pt, lens, align=ALIGN)
-    out = g.call(
-        ops.attention_combine,
-        po,
-        pml,
-        lens,
-        kv_heads=HKV,
-        max_tokens=PAGE * MAXP,
-        align=ALIGN,
-        out_dtype=dtype,
-    )
+    out = g.call(ops.attention_decode, q, k2, v2, pt, lens, align=ALIGN)[0]
     g.output(out, "out")
     return g
 
