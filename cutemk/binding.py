@@ -111,9 +111,7 @@ def starts_zeroed(v) -> bool:
     """Whether graph value ``v`` is a counter its op keeps at zero (``TileOp.zeroed_outputs``):
     its buffer is allocated zeroed, not poisoned."""
     node = v.producer
-    return node is not None and any(
-        node.results.get(o) is v for o in node.op.zeroed_outputs
-    )
+    return node is not None and any(node.results.get(o) is v for o in node.op.zeroed_outputs)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ class Hardware:
     mem_bw: float  # device memory bytes/s (read + write), whole GPU
     hop_us: float  # one cross-SM notify -> wait hop
     task_overhead_us: float  # fetch + dispatch of one task
+    load_latency_us: float  # one dependent round trip to device memory (a pipeline's fill)
 
 
 H200 = Hardware(
@@ -30,6 +31,7 @@ H200 = Hardware(
     mem_bw=4.3e12,
     hop_us=0.55,
     task_overhead_us=0.25,
+    load_latency_us=0.8,
 )
 
 

@@ -41,7 +41,7 @@ import torch
 from cutlass import Boolean, Float32, Int32, cute
 
 from cutemk.arch import target_arch
-from cutemk.costmodel import tile_time_us
+from cutemk.costmodel import H200, tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import ShapeError
@@ -178,7 +178,11 @@ class AttentionDecodeTile(TileOp):
         if length == 0:
             return (0, 0, 0)
         c = kvs.span(length, count, self.align)
-        return (min(s * c, length), min((s + 1) * c, length), kvs.ranges_of(length, count, self.align))
+        return (
+            min(s * c, length),
+            min((s + 1) * c, length),
+            kvs.ranges_of(length, count, self.align),
+        )
 
     def exists(self, coord, env, data):
         # range 0 always exists: for a bad length it writes the sequence's NaN output
@@ -222,8 +226,11 @@ class AttentionDecodeTile(TileOp):
 
     def cost(self, coord, env):
         d, es = self.q.shape[2], self.q.dtype.itemsize
-        tokens = self.max_tokens / self._heads(coord, env)[3]  # the longest range
-        return tile_time_us(4.0 * self.group * tokens * d, 2.0 * tokens * d * es, self.q.dtype)
+        count = self._heads(coord, env)[3]
+        tokens = self.max_tokens / count  # the longest range
+        stream = tile_time_us(4.0 * self.group * tokens * d, 2.0 * tokens * d * es, self.q.dtype)
+        # the first slice's round trip, and where ranges merge the count's and the partials'
+        return stream + H200.load_latency_us * (1 if count == 1 else 3)
 
     def reference(self, coord, env, t):
         b, h, s, _ = self._heads(coord, env)
@@ -476,7 +483,9 @@ class AttentionDecodeTile(TileOp):
                 cute.make_layout(1),
             )
             if kvs.claim_merge(mCnt, b, h, self.kv_heads, ranges, tidx, simt_sync, sLast):
-                kvs.merge_ranges(mPO, mPML, mOut, b, h, g_n, d, ranges, tidx, NUM_THREADS)
+                kvs.merge_ranges(
+                    mPO, mPML, mOut, b, h, g_n, d, self.splits, ranges, tidx, NUM_THREADS
+                )
 
 
 def attention_decode(

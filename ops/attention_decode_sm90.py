@@ -528,7 +528,9 @@ def compute(
             cute.recast_ptr(epi + cfg.off_last, dtype=Int32), cute.make_layout(1)
         )
         if kvs.claim_merge(mCnt, b, h, cfg.kv_heads, ranges, ctid, _consumer_sync, sLast):
-            kvs.merge_ranges(mPO, mPML, mOut, b, h, g_n, d, ranges, ctid, CONSUMER_THREADS)
+            kvs.merge_ranges(
+                mPO, mPML, mOut, b, h, g_n, d, cfg.splits, ranges, ctid, CONSUMER_THREADS
+            )
     return count + n
 
 

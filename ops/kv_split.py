@@ -21,6 +21,8 @@ the interpreter and the kernel decide the same tiles.
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 from cutlass import Float32, Int32, cute
 
@@ -132,22 +134,38 @@ def merge_ranges(
     h: Int32,
     group: cutlass.Constexpr,
     head_dim: cutlass.Constexpr,
+    splits: cutlass.Constexpr,
     ranges: Int32,
     tid,
     nthreads: cutlass.Constexpr,
 ):
     """``out[b]``'s dims of the G query heads of KV head h from the sequence's ``ranges``
-    partials, merged in range order (a fixed order: bit-identical runs)."""
-    for idx in range(tid, group * head_dim, nthreads):
-        hq = h * group + idx // head_dim
-        dim = idx % head_dim
-        mm = mPML[b, hq, 0, 0]
-        for s in range(1, ranges):
-            mm = cute.arch.fmax(mm, mPML[b, hq, s, 0])
-        acc = Float32(0.0)
-        tot = Float32(0.0)
-        for s in range(ranges):
-            f = cute.math.exp2(mPML[b, hq, s, 0] - mm, fastmath=True)
-            acc = acc + mPO[b, hq, s, dim] * f
-            tot = tot + mPML[b, hq, s, 1] * f
-        mOut[b, hq * head_dim + dim] = (acc / tot).to(mOut.element_type)
+    (<= ``splits``) partials, merged in range order (a fixed order: bit-identical runs). A
+    thread's loads are all issued before their use (the loops over ranges are unrolled up to
+    ``splits``), so a merge costs about one round trip."""
+    for k in cutlass.range_constexpr(-(-group * head_dim // nthreads)):
+        idx = tid + k * nthreads
+        if idx < group * head_dim:
+            hq = h * group + idx // head_dim
+            dim = idx % head_dim
+            ms = cute.make_rmem_tensor((splits,), Float32)
+            ls = cute.make_rmem_tensor((splits,), Float32)
+            os = cute.make_rmem_tensor((splits,), Float32)
+            for s in cutlass.range_constexpr(splits):
+                ms[s] = Float32(-math.inf)
+                ls[s] = Float32(0.0)
+                os[s] = Float32(0.0)
+                if s < ranges:
+                    ms[s] = mPML[b, hq, s, 0]
+                    ls[s] = mPML[b, hq, s, 1]
+                    os[s] = mPO[b, hq, s, dim]
+            mm = ms[0]
+            for s in cutlass.range_constexpr(1, splits):
+                mm = cute.arch.fmax(mm, ms[s])
+            acc = Float32(0.0)
+            tot = Float32(0.0)
+            for s in cutlass.range_constexpr(splits):
+                f = cute.math.exp2(ms[s] - mm, fastmath=True)  # 0 past the ranges
+                acc = acc + os[s] * f
+                tot = tot + ls[s] * f
+            mOut[b, hq * head_dim + dim] = (acc / tot).to(mOut.element_type)
