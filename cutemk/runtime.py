@@ -468,6 +468,25 @@ def _max_dims(graph: Graph) -> str:
     return ", ".join(f"{k} <= {m}" for k, m in sorted(syms.items()))
 
 
+def _loads_before_events(node) -> bool:
+    """Whether a ring op's independent loads may precede its events: no node writes its
+    ``independent_inputs`` (or the op vouches for what they write), and what the tile loads
+    is not decided by data the launch computes."""
+    op = node.op
+    if not op.independent_inputs:
+        return False
+    if op.exists_on_device and not (
+        op.early_exists and all(node.args[a].producer is None for a in op.data_inputs)
+    ):
+        return False
+    producers = {
+        a: node.args[a].producer.op
+        for a in op.independent_inputs
+        if node.args[a].producer is not None
+    }
+    return not producers or op.independent_loads_allowed(producers)
+
+
 def kernel_spec(
     graph: Graph, dynamic: bool, watchdog: bool = False, profile: bool = False
 ) -> KernelSpec:
@@ -491,14 +510,7 @@ def kernel_spec(
         if n.op.ring_tile() is None and type(n.op).device_tile is TileOp.device_tile:
             raise NotImplementedError(f"op {n.op.name} has no device function yet")
     ops_ = tuple(n.op for n in graph.nodes)
-    # a ring op loads its independent inputs before its events only where no node writes them
-    # and the tile's existence (and so what it loads) is not decided by data of the launch
-    prefetch = tuple(
-        bool(n.op.independent_inputs)
-        and not n.op.exists_on_device
-        and all(n.args[a].producer is None for a in n.op.independent_inputs)
-        for n in graph.nodes
-    )
+    prefetch = tuple(_loads_before_events(n) for n in graph.nodes)
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)
     return KernelSpec(

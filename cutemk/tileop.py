@@ -247,6 +247,18 @@ class TileOp:
         events, and passed to both load phases as ``word``; the slices never re-read it."""
         raise NotImplementedError(f"{self.name}: exists_on_device without device_task_word")
 
+    early_exists: ClassVar[bool] = False
+    """Ring op with ``exists_on_device`` whose :meth:`device_exists`, :meth:`device_task_word`
+    and :meth:`device_slices` read only its ``data_inputs``: where no node writes those, the
+    producer decides the tile before its events and issues its independent loads first."""
+
+    def independent_loads_allowed(self, producers: Mapping[str, TileOp]) -> bool:
+        """Whether :meth:`device_load_independent` may run before the task's events although
+        nodes of the launch write some ``independent_inputs`` (``producers``: input name -> the
+        op writing it; never called with none). Only an op that knows what those producers
+        write, and leaves exactly that to :meth:`device_load_dependent`, says yes."""
+        return False
+
     dynamic_slices: ClassVar[bool] = False
     """Ring op with ``exists_on_device``: a tile streams :meth:`device_slices` slices, read
     from launch data (at most ``ring_tile().slices``), instead of always that many."""

@@ -332,18 +332,28 @@ class AttentionDecodeTile(TileOp):
         return (t1 - t0 + st - 1) // st  # 0 for range 0 of a bad length
 
     dynamic_slices: ClassVar[bool] = True
+    # which tiles exist and what they stream follow from the lengths and the page table alone:
+    # where those are launch inputs, a tile's keys and values load before its events
+    early_exists: ClassVar[bool] = True
+    independent_inputs: ClassVar[tuple[str, ...]] = ("k_cache", "v_cache")
+
+    def independent_loads_allowed(self, producers) -> bool:
+        """A ``kv_append`` of the launch writes each sequence's last position only (two
+        sequences never name the same page slot: bad data otherwise), and the slice holding it
+        is loaded after the events; any other writer of the cache is not known."""
+        return all(p.name == "kv_append" for p in producers.values())
 
     @cute.jit
     def device_load_independent(
         self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
     ):
-        pass  # the cache may be appended in this launch: every load follows the acquire
+        dsm90.load_kv(self.sm90(), tensors, coord0, coord1, word, kt, idx, bar, ring, slot, False)
 
     @cute.jit
     def device_load_dependent(
         self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
     ):
-        dsm90.load_kv(self.sm90(), tensors, coord0, coord1, word, kt, idx, bar, ring, slot)
+        dsm90.load_kv(self.sm90(), tensors, coord0, coord1, word, kt, idx, bar, ring, slot, True)
 
     @cute.jit
     def device_compute(

@@ -271,10 +271,14 @@ def load_kv(
     bar,
     ring,
     slot: cutlass.Constexpr,
+    dependent: cutlass.Constexpr,
 ):
-    """Producer warp: slice ``kt``'s K and V boxes into ring slot ``idx``; ``word`` is the
-    sequence length (clamped to the page table), read once per task. ``tensors``: the op's
-    (q, k_cache, v_cache, page_table, seq_lens, part_o, part_ml) + ``tma_args``."""
+    """Producer warp: slice ``kt`` into ring slot ``idx``; ``word`` is the sequence length,
+    read once per task. The K and V boxes are launch input (``dependent`` False: they may be
+    loaded before the task's events), except in the slice that holds the sequence's last
+    position, which a ``kv_append`` of this launch may write: that slice's boxes and the
+    tile's q (computed in the launch) come with ``dependent`` True. ``tensors``: the op's
+    inputs and outputs + ``tma_args``."""
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = (tensors[T_TMA + i] for i in range(4))
     lane = cute.arch.lane_idx()
@@ -294,17 +298,33 @@ def load_kv(
     )
     sK = cute.make_tensor(ptr, rows)
     sV = cute.make_tensor(ptr + cfg.slice_tokens * cfg.head_dim, rows)
-    # the tile's q rides in every slice (1 KB beside 32: the slot's bytes stay uniform)
-    sQ = cute.make_tensor(
-        ptr + cfg.q_offset,
-        cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1)),
-    )
-    atom_q, tma_q = tensors[T_TMA + 4], tensors[T_TMA + 5]
-    gQ = cute.local_tile(tma_q[None, None, coord0], (cfg.group, cfg.head_dim), (h, 0))
-    ts, tg = cpasync.tma_partition(
-        atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-    )
-    cute.copy(atom_q, tg, ts, tma_bar_ptr=bar)
+    last = base + cfg.slice_tokens >= word  # the slice holds position word - 1
+    if cutlass.const_expr(dependent):
+        # the tile's q rides in every slice (1 KB beside 32: the slot's bytes stay uniform)
+        sQ = cute.make_tensor(
+            ptr + cfg.q_offset,
+            cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1)),
+        )
+        atom_q, tma_q = tensors[T_TMA + 4], tensors[T_TMA + 5]
+        gQ = cute.local_tile(tma_q[None, None, coord0], (cfg.group, cfg.head_dim), (h, 0))
+        ts, tg = cpasync.tma_partition(
+            atom_q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
+        )
+        cute.copy(atom_q, tg, ts, tma_bar_ptr=bar)
+        if last:
+            _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
+    else:
+        if not last:
+            _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
+
+
+@cute.jit
+def _copy_boxes(cfg: cutlass.Constexpr, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar):
+    """The slice's K and V boxes (lane r holds box r's page, ``pages`` where it reads none)."""
     blk = (base % cfg.page) // cfg.box_rows  # box index inside its page
     for r in cutlass.range_constexpr(cfg.boxes):
         p_r = cute.arch.shuffle_sync(pg, r)

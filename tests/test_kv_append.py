@@ -147,3 +147,33 @@ def test_world_simulation_updates_the_callers_cache():
 def test_compiles_for_hopper(tmp_path):
     compile_offline(_graph(torch.bfloat16), "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     assert list(tmp_path.glob("*.ptx"))
+
+
+def test_cache_loads_precede_the_events_only_behind_kv_append():
+    """Attention's keys and values are launch input but for each sequence's appended row: the
+    kernel loads them before the tile's events where the only writer of the cache is a
+    ``kv_append`` (and the lengths and pages are launch inputs), and after them otherwise."""
+    from cutemk.runtime import kernel_spec
+
+    def prefetches(g):
+        spec = kernel_spec(g, dynamic=False)
+        return {n.op.name: p for n, p in zip(g.nodes, spec.prefetch)}
+
+    assert prefetches(_graph(torch.bfloat16))["attention_decode"]
+    # a cache another op writes (here: scaled in place by a stand-in) is loaded after the events
+    from dataclasses import dataclass
+
+    from cutemk.ops.kv_append import KvAppendTile
+    from cutemk.tileop import register_op
+
+    @register_op
+    @dataclass(frozen=True)
+    class OtherWriter(KvAppendTile):
+        name = "other_cache_writer"
+
+    g = _graph(torch.bfloat16)
+    node = next(n for n in g.nodes if n.op.name == "kv_append")
+    object.__setattr__(
+        node, "op", OtherWriter(**{f: getattr(node.op, f) for f in node.op.__dataclass_fields__})
+    )
+    assert not prefetches(g)["attention_decode"]

@@ -169,7 +169,10 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         for k, op in enumerate(spec.ops):
             # a ring tile that might not exist is decided after its events (the producer and
             # the consumers read the same settled data): nothing of it may be loaded before
-            assert not (self.ring_of[k] and op.exists_on_device and spec.prefetch[k]), op.name
+            # (unless the op decides it from launch inputs alone: ``TileOp.early_exists``)
+            assert not (
+                self.ring_of[k] and op.exists_on_device and spec.prefetch[k] and not op.early_exists
+            ), op.name
             # a slice count read from launch data is read with the existence verdict
             assert not self.dynamic_slices[k] or op.exists_on_device, op.name
         # some tile reads global memory through the async proxy (TMA): every task's stores

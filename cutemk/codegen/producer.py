@@ -41,18 +41,33 @@ class ProducerRole:
         pwait = self._pipeline_wait(dev, timeout_ns)
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
-        # (1) weights of the first slices, before the events
+        # (1) weights of the first slices, before the events. A tile that exists by data of
+        # the launch's inputs only (``TileOp.early_exists``) is decided here, as are its word
+        # and slice count; the consumers get the same verdict with the record
+        live = Boolean(True)
+        word = Int32(0)
+        n = Int32(0)
         for k in cutlass.range_constexpr(self.num_nodes):
             r = self.ring_of[k]
             if cutlass.const_expr(r is not None and self.spec.prefetch[k]):
                 if node == k:
+                    if cutlass.const_expr(self.has_exists[k]):
+                        op = self.spec.ops[k]
+                        live = op.device_exists(tensors[k], c0, c1)
+                        if live:
+                            word = op.device_task_word(tensors[k], c0, c1)
+                            n = op.device_slices(tensors[k], c0, c1, word)
                     for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
-                        idx = producer_acquire(
-                            r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
-                        )
-                        self._issue(
-                            tensors, k, c0, c1, Int32(0), j, idx, r_full + idx, ring, True, False
-                        )
+                        go = live
+                        if cutlass.const_expr(self.dynamic_slices[k]):
+                            go = live and j < n
+                        if go:
+                            idx = producer_acquire(
+                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
+                            )
+                            self._issue(
+                                tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, False
+                            )
         # (2) events
         ok = Boolean(True)
         if cutlass.const_expr(not self.spec.dynamic):
@@ -66,13 +81,13 @@ class ProducerRole:
         cute.arch.sync_warp()
         # a tile that exists by data (read after the acquire, as the consumers will) loads
         # nothing when it does not; after an abort the data may be unsettled: none either
-        # the task word is read here once (not by every slice's loads)
-        # and so is a slice count that follows the data (``TileOp.device_slices``)
-        live = Boolean(True)
-        word = Int32(0)
-        n = Int32(0)
+        # the task word is read here once (not by every slice's loads), and so is a slice
+        # count that follows the data (``TileOp.device_slices``)
         for k in cutlass.range_constexpr(self.num_nodes):
-            if cutlass.const_expr(self.ring_of[k] is not None and self.has_exists[k]):
+            r = self.ring_of[k]
+            if cutlass.const_expr(
+                r is not None and self.has_exists[k] and not self.spec.prefetch[k]
+            ):
                 if node == k:
                     live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
                     if live:
@@ -89,7 +104,26 @@ class ProducerRole:
                 if node == k and live:
                     pre = min(r.slices, w.ring_stages)
                     for j in cutlass.range_constexpr(pre):
-                        if cutlass.const_expr(self.dynamic_slices[k]):
+                        if cutlass.const_expr(self.spec.prefetch[k]):  # slot armed in (1)
+                            go = Boolean(True)
+                            if cutlass.const_expr(self.dynamic_slices[k]):
+                                go = j < n
+                            if go:
+                                idx = (rcount + j) % w.ring_stages
+                                self._issue(
+                                    tensors,
+                                    k,
+                                    c0,
+                                    c1,
+                                    word,
+                                    j,
+                                    idx,
+                                    r_full + idx,
+                                    ring,
+                                    False,
+                                    True,
+                                )
+                        elif cutlass.const_expr(self.dynamic_slices[k]):
                             if j < n:
                                 idx = producer_acquire(
                                     r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
@@ -97,11 +131,6 @@ class ProducerRole:
                                 self._issue(
                                     tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                                 )
-                        elif cutlass.const_expr(self.spec.prefetch[k]):
-                            idx = (rcount + j) % w.ring_stages
-                            self._issue(
-                                tensors, k, c0, c1, word, j, idx, r_full + idx, ring, False, True
-                            )
                         else:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
@@ -109,13 +138,15 @@ class ProducerRole:
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                             )
+        # after an abort a tile decided before its events is handed over as not existing
+        live_handed = live and ok
         # (4) hand the task over, with the verdict and the word in place of the wait range
         # (the consumers neither wait nor re-read the data that decided them)
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
         if ok:
             handed = list(rec)
             flag = Int32(0)
-            if live:
+            if live_handed:
                 flag = Int32(1)
             handed[R_LIVE] = flag
             handed[R_WORD] = word
