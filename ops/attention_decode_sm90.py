@@ -10,22 +10,23 @@ read shared memory.
 - **Slices.** A tile (b, h, s) takes range s of sequence b (``ops.kv_split``: a multiple of
   ``C`` tokens), ``C`` tokens a ring slot (``C`` = 64, or 32 for one-token pages); how many
   slices a tile streams follows the sequence's live length (``slices_of``), so producer and
-  consumers agree on it from the length the producer read. A slot holds the slice's K rows then its V rows,
-  ``(C, D)`` each, row-major, as TMA lands them: one box of ``R = min(page, C)`` rows per page
-  (a page's rows are strided by the KV heads in the cache; the box gathers one head's).
+  consumers agree on it from the length the producer read. A slot holds the slice's K rows
+  then its V rows, ``(C, D)`` each, row-major, as TMA lands them: one box of
+  ``R = min(page, C)`` rows per page (a page's rows are strided by the KV heads in the cache;
+  the box gathers one head's).
 - **Host** (``tma_args``): one descriptor each for K and V over the cache viewed as
-  ``(page_size, D, Hkv, pages)`` (the page is a coordinate, like a grouped GEMM's expert) and
-  one for q viewed as ``(Hq, D, B)`` (a tile's G heads are one box). Every slot carries a
-  copy of the tile's q after its K and V rows (1 KB beside 32: the slots' bytes stay
-  uniform), so the consumers take q from shared memory instead of a round trip to global.
-- **Producer warp** (``load_kv``): after the task's events (the cache may be appended in this
-  launch), lane r reads the page id of box r from the page table and the warp issues the boxes.
-  Positions past the sequence and bad page ids get the page coordinate ``pages``: the copy
-  engine fills those boxes with zeros and reads no memory.
+  ``(page_size, D, Hkv, pages)`` (the page is a coordinate, like a grouped GEMM's expert).
+- **Producer warp** (``load_kv``): lane r reads the page id of box r from the page table and
+  the warp issues the boxes. Positions past the sequence and bad page ids get the page
+  coordinate ``pages``: the copy engine fills those boxes with zeros and reads no memory. The
+  cache is launch input except each sequence's last position (a ``kv_append`` of the launch
+  writes it): where the lengths and pages are launch inputs too, the producer decides the
+  tile and issues its slices before the task's events (``TileOp.early_exists``), all but the
+  slice holding the last position, which follows the events.
 - **Consumers** (``compute``, 8 warps; the sequence length comes with the task record, as
   the producer read it): warp w owns rows ``[w * C/8, (w + 1) * C/8)`` of every
   slice. Scores: 8 lanes a row, each with D/8 dimensions of the G query heads' q in registers
-  (16-byte shared loads, chunk order rotated per lane so a quarter-warp hits 8 distinct bank
+  (loaded from global memory as the tile starts; 16-byte shared loads of K, chunk order rotated per lane so a quarter-warp hits 8 distinct bank
   groups), reduced by 3 shuffles. Online softmax per warp (max by 2 shuffles), the warp's
   probabilities through 1 KB of shared memory, then P·V with a lane holding D/32 dimensions of
   o for every head. After the last slice the 8 warps' (m, l, o) merge through shared memory
@@ -33,7 +34,7 @@ read shared memory.
   and count the range in (``ops.kv_split.claim_merge``); the last range merges them all. The
   storer warp has nothing to store and only publishes the tile.
 - Bad data: a page id outside the cache anywhere in the tile's valid range makes the tile's
-  output NaN (the combine then makes the sequence NaN), as the reference does. Warp 0 reads
+  output NaN (the merge then makes the sequence NaN), as the reference does. Warp 0 reads
   each slice's page ids as the slice starts and checks them one slice later (the load's
   latency hides behind the slice).
 """
@@ -131,13 +132,9 @@ class Sm90DecodeConfig:
         return self.head_dim // WARP_SIZE
 
     @property
-    def q_offset(self) -> int:
-        """Elements from a slot's start to its copy of the tile's q (after K and V)."""
-        return 2 * self.slice_tokens * self.head_dim
-
-    @property
     def tx_bytes(self) -> int:
-        return (self.q_offset + self.group * self.head_dim) * self.es
+        """A slot: the slice's K rows, then its V rows."""
+        return 2 * self.slice_tokens * self.head_dim * self.es
 
     @property
     def slot_bytes(self) -> int:
@@ -222,22 +219,12 @@ def _box_layout(cfg: Sm90DecodeConfig):
 
 
 def tma_args(cfg: Sm90DecodeConfig, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor) -> tuple:
-    """Host side (inside the launch): ``(atom_k, tma_k, atom_v, tma_v, atom_q, tma_q)``; q is
-    viewed as (Hq, D, B): a tile's G heads are one box."""
+    """Host side (inside the launch): ``(atom_k, tma_k, atom_v, tma_v)``."""
     load = cpasync.CopyBulkTensorTileG2SOp()
     tile = (cfg.box_rows, cfg.head_dim)
     atom_k, tma_k = cpasync.make_tiled_tma_atom(load, _page_view(mK), _box_layout(cfg), tile)
     atom_v, tma_v = cpasync.make_tiled_tma_atom(load, _page_view(mV), _box_layout(cfg), tile)
-    heads = cute.make_tensor(
-        mQ.iterator,
-        cute.make_layout(
-            (mQ.shape[1], mQ.shape[2], mQ.shape[0]),
-            stride=(mQ.stride[1], mQ.stride[2], mQ.stride[0]),
-        ),
-    )
-    q_box = cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1))
-    atom_q, tma_q = cpasync.make_tiled_tma_atom(load, heads, q_box, (cfg.group, cfg.head_dim))
-    return atom_k, tma_k, atom_v, tma_v, atom_q, tma_q
+    return atom_k, tma_k, atom_v, tma_v
 
 
 @cute.jit
@@ -273,12 +260,11 @@ def load_kv(
     slot: cutlass.Constexpr,
     dependent: cutlass.Constexpr,
 ):
-    """Producer warp: slice ``kt`` into ring slot ``idx``; ``word`` is the sequence length,
-    read once per task. The K and V boxes are launch input (``dependent`` False: they may be
-    loaded before the task's events), except in the slice that holds the sequence's last
-    position, which a ``kv_append`` of this launch may write: that slice's boxes and the
-    tile's q (computed in the launch) come with ``dependent`` True. ``tensors``: the op's
-    inputs and outputs + ``tma_args``."""
+    """Producer warp: slice ``kt``'s K and V boxes into ring slot ``idx``; ``word`` is the
+    sequence length, read once per task. The cache is launch input (``dependent`` False: it
+    may be loaded before the task's events) except the slice that holds the sequence's last
+    position, which a ``kv_append`` of this launch may write: that slice comes with
+    ``dependent`` True. ``tensors``: the op's inputs and outputs + ``tma_args``."""
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = (tensors[T_TMA + i] for i in range(4))
     lane = cute.arch.lane_idx()
@@ -300,21 +286,6 @@ def load_kv(
     sV = cute.make_tensor(ptr + cfg.slice_tokens * cfg.head_dim, rows)
     last = base + cfg.slice_tokens >= word  # the slice holds position word - 1
     if cutlass.const_expr(dependent):
-        # the tile's q rides in every slice (1 KB beside 32: the slot's bytes stay uniform)
-        sQ = cute.make_tensor(
-            ptr + cfg.q_offset,
-            cute.make_layout((cfg.group, cfg.head_dim), stride=(cfg.head_dim, 1)),
-        )
-        atom_q, tma_q = tensors[T_TMA + 4], tensors[T_TMA + 5]
-        gQ = cute.local_tile(tma_q[None, None, coord0], (cfg.group, cfg.head_dim), (h, 0))
-        ts, tg = cpasync.tma_partition(
-            atom_q,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sQ, 0, 2),
-            cute.group_modes(gQ, 0, 2),
-        )
-        cute.copy(atom_q, tg, ts, tma_bar_ptr=bar)
         if last:
             _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
     else:
@@ -387,23 +358,24 @@ def compute(
     pid = Int32(0)
     bad = Boolean(False)
 
-    # q of this lane's dimensions (its chunks in rotated order) from slice 0's slot, in
-    # log2 units
-    # (a tile of a bad length streams no slice: it only writes NaN)
+    # q of this lane's dimensions (its chunks in rotated order), in log2 units, from global
+    # memory (16-byte loads: q is row-major, its rows 16-byte aligned); the producer acquired
+    # its events before handing the task over. Its latency overlaps the first slice's wait.
+    mQ = tensors[0]
+    gQ = cute.make_tensor(
+        mQ.iterator,
+        cute.make_layout(
+            (mQ.shape[0], g_n * cfg.kv_heads, d // 8, 8),
+            stride=(g_n * cfg.kv_heads * d, d, 8, 1),
+        ),
+    )
     q = cute.make_rmem_tensor((g_n, nch * 8), Float32)
-    q.fill(0.0)
-    if n > 0:
-        idx0 = consumer_wait(full, count, stages, wait)
-        sQ = cute.make_tensor(
-            _slot_ptr(cfg, ring, idx0, slot) + cfg.q_offset,
-            cute.make_layout((g_n, d // 8, 8), stride=(d, 8, 1)),
-        )
-        for g in cutlass.range_constexpr(g_n):
-            for c in cutlass.range_constexpr(nch):
-                qv = cute.make_rmem_tensor((8,), ab)
-                cute.autovec_copy(sQ[g, part * nch + (c + rot) % nch, None], qv)
-                for e in cutlass.range_constexpr(8):
-                    q[g, c * 8 + e] = qv[e].to(Float32) * cfg.scale_log2
+    for g in cutlass.range_constexpr(g_n):
+        for c in cutlass.range_constexpr(nch):
+            qv = cute.make_rmem_tensor((8,), ab)
+            cute.autovec_copy(gQ[b, h * g_n + g, part * nch + (c + rot) % nch, None], qv)
+            for e in cutlass.range_constexpr(8):
+                q[g, c * 8 + e] = qv[e].to(Float32) * cfg.scale_log2
 
     m = cute.make_rmem_tensor((g_n,), Float32)
     lsum = cute.make_rmem_tensor((g_n,), Float32)  # this lane's row group's share of l
