@@ -265,12 +265,23 @@ def load_kv(
     may be loaded before the task's events) except the slice that holds the sequence's last
     position, which a ``kv_append`` of this launch may write: that slice comes with
     ``dependent`` True. ``tensors``: the op's inputs and outputs + ``tma_args``."""
+    h, _, t0, _, _ = tile_span(cfg, tensors[4].shape[0], coord1, word)
+    base = t0 + kt * cfg.slice_tokens
+    last = base + cfg.slice_tokens >= word  # the slice holds position word - 1
+    go = not last
+    if cutlass.const_expr(dependent):
+        go = last
+    if go:
+        _slice_boxes(cfg, tensors, coord0, h, base, word, idx, bar, ring, slot)
+
+
+@cute.jit
+def _slice_boxes(cfg: cutlass.Constexpr, tensors, coord0, h, base, word, idx, bar, ring, slot):
+    """Lane r reads box r's page id; the warp issues the slice's K and V boxes."""
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = (tensors[T_TMA + i] for i in range(4))
     lane = cute.arch.lane_idx()
-    h, _, t0, _, _ = tile_span(cfg, tensors[4].shape[0], coord1, word)
     num_pages = mK.shape[0]
-    base = t0 + kt * cfg.slice_tokens
     pos = base + lane * cfg.box_rows
     pg = num_pages  # out of bounds: a zero-filled box, no memory read
     if lane < cfg.boxes and pos < word:
@@ -284,13 +295,7 @@ def load_kv(
     )
     sK = cute.make_tensor(ptr, rows)
     sV = cute.make_tensor(ptr + cfg.slice_tokens * cfg.head_dim, rows)
-    last = base + cfg.slice_tokens >= word  # the slice holds position word - 1
-    if cutlass.const_expr(dependent):
-        if last:
-            _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
-    else:
-        if not last:
-            _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
+    _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
 
 
 @cute.jit
