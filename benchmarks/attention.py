@@ -28,7 +28,7 @@ CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
 MAX_B = 64
 
 
-def _graph(splits: int, target_tiles: int, max_len: int):
+def _graph(splits: int, target_tiles: int, align: int, max_len: int):
     import cutemk as mk
     from cutemk import ops
 
@@ -41,7 +41,15 @@ def _graph(splits: int, target_tiles: int, max_len: int):
     pt = g.input("page_table", (B, max_len // PAGE), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
     out = g.call(
-        ops.attention_decode, q, k, v, pt, lens, splits=splits, target_tiles=target_tiles
+        ops.attention_decode,
+        q,
+        k,
+        v,
+        pt,
+        lens,
+        splits=splits,
+        target_tiles=target_tiles,
+        align=align,
     )[0]
     g.output(out, "out")
     return g
@@ -60,6 +68,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--splits", type=int, default=16, help="most KV ranges a sequence")
     p.add_argument("--target-tiles", type=int, default=264, help="tiles the split aims for")
+    p.add_argument("--align", type=int, default=64, help="tokens a range is a multiple of")
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     args = p.parse_args(argv)
@@ -69,7 +78,7 @@ def main(argv=None) -> int:
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
     max_len = max(n for _, n in CASES)
-    mk_attn = _graph(args.splits, args.target_tiles, max_len).compile(
+    mk_attn = _graph(args.splits, args.target_tiles, args.align, max_len).compile(
         "cute", scheduler=args.scheduler
     )
     fa4 = _fa4()
@@ -81,6 +90,7 @@ def main(argv=None) -> int:
             "page_size": PAGE,
             "splits": args.splits,
             "target_tiles": args.target_tiles,
+            "align": args.align,
             "page_table_tokens": max_len,
             "scheduler": args.scheduler,
             "rep": rep,

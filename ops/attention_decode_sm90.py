@@ -95,7 +95,12 @@ class Sm90DecodeConfig:
 
     @property
     def slice_tokens(self) -> int:
-        return 32 if self.page == 1 else 64
+        """Tokens a ring slot: 64 (a 32 KB slot at D = 128), 128 where the ranges are aligned
+        to it (the per-slice waits and reductions spread over twice the rows), 32 for
+        one-token pages (a box a token)."""
+        if self.page == 1:
+            return 32
+        return 128 if self.align % 128 == 0 and self.head_dim <= 128 else 64
 
     @property
     def box_rows(self) -> int:

@@ -26,9 +26,7 @@ def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264)
     v = g.input("v_cache", (k.spec.shape[0], page, hkv, d), dtype)
     pt = g.input("page_table", (B, max_pages), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
-    out = g.call(
-        ops.attention_decode, q, k, v, pt, lens, target_tiles=target_tiles, align=align
-    )[0]
+    out = g.call(ops.attention_decode, q, k, v, pt, lens, target_tiles=target_tiles, align=align)[0]
     g.output(out, "out")
     return g
 
@@ -129,9 +127,7 @@ def test_decode_attention_compiles_for_hopper(tmp_path):
     assert ".local" not in ptx
 
 
-@pytest.mark.parametrize(
-    "hq,hkv,page,align", [(32, 4, 1, 32), (16, 16, 64, 512), (8, 1, 256, 256)]
-)
+@pytest.mark.parametrize("hq,hkv,page,align", [(32, 4, 1, 32), (16, 16, 64, 512), (8, 1, 256, 256)])
 def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, align):
     """One-token pages (32-token slices, 32 boxes), pages wider than a slice, G = 8 and 1."""
     g = _graph(hq, hkv, 128, page, 4096 // page, align, torch.bfloat16)
@@ -147,6 +143,8 @@ def test_hopper_tile_config():
     assert (cfg.slice_tokens, cfg.box_rows, cfg.boxes, cfg.slices) == (64, 16, 4, 128)
     assert cfg.tx_bytes == cfg.slot_bytes == 2 * 64 * 128 * 2  # K and V rows of a slice
     assert sm90_decode_config(torch.bfloat16, 4, 128, 1, *policy, 8192, 1.0).slice_tokens == 32
+    wide = sm90_decode_config(torch.bfloat16, 4, 128, 16, 8, 16, 264, 128, 8192, 1.0)
+    assert (wide.slice_tokens, wide.boxes, wide.passes) == (128, 8, 4)
     # shapes the tile does not take fall back to the portable tile
     for args, align in [
         ((torch.float32, 4, 128, 16), 64),  # a 32-bit cache
@@ -159,12 +157,13 @@ def test_hopper_tile_config():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_decode_attention_on_the_gpu(scheduler):
+@pytest.mark.parametrize("scheduler,align", [("static", 64), ("dynamic", 64), ("static", 128)])
+def test_decode_attention_on_the_gpu(scheduler, align):
+    """align 128: ranges of 128-token slices (64 KB ring slots)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     hq, hkv, d, page, max_pages = 32, 8, 128, 16, 2048
-    c = _graph(hq, hkv, d, page, max_pages, 64, torch.bfloat16, max_b=64).compile(
+    c = _graph(hq, hkv, d, page, max_pages, align, torch.bfloat16, max_b=64).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
     )
     gen = torch.Generator().manual_seed(1)
