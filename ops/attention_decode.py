@@ -480,13 +480,7 @@ class AttentionDecodeTile(TileOp):
                     f = cute.math.exp2(sM[w, g, 0] - mm, fastmath=True)
                 acc = acc + sO[w, g, dim] * f
                 tot = tot + sM[w, g, 1] * f
-            if ranges <= 1:  # the sequence's only range (or a bad length: 0 / 0 is NaN)
-                mOut[b, (h * g_n + g) * d + dim] = (acc / tot).to(mOut.element_type)
-            else:
-                mPO[b, h * g_n + g, s, dim] = acc
-                if dim == 0:
-                    mPML[b, h * g_n + g, s, 0] = mm
-                    mPML[b, h * g_n + g, s, 1] = tot
+            kvs.store_range(mOut, mPO, mPML, b, h * g_n + g, s, dim, d, ranges, acc, tot, mm)
         if ranges > 1:
             sLast = cute.make_tensor(
                 cute.recast_ptr(smem_ptr, dtype=Int32) + WARPS * g_n * (2 + d),

@@ -518,13 +518,7 @@ def compute(
             tot = tot + sML[w, g, 1] * f
         if poisoned > Float32(0.0):
             acc = Float32(math.nan)
-        if ranges <= 1:  # the sequence's only range (or a bad length: 0 / 0 is NaN)
-            mOut[b, (h * g_n + g) * d + dim] = (acc / tot).to(mOut.element_type)
-        else:
-            mPO[b, h * g_n + g, s, dim] = acc
-            if dim == 0:
-                mPML[b, h * g_n + g, s, 0] = mm
-                mPML[b, h * g_n + g, s, 1] = tot
+        kvs.store_range(mOut, mPO, mPML, b, h * g_n + g, s, dim, d, ranges, acc, tot, mm)
     if ranges > 1:
         sLast = cute.make_tensor(
             cute.recast_ptr(epi + cfg.off_last, dtype=Int32), cute.make_layout(1)

@@ -107,6 +107,19 @@ def device_tile_span(
 
 # -- merging the ranges: the last range of a (sequence, KV head) to finish merges them all ----
 @cute.jit
+def store_range(mOut, mPO, mPML, b, hq, s, dim, head_dim: cutlass.Constexpr, ranges, acc, tot, mm):
+    """Range ``s``'s result for (query head ``hq``, ``dim``): the output itself where the
+    sequence has one range (or a bad length, none: 0 / 0 is NaN), else its partial."""
+    if ranges <= 1:
+        mOut[b, hq * head_dim + dim] = (acc / tot).to(mOut.element_type)
+    else:
+        mPO[b, hq, s, dim] = acc
+        if dim == 0:
+            mPML[b, hq, s, 0] = mm
+            mPML[b, hq, s, 1] = tot
+
+
+@cute.jit
 def claim_merge(mCnt, b: Int32, h: Int32, kv_heads: cutlass.Constexpr, ranges, tid, sync, sWord):
     """After this CTA's partial stores (every thread, then ``sync``, a barrier of the threads
     calling): count its range in ``merges[b, h]``; True where it was the last one (the count
