@@ -25,7 +25,7 @@ import torch
 
 from .binding import bind, env_key, poison_, starts_zeroed
 from .comm import PeerTable, peer_key
-from .errors import DeadlockError, RaceError
+from .errors import CuteMKError, DeadlockError, RaceError
 from .graph import Graph
 from .plan import Plan, dump_stage, instantiate, node_regions
 from .costmodel import H200
@@ -142,6 +142,12 @@ class InterpretedGraph:
         else:
             sim.run_dynamic(self.scheduler.initial_order(plan))
         self.last_report = sim.report(self.scheduler.name)
+        for v in self.graph.values:  # an op's own counters: the GPU keeps them across launches
+            if v.kind == "intermediate" and starts_zeroed(v) and bool(tensors[v.name].any()):
+                raise CuteMKError(
+                    f"{v.producer.op.name} left its counter {v.name} non-zero: the next launch "
+                    "on the GPU would start from it (TileOp.zeroed_outputs)"
+                )
         outs = tuple(tensors[v.name] for v in self.graph.outputs)
         return outs[0] if len(outs) == 1 else outs
 

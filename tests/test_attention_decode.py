@@ -186,3 +186,35 @@ def test_the_merge_count_is_the_ops_own():
     merges = g.nodes[0].results["merges"]
     with pytest.raises(GraphError, match="own counter"):
         g.call(ops.silu_mul, merges)
+
+
+def test_a_counter_left_non_zero_is_reported():
+    """The interpreter checks what the GPU relies on: an op's own counters end every launch at
+    zero (here a stand-in whose last range forgets to reset it)."""
+    from dataclasses import dataclass, fields
+
+    from cutemk.errors import CuteMKError
+    from cutemk.ops.attention_decode import AttentionDecodeTile
+    from cutemk.tileop import register_op
+
+    @register_op
+    @dataclass(frozen=True)
+    class NoReset(AttentionDecodeTile):
+        name = "attention_no_reset"
+
+        def reference(self, coord, env, t):
+            before = t["merges"].clone()
+            super().reference(coord, env, t)
+            b, h = coord[0], self._heads(coord, env)[1]
+            if t["merges"][b, h] == 0 and before[b, h] > 0:  # it merged: undo the reset
+                t["merges"][b, h] = before[b, h] + 1
+
+    g = _graph(4, 2, 32, 16, 8, 16, torch.float32)
+    node = g.nodes[0]
+    object.__setattr__(
+        node, "op", NoReset(**{f.name: getattr(node.op, f.name) for f in fields(node.op)})
+    )
+    c = g.compile("interpret", num_sms=4)
+    a = _inputs([100, 7], 4, 2, 32, 16, 8, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(CuteMKError, match="non-zero"):
+        c(**a)
