@@ -22,6 +22,11 @@ from .errors import GraphError
 from .plan import Plan
 
 
+def _unique(xs) -> tuple[int, ...]:
+    """``xs`` without repeats, in order (most tasks wait on and notify one or two events)."""
+    return tuple(xs) if len(xs) < 2 else tuple(dict.fromkeys(xs))
+
+
 @dataclass(frozen=True)
 class DepGraph:
     num_tasks: int
@@ -40,31 +45,34 @@ class DepGraph:
         cons = plan.consumers()
         live = [bool(prod[e]) and bool(cons[e]) for e in range(plan.num_events)]
         if all(live):  # the usual case: no event to drop, only repeats
-            waits = tuple(tuple(dict.fromkeys(w)) for w in plan.waits)
-            notifies = tuple(tuple(dict.fromkeys(ns)) for ns in plan.notifies)
+            waits = tuple(_unique(w) for w in plan.waits)
+            notifies = tuple(_unique(ns) for ns in plan.notifies)
         else:
             waits = tuple(tuple(e for e in dict.fromkeys(w) if live[e]) for w in plan.waits)
             notifies = tuple(tuple(e for e in dict.fromkeys(ns) if live[e]) for ns in plan.notifies)
-        extra: list[tuple[int, ...]] = [()] * n
+        none: tuple[tuple[int, ...], ...] = ((),) * n
+        extra, extra_succ = none, none
         if mirror_remote and plan.shared_events:
             shared = list(
                 dict.fromkeys(itertools.chain.from_iterable(prod[e] for e in plan.shared_events))
             )
+            ex: list[tuple[int, ...]] = [()] * n
             for t, rw in enumerate(plan.remote_waits):
                 if rw:
-                    extra[t] = tuple(p for p in shared if p != t)
-        extra_succ: list[list[int]] = [[] for _ in range(n)]
-        for t, ps in enumerate(extra):
-            for p in ps:
-                extra_succ[p].append(t)
+                    ex[t] = tuple(p for p in shared if p != t)
+            succ: list[list[int]] = [[] for _ in range(n)]
+            for t, ps in enumerate(ex):
+                for p in ps:
+                    succ[p].append(t)
+            extra, extra_succ = tuple(ex), tuple(tuple(x) for x in succ)
         return DepGraph(
             n,
             waits,
-            tuple(tuple(dict.fromkeys(p)) for p in prod),
-            tuple(tuple(dict.fromkeys(c)) for c in cons),
+            tuple(_unique(p) for p in prod),
+            tuple(_unique(c) for c in cons),
             notifies,
-            tuple(extra),
-            tuple(tuple(s) for s in extra_succ),
+            extra,
+            extra_succ,
         )
 
     def topological_order(self, plan: Plan) -> list[int]:
@@ -113,11 +121,18 @@ class DepGraph:
         """Per task: its cost plus the costliest path from it to the end of the graph."""
         rank = [0.0] * self.num_tasks
         ev_rank = [0.0] * len(self.notifiers)
+        notifies, extra_succ, waits = self.notifies, self.extra_succ, self.waits
         for t in reversed(order):
-            r = max((ev_rank[e] for e in self.notifies[t]), default=0.0)
-            r = max([r] + [rank[s] for s in self.extra_succ[t]])
-            rank[t] = cost[t] + r
-            for e in self.waits[t]:
-                if rank[t] > ev_rank[e]:
-                    ev_rank[e] = rank[t]
+            nt = notifies[t]
+            r = ev_rank[nt[0]] if nt else 0.0
+            for e in nt:
+                if ev_rank[e] > r:
+                    r = ev_rank[e]
+            for s in extra_succ[t]:
+                if rank[s] > r:
+                    r = rank[s]
+            rt = rank[t] = cost[t] + r
+            for e in waits[t]:
+                if rt > ev_rank[e]:
+                    ev_rank[e] = rt
         return rank

@@ -13,8 +13,8 @@ on the GPU is a hang. :func:`check_static_schedule` rejects such schedules when 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union, runtime_checkable
 
 from .errors import ScheduleError
 from .depgraph import DepGraph
@@ -30,6 +30,9 @@ class SchedulingMode(enum.Enum):
 @dataclass(frozen=True)
 class StaticSchedule:
     queues: tuple[tuple[int, ...], ...]  # per SM, task ids in run order
+    # the plan's dependency graph the scheduler built it from, if the same one the check walks
+    # (the check then reuses it instead of building it again); None: built by the check
+    deps: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_sms(self) -> int:
@@ -92,7 +95,8 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
     for q in sched.queues:
         for a, b in zip(q, q[1:]):
             queue_next[a] = b
-    order, _ = DepGraph.of(plan).kahn(queue_next)
+    deps = sched.deps if sched.deps is not None else DepGraph.of(plan)
+    order, _ = deps.kahn(queue_next)
     if len(order) == plan.num_tasks:
         return
     # a cycle: name it from the expanded task graph (slow, and only on this path)

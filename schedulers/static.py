@@ -59,9 +59,16 @@ class StaticScheduler:
         g = DepGraph.of(plan, mirror_remote=True)
         order = g.topological_order(plan)
         rank = g.upward_rank(order, plan.cost)
-        latest = [_Latest() for _ in g.notifiers]
+        n_ev = len(g.notifiers)
+        # per event, over its notifiers placed so far (``_Latest`` flattened into lists): the
+        # latest finish, its SM, and the latest finish on any other SM (-1.0: none)
+        ev_best = [-1.0] * n_ev
+        ev_sm = [-1] * n_ev
+        ev_second = [-1.0] * n_ev
         ev_left = [len(p) for p in g.notifiers]
-        missing = [len(g.waits[t]) + len(g.extra[t]) for t in range(plan.num_tasks)]
+        waits, extra, notifies = g.waits, g.extra, g.notifies
+        consumers, extra_succ = g.consumers, g.extra_succ
+        missing = [len(waits[t]) + len(extra[t]) for t in range(plan.num_tasks)]
         sm_free = np.zeros(num_sms)
         finish = [0.0] * plan.num_tasks
         sm_of = [-1] * plan.num_tasks
@@ -74,54 +81,83 @@ class StaticScheduler:
             prio[t] = i
         heap = [prio[t] for t in range(plan.num_tasks) if missing[t] == 0]
         heapq.heapify(heap)
+        heappop, heappush = heapq.heappop, heapq.heappush
         hop = self.hw.hop_us
-        ready = np.zeros(num_sms)
+        cost = plan.cost
         start = np.zeros(num_sms)
         while heap:
-            t = by_prio[heapq.heappop(heap)]
-            if g.waits[t] or g.extra[t]:
-                _ready_times(g, t, latest, finish, sm_of, hop, ready)
-                np.maximum(ready, sm_free, out=start)
+            t = by_prio[heappop(heap)]
+            wt, xt = waits[t], extra[t]
+            if wt or xt:
+                # when t can start on each SM: a predecessor on the same SM is waited for as
+                # it ends, one on another SM one hop later. Only the latest predecessor (on SM
+                # b) and the latest on any other SM matter: every SM but b waits for the
+                # latest plus a hop, SM b for the later of its own latest and the other SMs'
+                # latest plus a hop (see ``_Latest``)
+                b_best, b_sm, b_second = -1.0, -1, -1.0
+                for e in wt:
+                    f, fsm = ev_best[e], ev_sm[e]
+                    if fsm == b_sm:
+                        if f > b_best:
+                            b_best = f
+                    elif f > b_best:
+                        if b_best > b_second:
+                            b_second = b_best
+                        b_best, b_sm = f, fsm
+                    elif f > b_second:
+                        b_second = f
+                for q in xt:
+                    f, fsm = finish[q], sm_of[q]
+                    if fsm == b_sm:
+                        if f > b_best:
+                            b_best = f
+                    elif f > b_best:
+                        if b_best > b_second:
+                            b_second = b_best
+                        b_best, b_sm = f, fsm
+                    elif f > b_second:
+                        b_second = f
+                # an event's second is on some SM other than its best's; where that SM is the
+                # union's best SM, the event's best (later, on another SM) is already a
+                # candidate, so it changes nothing
+                for e in wt:
+                    v = ev_best[e] if ev_sm[e] != b_sm else ev_second[e]
+                    if v > b_second:
+                        b_second = v
+                np.maximum(sm_free, b_best + hop, out=start)
+                own = max(b_best, b_second + hop if b_second >= 0.0 else 0.0)
+                start[b_sm] = max(own, sm_free[b_sm])
                 sm = int(start.argmin())
                 begin = float(start[sm])
             else:  # ready at once: the SM that frees first
                 sm = int(sm_free.argmin())
                 begin = float(sm_free[sm])
-            finish[t] = begin + plan.cost[t]
-            sm_free[sm] = finish[t]
+            ft = begin + cost[t]
+            finish[t] = ft
+            sm_free[sm] = ft
             sm_of[t] = sm
             queues[sm].append(t)
-            for e in g.notifies[t]:
-                latest[e].add(finish[t], sm)
+            for e in notifies[t]:
+                fsm = ev_sm[e]
+                if sm == fsm:
+                    if ft > ev_best[e]:
+                        ev_best[e] = ft
+                elif ft > ev_best[e]:
+                    if ev_best[e] > ev_second[e]:
+                        ev_second[e] = ev_best[e]
+                    ev_best[e], ev_sm[e] = ft, sm
+                elif ft > ev_second[e]:
+                    ev_second[e] = ft
                 ev_left[e] -= 1
                 if ev_left[e] == 0:
-                    for c in g.consumers[e]:
+                    for c in consumers[e]:
                         missing[c] -= 1
                         if missing[c] == 0:
-                            heapq.heappush(heap, prio[c])
-            for s in g.extra_succ[t]:
-                missing[s] -= 1
-                if missing[s] == 0:
-                    heapq.heappush(heap, prio[s])
-        return StaticSchedule(tuple(tuple(q) for q in queues))
-
-
-def _ready_times(g: DepGraph, t: int, latest, finish, sm_of, hop: float, ready: np.ndarray):
-    """When task t can start on each SM: a predecessor on the same SM is waited for as it
-    ends, one on another SM one hop later. Only the latest predecessor (on SM b) and the latest
-    on any other SM matter: every SM but b waits for the latest plus a hop, SM b for the later of
-    its own latest and the other SMs' latest plus a hop."""
-    u = _Latest()
-    for e in g.waits[t]:
-        u.add(latest[e].best, latest[e].sm)
-    for p in g.extra[t]:
-        u.add(finish[p], sm_of[p])
-    # an event's second is on some SM other than its best's; where that SM is the union's best
-    # SM, the event's best (later, on another SM) is already a candidate, so it changes nothing
-    for e in g.waits[t]:
-        if latest[e].sm != u.sm:
-            u.second = max(u.second, latest[e].best)
-        else:
-            u.second = max(u.second, latest[e].second)
-    ready[:] = u.best + hop
-    ready[u.sm] = max(u.best, u.second + hop if u.second >= 0.0 else 0.0)
+                            heappush(heap, prio[c])
+            for x in extra_succ[t]:
+                missing[x] -= 1
+                if missing[x] == 0:
+                    heappush(heap, prio[x])
+        # without shared events the mirrored graph is the plain one the check walks
+        deps = None if plan.shared_events else g
+        return StaticSchedule(tuple(tuple(q) for q in queues), deps)
