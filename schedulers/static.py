@@ -27,25 +27,6 @@ from cutemk.registry import register_scheduler
 from cutemk.scheduling import SchedulingMode, StaticSchedule
 
 
-class _Latest:
-    """The latest finish among some placed tasks (``best`` on SM ``sm``) and the latest on any
-    SM other than ``sm`` (``second``); -1.0 where there is none."""
-
-    __slots__ = ("best", "sm", "second")
-
-    def __init__(self) -> None:
-        self.best, self.sm, self.second = -1.0, -1, -1.0
-
-    def add(self, f: float, sm: int) -> None:
-        if sm == self.sm:
-            self.best = max(self.best, f)
-        elif f > self.best:
-            self.second = max(self.second, self.best)
-            self.best, self.sm = f, sm
-        elif f > self.second:
-            self.second = f
-
-
 @register_scheduler
 @dataclass(frozen=True)
 class StaticScheduler:
@@ -60,8 +41,10 @@ class StaticScheduler:
         order = g.topological_order(plan)
         rank = g.upward_rank(order, plan.cost)
         n_ev = len(g.notifiers)
-        # per event, over its notifiers placed so far (``_Latest`` flattened into lists): the
-        # latest finish, its SM, and the latest finish on any other SM (-1.0: none)
+        # per event, over its notifiers placed so far: the latest finish (best), its SM, and
+        # the latest finish on any SM other than that one (second); -1.0 where there is none.
+        # Adding a finish f on SM x: x is best's SM -> best = max(best, f); f > best -> best
+        # moves to second; else f may raise second
         ev_best = [-1.0] * n_ev
         ev_sm = [-1] * n_ev
         ev_second = [-1.0] * n_ev
@@ -93,7 +76,7 @@ class StaticScheduler:
                 # it ends, one on another SM one hop later. Only the latest predecessor (on SM
                 # b) and the latest on any other SM matter: every SM but b waits for the
                 # latest plus a hop, SM b for the later of its own latest and the other SMs'
-                # latest plus a hop (see ``_Latest``)
+                # latest plus a hop
                 b_best, b_sm, b_second = -1.0, -1, -1.0
                 for e in wt:
                     f, fsm = ev_best[e], ev_sm[e]
