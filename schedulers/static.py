@@ -27,6 +27,16 @@ from cutemk.registry import register_scheduler
 from cutemk.scheduling import SchedulingMode, StaticSchedule
 
 
+def _add(best: float, sm: int, second: float, f: float, fsm: int) -> tuple[float, int, float]:
+    """A latest-finish record (the latest finish ``best`` on SM ``sm``, the latest on any other
+    SM ``second``; -1.0: none) after adding a finish ``f`` on SM ``fsm``."""
+    if fsm == sm:
+        return (f if f > best else best), sm, second
+    if f > best:
+        return f, fsm, (best if best > second else second)
+    return best, sm, (f if f > second else second)
+
+
 @register_scheduler
 @dataclass(frozen=True)
 class StaticScheduler:
@@ -42,9 +52,8 @@ class StaticScheduler:
         rank = g.upward_rank(order, plan.cost)
         n_ev = len(g.notifiers)
         # per event, over its notifiers placed so far: the latest finish (best), its SM, and
-        # the latest finish on any SM other than that one (second); -1.0 where there is none.
-        # Adding a finish f on SM x: x is best's SM -> best = max(best, f); f > best -> best
-        # moves to second; else f may raise second
+        # the latest finish on any SM other than that one (second); -1.0 where there is none
+        # (``_add``)
         ev_best = [-1.0] * n_ev
         ev_sm = [-1] * n_ev
         ev_second = [-1.0] * n_ev
@@ -79,27 +88,9 @@ class StaticScheduler:
                 # latest plus a hop
                 b_best, b_sm, b_second = -1.0, -1, -1.0
                 for e in wt:
-                    f, fsm = ev_best[e], ev_sm[e]
-                    if fsm == b_sm:
-                        if f > b_best:
-                            b_best = f
-                    elif f > b_best:
-                        if b_best > b_second:
-                            b_second = b_best
-                        b_best, b_sm = f, fsm
-                    elif f > b_second:
-                        b_second = f
+                    b_best, b_sm, b_second = _add(b_best, b_sm, b_second, ev_best[e], ev_sm[e])
                 for q in xt:
-                    f, fsm = finish[q], sm_of[q]
-                    if fsm == b_sm:
-                        if f > b_best:
-                            b_best = f
-                    elif f > b_best:
-                        if b_best > b_second:
-                            b_second = b_best
-                        b_best, b_sm = f, fsm
-                    elif f > b_second:
-                        b_second = f
+                    b_best, b_sm, b_second = _add(b_best, b_sm, b_second, finish[q], sm_of[q])
                 # an event's second is on some SM other than its best's; where that SM is the
                 # union's best SM, the event's best (later, on another SM) is already a
                 # candidate, so it changes nothing
@@ -121,16 +112,9 @@ class StaticScheduler:
             sm_of[t] = sm
             queues[sm].append(t)
             for e in notifies[t]:
-                fsm = ev_sm[e]
-                if sm == fsm:
-                    if ft > ev_best[e]:
-                        ev_best[e] = ft
-                elif ft > ev_best[e]:
-                    if ev_best[e] > ev_second[e]:
-                        ev_second[e] = ev_best[e]
-                    ev_best[e], ev_sm[e] = ft, sm
-                elif ft > ev_second[e]:
-                    ev_second[e] = ft
+                ev_best[e], ev_sm[e], ev_second[e] = _add(
+                    ev_best[e], ev_sm[e], ev_second[e], ft, sm
+                )
                 ev_left[e] -= 1
                 if ev_left[e] == 0:
                     for c in consumers[e]:
