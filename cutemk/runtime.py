@@ -420,6 +420,11 @@ class CuteGraph:
             self._broken = f"this distributed graph aborted an earlier launch ({msg}); rebuild it"
         else:
             self._reset(b)
+            # an op's own counters (``TileOp.zeroed_outputs``) may hold the aborted launch's
+            # counts: the next launch must start them at zero
+            for v in self.graph.values:
+                if v.name in self._scratch_bufs and starts_zeroed(v):
+                    self._scratch_bufs[v.name].zero_()
         raise DeadlockError(msg)
 
     # -- profiling ------------------------------------------------------------------------------
