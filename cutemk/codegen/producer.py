@@ -104,11 +104,11 @@ class ProducerRole:
                 if node == k and live:
                     pre = min(r.slices, w.ring_stages)
                     for j in cutlass.range_constexpr(pre):
-                        if cutlass.const_expr(self.spec.prefetch[k]):  # slot armed in (1)
-                            go = Boolean(True)
-                            if cutlass.const_expr(self.dynamic_slices[k]):
-                                go = j < n
-                            if go:
+                        go = Boolean(True)
+                        if cutlass.const_expr(self.dynamic_slices[k]):
+                            go = j < n
+                        if go:
+                            if cutlass.const_expr(self.spec.prefetch[k]):  # armed in (1)
                                 idx = (rcount + j) % w.ring_stages
                                 self._issue(
                                     tensors,
@@ -123,21 +123,13 @@ class ProducerRole:
                                     False,
                                     True,
                                 )
-                        elif cutlass.const_expr(self.dynamic_slices[k]):
-                            if j < n:
+                            else:
                                 idx = producer_acquire(
                                     r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                                 )
                                 self._issue(
                                     tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                                 )
-                        else:
-                            idx = producer_acquire(
-                                r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
-                            )
-                            self._issue(
-                                tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
-                            )
         # after an abort a tile decided before its events is handed over as not existing
         live_handed = live and ok
         # (4) hand the task over, with the verdict and the word in place of the wait range
