@@ -107,11 +107,10 @@ def env_key(env: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(env.items()))
 
 
-def starts_zeroed(v) -> bool:
-    """Whether graph value ``v`` is a counter its op keeps at zero (``TileOp.zeroed_outputs``):
-    its buffer is allocated zeroed, not poisoned."""
-    node = v.producer
-    return node is not None and any(node.results.get(o) is v for o in node.op.zeroed_outputs)
+def fresh_(t: torch.Tensor, v) -> torch.Tensor:
+    """Fill a new buffer of graph value ``v``: zeros for an op's own counter
+    (``Value.is_own_counter``), else poison."""
+    return t.zero_() if v.is_own_counter else poison_(t)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

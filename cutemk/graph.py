@@ -41,6 +41,13 @@ class Value:
     def dtype(self) -> torch.dtype:
         return self.spec.dtype
 
+    @property
+    def is_own_counter(self) -> bool:
+        """An output its op keeps as a counter of its own (``TileOp.zeroed_outputs``): it starts
+        zeroed, not poisoned, and no other node reads it."""
+        node = self.producer
+        return node is not None and any(node.results.get(o) is self for o in node.op.zeroed_outputs)
+
     def __repr__(self) -> str:
         return f"Value({self.name}: {self.spec}, {self.kind})"
 
@@ -100,9 +107,10 @@ class Graph:
                     f"of graph {self.name!r}"
                 )
         for a in args:
-            node = a.producer
-            if node is not None and any(node.results.get(o) is a for o in node.op.zeroed_outputs):
-                raise GraphError(f"{a.name} is {node.op.name}'s own counter: no node may read it")
+            if a.is_own_counter:
+                raise GraphError(
+                    f"{a.name} is {a.producer.op.name}'s own counter: no node may read it"
+                )
         if isinstance(op, TileOp):
             if config:
                 raise GraphError(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .binding import bind, env_key, poison_, starts_zeroed
+from .binding import bind, env_key, fresh_
 from .comm import PeerTable, peer_key
 from .errors import CuteMKError, DeadlockError, RaceError
 from .graph import Graph
@@ -131,7 +131,7 @@ class InterpretedGraph:
                 tensors[v.name] = tensors[v.alias_of.name]
             elif v.kind == "intermediate":
                 t = torch.empty(plan.shapes[v.name], dtype=v.dtype, device=device)
-                tensors[v.name] = t.zero_() if starts_zeroed(v) else poison_(t)
+                tensors[v.name] = fresh_(t, v)
         sched = self.schedule(env) if self.scheduler.mode is SchedulingMode.STATIC else None
         sim = _Simulation(
             plan, tensors, self.num_sms, random.Random(self.seed + self.launches), self.check_races
@@ -143,7 +143,7 @@ class InterpretedGraph:
             sim.run_dynamic(self.scheduler.initial_order(plan))
         self.last_report = sim.report(self.scheduler.name)
         for v in self.graph.values:  # an op's own counters: the GPU keeps them across launches
-            if v.kind == "intermediate" and starts_zeroed(v) and bool(tensors[v.name].any()):
+            if v.kind == "intermediate" and v.is_own_counter and bool(tensors[v.name].any()):
                 raise CuteMKError(
                     f"{v.producer.op.name} left its counter {v.name} non-zero: the next launch "
                     "on the GPU would start from it (TileOp.zeroed_outputs)"

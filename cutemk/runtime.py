@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .arch import target_arch
-from .binding import bind, env_key, poison_, starts_zeroed
+from .binding import bind, env_key, fresh_, poison_
 from .comm import Communicator, is_distributed, symmetric_values
 from .codegen.lower import (
     ABORT,
@@ -282,15 +282,14 @@ class CuteGraph:
             if not self._scratch_bufs:
                 self._check_scratch_fits()
             numel = max(int(np.prod([upper(d) for d in v.shape])), 1)
-            fill = (lambda t: t.zero_()) if starts_zeroed(v) else poison_
             if v.name in self.symmetric:  # reached by other ranks: symmetric memory
                 buf, ptrs = self.comm.symmetric_empty(numel, v.dtype)
                 self._peer_tables[v.name] = _cute_tensor(self.comm.peer_table(ptrs))
-                fill(buf)
+                fresh_(buf, v)
                 torch.cuda.synchronize()
                 self.comm.barrier()  # no peer writes into it before the poison has landed
             else:
-                buf = fill(torch.empty(numel, dtype=v.dtype, device="cuda"))
+                buf = fresh_(torch.empty(numel, dtype=v.dtype, device="cuda"), v)
             self._scratch_bufs[v.name] = buf
         return buf
 
@@ -423,7 +422,7 @@ class CuteGraph:
             # an op's own counters (``TileOp.zeroed_outputs``) may hold the aborted launch's
             # counts: the next launch must start them at zero
             for v in self.graph.values:
-                if v.name in self._scratch_bufs and starts_zeroed(v):
+                if v.name in self._scratch_bufs and v.is_own_counter:
                     self._scratch_bufs[v.name].zero_()
         raise DeadlockError(msg)
 

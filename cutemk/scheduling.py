@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Protocol, Union, runtime_checkable
 
 from .errors import ScheduleError
 from .depgraph import DepGraph
@@ -32,7 +32,7 @@ class StaticSchedule:
     queues: tuple[tuple[int, ...], ...]  # per SM, task ids in run order
     # the plan's dependency graph the scheduler built it from, if the same one the check walks
     # (the check then reuses it instead of building it again); None: built by the check
-    deps: Any = field(default=None, compare=False, repr=False)
+    deps: DepGraph | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_sms(self) -> int:

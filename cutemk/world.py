@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .binding import bind, poison_, starts_zeroed
+from .binding import bind, fresh_
 from .comm import PeerTable, symmetric_values
 from .graph import Graph
 from .interpret import _Simulation
@@ -58,8 +58,7 @@ def simulate_world(
             if v.kind == "intermediate" and v.alias_of is not None:  # an input updated in place
                 t[v.name] = t[v.alias_of.name]
             elif v.kind == "intermediate":
-                buf = torch.empty(plan.shapes[v.name], dtype=v.dtype)
-                t[v.name] = buf.zero_() if starts_zeroed(v) else poison_(buf)
+                t[v.name] = fresh_(torch.empty(plan.shapes[v.name], dtype=v.dtype), v)
         plans.append(plan)
         tensors.append(t)
     shared = symmetric_values(graph)
