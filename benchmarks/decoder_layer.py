@@ -12,15 +12,20 @@ run inside the split projections' reduce tiles); ``--unfolded-norms`` keeps them
 
 ``--trace``: a profiled static module's per-node spans (tasks, SMs, first start, last end,
 median task time; microseconds since the launch's first task) go to the JSON's ``trace`` and
-are printed.
+are printed; ``--records DIR`` also writes each case's raw per-task records (SM, start, end,
+node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 
-Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace] [--unfolded-norms]
+Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [--records DIR]]
+[--unfolded-norms] [--attention-align 64|128]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +101,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--unfolded-norms", action="store_true", help="RMSNorm phases of their own (no folding)"
     )
+    p.add_argument("--records", type=Path, help="with --trace: write raw task records here")
+    p.add_argument(
+        "--attention-align", type=int, default=None, help="tokens per attention slice (64, 128)"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -118,6 +127,8 @@ def main(argv=None) -> int:
         block_n=args.block_n,
         fold_norms=not args.unfolded_norms,
     )
+    if args.attention_align is not None:
+        cfg = dataclasses.replace(cfg, attention_align=args.attention_align)
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
         wm["w_qkv"] = fold_norm(wm["w_qkv"], wm.pop("input_norm"))
@@ -136,6 +147,7 @@ def main(argv=None) -> int:
         "rep": rep,
         "block_n": args.block_n,
         "fold_norms": cfg.fold_norms,
+        "attention_align": cfg.attention_align,
     }
     res = Results("decoder_layer", meta=meta)
     weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
@@ -163,6 +175,10 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             records = profiled._fn(batch=b).profile_records()
             res.add_trace(case, records)
+            if args.records is not None:
+                args.records.mkdir(parents=True, exist_ok=True)
+                path = args.records / f"decoder_layer_records_B{b}.json"
+                path.write_text(json.dumps(records))
             # what the tasks' span leaves out: launch, prologue, the last CTA's close (and the
             # profile buffer's reset, which the timed launches do not have)
             call = graphed(lambda: profiled(x, pos, k_pages, v_pages, table, lens))

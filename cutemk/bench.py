@@ -1,7 +1,8 @@
 """The benchmark convention, in one place.
 
 Every ``benchmarks/<name>.py`` times each implementation in the same process with
-:func:`time_us` (warm-up, then the median of many CUDA-event-timed runs), collects rows with
+:func:`time_us` (warm-up, then the median of many CUDA-event-timed runs, each from a cold
+L2), collects rows with
 :class:`Results` and ends with :meth:`Results.finish`, which prints a table and writes
 ``benchmarks/results/<name>.json``::
 
@@ -39,8 +40,27 @@ def floor_us(flops: float = 0.0, nbytes: float = 0.0) -> float:
     return 1e6 * max(flops / H200.tensor_flops, nbytes / H200.mem_bw)
 
 
-def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100) -> float:
-    """Median microseconds of ``fn()``: CUDA events on a GPU, a wall clock on the CPU."""
+_L2_FLUSH_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
+_l2_scratch: torch.Tensor | None = None
+
+
+def flush_l2() -> None:
+    """Evict the L2 cache by writing a 256 MB scratch buffer (as ``triton.testing.do_bench``
+    does). Before a timed call it also gives the host ~60 us of GPU work to run ahead of, so
+    the call's events time the GPU, not the host's launch of it."""
+    global _l2_scratch
+    if _l2_scratch is None:
+        _l2_scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    _l2_scratch.zero_()
+
+
+def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100, cold_l2: bool = True) -> float:
+    """Median microseconds of ``fn()``: CUDA events on a GPU, a wall clock on the CPU.
+
+    On a GPU each timed call starts with a cold L2 (``cold_l2``, :func:`flush_l2` before its
+    start event): a layer in a model finds its weights and KV cache in HBM, not left in L2 by
+    its previous call, and the flush keeps calls shorter than the host's launch time from
+    timing the host."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -49,6 +69,8 @@ def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100) -> float:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
         for s, e in zip(starts, ends):
+            if cold_l2:
+                flush_l2()
             s.record()
             fn()
             e.record()
@@ -105,7 +127,8 @@ def environment() -> dict[str, Any]:
         )
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    return {"gpu": gpu, "versions": versions, "commit": commit}
+    timing = "median of CUDA-event-timed calls, the L2 flushed before each (cutemk.bench.time_us)"
+    return {"gpu": gpu, "versions": versions, "commit": commit, "timing": timing}
 
 
 @dataclass
