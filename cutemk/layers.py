@@ -134,24 +134,26 @@ def mlp_graph(
     block_n: int = 32,
     fuse_silu: bool = False,
     down_block: tuple[int, int] | None = None,
-    split_k: int | None = 1,
+    split_k: int | None | tuple[int | None, int | None] = 1,
 ) -> Graph:
     """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down.
 
     ``down_block`` = (block_m, block_n) of the down projection (default: the gate/up blocks):
     the fused gate/up tile holds two accumulators, so it is half as wide as the down tile can
     be at the same register budget. ``split_k`` (see :func:`linear`; None: chosen per GEMM)
-    splits both GEMMs along K, for decode sizes."""
+    splits the GEMMs along K, for decode sizes: one value for both, or a pair (gate/up,
+    down)."""
     _positive(hidden=hidden, intermediate=intermediate, block_m=block_m, block_n=block_n)
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
     w_gu = g.weight("w_gate_up", (2 * intermediate, hidden), dtype)
     w_down = g.weight("w_down", (hidden, intermediate), dtype)
     dm, dn = down_block or (block_m, block_n)
-    if split_k != 1:
-        tiles = {"block_m": block_m, "block_n": block_n, "split_k": split_k}
+    gu_split, down_split = split_k if isinstance(split_k, tuple) else (split_k, split_k)
+    if (gu_split, down_split) != (1, 1):
+        tiles = {"block_m": block_m, "block_n": block_n, "split_k": gu_split}
         act = linear(g, x, w_gu, epilogue="silu_mul", name="gate_up", **tiles)
-        y = linear(g, act, w_down, block_m=dm, block_n=dn, split_k=split_k, name="down")
+        y = linear(g, act, w_down, block_m=dm, block_n=dn, split_k=down_split, name="down")
         g.output(y, "y")
         return g
     if fuse_silu:

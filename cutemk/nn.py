@@ -51,7 +51,7 @@ MLP_TILES: dict[tuple[str, str], Tiles] = {
     # weight rows wide; prefill uses 128-row tiles, which read each weight tile once per 128
     # tokens.
     ("cute", "gemv"): ((64, 128), (64, 64)),
-    ("cute", "decode"): ((64, 128), (64, 64)),
+    ("cute", "decode"): ((128, 64), (128, 256)),
     ("cute", "prefill"): ((128, 128), (128, 256)),
     # The interpreter runs torch references on the CPU: small tiles exercise many events
     # (and races, deadlocks) at test sizes; speed does not matter there.
@@ -60,10 +60,16 @@ MLP_TILES: dict[tuple[str, str], Tiles] = {
     ("interpret", "prefill"): ((16, 32), (16, 32)),
 }
 
-MLP_SPLIT_K: dict[tuple[str, str], int | None] = {("cute", "gemv"): None}
-"""(backend, regime) -> ``split_k`` of the MLP's GEMMs (``cutemk.layers.linear``; None: chosen
-per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream, and
-K ranges spread it over every SM (``ops.gemm_splitk``)."""
+MLP_SPLIT_K: dict[tuple[str, str], int | None | tuple[int | None, int | None]] = {
+    ("cute", "gemv"): None,
+    ("cute", "decode"): (1, None),
+}
+"""(backend, regime) -> ``split_k`` of the MLP's GEMMs (``cutemk.layers.mlp_graph``; None:
+chosen per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream,
+and K ranges spread it over every SM (``ops.gemm_splitk``). Up to 128 tokens it still is: one
+128-row tile reads each weight column once (64-row tiles read it twice at 128 tokens), gate/up
+in narrow tiles (Qwen3-8B: 384 of them, ~3 waves), down split along K (its 4096 columns make
+too few 128-row tiles to fill 132 SMs)."""
 
 GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
 """MegaDecoderLayer: batches up to this run a graph compiled for it (see ``_fn``)."""
