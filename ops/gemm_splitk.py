@@ -295,15 +295,12 @@ class SplitReduceTile(TileOp):
         t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
 
     def device_smem_bytes(self) -> int:
-        # the row norms' warp sums, a row of them per tile row
-        return 4 * NUM_WARPS * self.block_m if self.x is not None else 0
+        return 4 * NUM_WARPS if self.x is not None else 0  # the row norm's warp sums
 
     @cute.jit
-    def _rows_rstd(self, mX, row0: Int32, rows: Int32, tidx: Int32, sSum):
-        """1 / sqrt(mean(x[row]^2) + eps) of the tile's ``block_m`` rows from ``row0`` (1.0 for
-        rows past ``rows``) over the SIMT group, all rows in one pass (one round trip, two
-        barriers): every thread sums the squares of its columns, a warp all-reduce, the warps'
-        sums through shared memory."""
+    def _row_rstd(self, mX, row: Int32, tidx: Int32, sSum) -> Float32:
+        """1 / sqrt(mean(x[row]^2) + eps) over the SIMT group: every thread sums the squares
+        of its columns, a warp all-reduce, the warps' sums through shared memory."""
         k = self.x.shape[1]
         vx = 16 // self.x.dtype.itemsize
         if cutlass.const_expr(k % vx):
@@ -312,32 +309,24 @@ class SplitReduceTile(TileOp):
         x3 = cute.make_tensor(
             mX.iterator, cute.make_layout((mX.shape[0], nvx, vx), stride=(k, vx, 1))
         )
-        sums = []
-        for r in cutlass.range_constexpr(self.block_m):
-            ss = Float32(0.0)
-            if row0 + r < rows:
-                for i in cutlass.range_constexpr(-(-nvx // NUM_THREADS)):
-                    c = tidx + i * NUM_THREADS
-                    if c < nvx:
-                        xv = cute.make_rmem_tensor((vx,), mX.element_type)
-                        cute.autovec_copy(x3[row0 + r, c, None], xv)
-                        for e in cutlass.range_constexpr(vx):
-                            v = xv[e].to(Float32)
-                            ss = ss + v * v
-            sums.append(ss)
-        for r in cutlass.range_constexpr(self.block_m):
-            ss = cute.arch.warp_reduction_sum(sums[r])
-            if tidx % WARP_SIZE == 0:
-                sSum[r, tidx // WARP_SIZE] = ss
+        ss = Float32(0.0)
+        for i in cutlass.range_constexpr(-(-nvx // NUM_THREADS)):
+            c = tidx + i * NUM_THREADS
+            if c < nvx:
+                xv = cute.make_rmem_tensor((vx,), mX.element_type)
+                cute.autovec_copy(x3[row, c, None], xv)
+                for e in cutlass.range_constexpr(vx):
+                    v = xv[e].to(Float32)
+                    ss = ss + v * v
+        ss = cute.arch.warp_reduction_sum(ss)
+        if tidx % WARP_SIZE == 0:
+            sSum[tidx // WARP_SIZE] = ss
         simt_sync()
-        scales = []
-        for r in cutlass.range_constexpr(self.block_m):
-            tot = sSum[r, 0]
-            for w in cutlass.range_constexpr(1, NUM_WARPS):
-                tot = tot + sSum[r, w]
-            scales.append(cute.math.rsqrt(tot / Float32(k) + Float32(self.norm_eps)))
-        simt_sync()  # read by all before the next tile's sums
-        return scales
+        tot = sSum[0]
+        for w in cutlass.range_constexpr(1, NUM_WARPS):
+            tot = tot + sSum[w]
+        simt_sync()  # read by all before the next row's sums
+        return cute.math.rsqrt(tot / Float32(k) + Float32(self.norm_eps))
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -347,8 +336,7 @@ class SplitReduceTile(TileOp):
         (with ``x``) and the epilogue, and stores."""
         mP, mC = tensors[0], tensors[len(tensors) - 1]
         sSum = cute.make_tensor(
-            cute.recast_ptr(smem_ptr, dtype=Float32),
-            cute.make_layout((self.block_m, NUM_WARPS), stride=(NUM_WARPS, 1)),
+            cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout((NUM_WARPS,))
         )
         fused = self.epilogue == "silu_mul"
         vec, splits = self._vec, self.splits
@@ -374,12 +362,12 @@ class SplitReduceTile(TileOp):
         row0 = coord0 * self.block_m
         tile_v = self.block_n // vec  # vectors of a tile row (block_n is a multiple of vec)
         v0 = coord1 * tile_v
-        scales = [Float32(1.0)] * self.block_m
-        if cutlass.const_expr(self.x is not None):  # every row's norm in one round trip
-            scales = self._rows_rstd(tensors[1], row0, rows, tidx, sSum)
-        for r in cutlass.range_constexpr(self.block_m):
+        for r in cutlass.range(self.block_m, unroll=1):
             row = row0 + r
-            scale = scales[r]
+            scale = Float32(1.0)
+            if cutlass.const_expr(self.x is not None):
+                if row < rows:  # uniform over the group: the norm's barriers are safe
+                    scale = self._row_rstd(tensors[1], row, tidx, sSum)
             for j in cutlass.range_constexpr(-(-tile_v // NUM_THREADS)):
                 lv = tidx + j * NUM_THREADS
                 cv = v0 + lv
