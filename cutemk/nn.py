@@ -6,11 +6,12 @@ layers) by the fused MLP graph of :func:`cutemk.layers.mlp_graph`: one megakerne
 which each down-projection tile waits only for the gate/up tiles it reads.
 
 One compiled graph serves every token count up to its declared maximum, but one tile shape does
-not suit every token count: 128-row tiles leave most of 132 SMs idle at decode sizes, and small
-tiles waste bandwidth on re-reads of the weights at prefill sizes. So the module keeps two
-*regimes*, each one graph compiled lazily on first use: ``decode`` for T <= 128 and ``prefill``
-above. Their tile shapes live in :data:`MLP_TILES` (read through :func:`mlp_tiles`), the one
-place to tune them.
+not suit every token count: at decode sizes the MLP is a weight stream that must reach all 132
+SMs (split along K where the tiles are too few), while small tiles waste bandwidth on re-reads
+of the weights at prefill sizes. So the module keeps three *regimes*, each one graph compiled
+lazily on first use: ``gemv`` for T <= 16, ``decode`` for T <= 128 and ``prefill`` above. Their
+tile shapes live in :data:`MLP_TILES` (read through :func:`mlp_tiles`) and their K splits in
+:data:`MLP_SPLIT_K`, the places to tune them.
 
 Inference only: the megakernel has no backward, so :meth:`MegaMLP.forward` runs under
 ``torch.no_grad`` and its output never requires grad.
