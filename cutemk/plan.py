@@ -20,7 +20,7 @@ import os
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,8 +31,9 @@ from .symbolic import Bindings
 from .tileop import Box, Coord, as_boxes, box_is_empty
 
 
-@dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):
+    """One tile of one node (a tuple: a plan holds one per task, built by the ten thousand)."""
+
     tid: int
     node: Node
     coord: Coord
@@ -393,8 +394,15 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
     for node in graph.nodes:
         grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in node.op.grid()))
         start = len(tasks)
-        for coord in itertools.product(*(range(n) for n in grid)):
-            tasks.append(Task(len(tasks), node, coord))
+        count = int(np.prod(grid, dtype=np.int64)) if grid else 1
+        tasks.extend(
+            map(
+                Task,
+                range(start, start + count),
+                itertools.repeat(node, count),
+                itertools.product(*(range(n) for n in grid)),
+            )
+        )
         node_tasks.append(range(start, len(tasks)))
         coords.append(_grid_coords(grid))
     plan = Plan(graph, env, tasks, node_tasks, shapes, coords=coords)
