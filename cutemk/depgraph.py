@@ -22,11 +22,6 @@ from .errors import GraphError
 from .plan import Plan
 
 
-def _unique(xs) -> tuple[int, ...]:
-    """``xs`` without repeats, in order (most tasks wait on and notify one or two events)."""
-    return tuple(xs) if len(xs) < 2 else tuple(dict.fromkeys(xs))
-
-
 @dataclass(frozen=True)
 class DepGraph:
     num_tasks: int
@@ -41,15 +36,24 @@ class DepGraph:
     def of(plan: Plan, mirror_remote: bool = False) -> "DepGraph":
         """The dependencies of ``plan``: the same relation as ``plan.preds(mirror_remote)``."""
         n = plan.num_tasks
-        prod = plan.producers()
-        cons = plan.consumers()
-        live = [bool(prod[e]) and bool(cons[e]) for e in range(plan.num_events)]
-        if all(live):  # the usual case: no event to drop, only repeats
-            waits = tuple(_unique(w) for w in plan.waits)
-            notifies = tuple(_unique(ns) for ns in plan.notifies)
-        else:
-            waits = tuple(tuple(e for e in dict.fromkeys(w) if live[e]) for w in plan.waits)
-            notifies = tuple(tuple(e for e in dict.fromkeys(ns) if live[e]) for ns in plan.notifies)
+        # repeats dropped first (inline: most lists have one or two entries); the per-event
+        # lists built from them then hold each task once, in task order
+        waits = tuple(tuple(w) if len(w) < 2 else tuple(dict.fromkeys(w)) for w in plan.waits)
+        notifies = tuple(
+            tuple(ns) if len(ns) < 2 else tuple(dict.fromkeys(ns)) for ns in plan.notifies
+        )
+        prod: list[list[int]] = [[] for _ in range(plan.num_events)]
+        cons: list[list[int]] = [[] for _ in range(plan.num_events)]
+        for t, ns in enumerate(notifies):
+            for e in ns:
+                prod[e].append(t)
+        for t, ws in enumerate(waits):
+            for e in ws:
+                cons[e].append(t)
+        live = [bool(p) and bool(c) for p, c in zip(prod, cons)]
+        if not all(live):  # events nobody notifies or nobody waits on are dropped
+            waits = tuple(tuple(e for e in w if live[e]) for w in waits)
+            notifies = tuple(tuple(e for e in ns if live[e]) for ns in notifies)
         none: tuple[tuple[int, ...], ...] = ((),) * n
         extra, extra_succ = none, none
         if mirror_remote and plan.shared_events:
@@ -66,13 +70,7 @@ class DepGraph:
                     succ[p].append(t)
             extra, extra_succ = tuple(ex), tuple(tuple(x) for x in succ)
         return DepGraph(
-            n,
-            waits,
-            tuple(_unique(p) for p in prod),
-            tuple(_unique(c) for c in cons),
-            notifies,
-            extra,
-            extra_succ,
+            n, waits, tuple(map(tuple, prod)), tuple(map(tuple, cons)), notifies, extra, extra_succ
         )
 
     def topological_order(self, plan: Plan) -> list[int]:

@@ -87,8 +87,17 @@ class StaticScheduler:
                 # latest plus a hop, SM b for the later of its own latest and the other SMs'
                 # latest plus a hop
                 b_best, b_sm, b_second = -1.0, -1, -1.0
-                for e in wt:
-                    b_best, b_sm, b_second = _add(b_best, b_sm, b_second, ev_best[e], ev_sm[e])
+                for e in wt:  # _add, inlined (the loop's hottest step)
+                    f, fsm = ev_best[e], ev_sm[e]
+                    if fsm == b_sm:
+                        if f > b_best:
+                            b_best = f
+                    elif f > b_best:
+                        if b_best > b_second:
+                            b_second = b_best
+                        b_best, b_sm = f, fsm
+                    elif f > b_second:
+                        b_second = f
                 for q in xt:
                     b_best, b_sm, b_second = _add(b_best, b_sm, b_second, finish[q], sm_of[q])
                 # an event's second is on some SM other than its best's; where that SM is the
@@ -111,10 +120,16 @@ class StaticScheduler:
             sm_free[sm] = ft
             sm_of[t] = sm
             queues[sm].append(t)
-            for e in notifies[t]:
-                ev_best[e], ev_sm[e], ev_second[e] = _add(
-                    ev_best[e], ev_sm[e], ev_second[e], ft, sm
-                )
+            for e in notifies[t]:  # _add, inlined
+                if ev_sm[e] == sm:
+                    if ft > ev_best[e]:
+                        ev_best[e] = ft
+                elif ft > ev_best[e]:
+                    if ev_best[e] > ev_second[e]:
+                        ev_second[e] = ev_best[e]
+                    ev_best[e], ev_sm[e] = ft, sm
+                elif ft > ev_second[e]:
+                    ev_second[e] = ft
                 ev_left[e] -= 1
                 if ev_left[e] == 0:
                     for c in consumers[e]:

@@ -15,6 +15,7 @@ complete when its counter reaches ``count * epoch``, so nothing is reset between
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -82,8 +83,8 @@ class LoweredPlan:
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(len(lists) + 1, dtype=np.int32)
-    ptr[1:] = np.cumsum([len(x) for x in lists])
-    flat = np.fromiter((v for x in lists for v in x), dtype=np.int32, count=int(ptr[-1]))
+    np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)), out=ptr[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(ptr[-1]))
     return ptr, _nonempty(flat)
 
 
@@ -143,10 +144,14 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     kept = keep[note_flat] if len(note_flat) else np.zeros(0, dtype=bool)
     notify_ptr = _ptr(np.bincount(note_task[kept], minlength=n))
     notify_ev = _nonempty(note_flat[kept].astype(np.int32))
-    remote = plan.remote_waits or [[] for _ in range(n)]
-    rwait_ptr, rwait_ev = _csr([[e for _, e in w] for w in remote])
-    _, rwait_rank = _csr([[r for r, _ in w] for w in remote])
-    _, rwait_target = _csr([[plan.event_count[e] for _, e in w] for w in remote])
+    if any(plan.remote_waits):
+        remote = plan.remote_waits
+        rwait_ptr, rwait_ev = _csr([[e for _, e in w] for w in remote])
+        _, rwait_rank = _csr([[r for r, _ in w] for w in remote])
+        _, rwait_target = _csr([[plan.event_count[e] for _, e in w] for w in remote])
+    else:  # a single-GPU plan: no task waits on another rank
+        rwait_ptr = np.zeros(n + 1, dtype=np.int32)
+        rwait_ev = rwait_rank = rwait_target = np.zeros(1, dtype=np.int32)
     rec = _task_records(plan)
     rec[:n, R_WLO], rec[:n, R_WHI] = wait_ptr[:-1], wait_ptr[1:]
     rec[:n, R_NLO], rec[:n, R_NHI] = notify_ptr[:-1], notify_ptr[1:]
