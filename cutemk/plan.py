@@ -454,6 +454,22 @@ def _ev(d, env):
     return d if isinstance(d, int) else d.eval(env)
 
 
+def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(keys, axis=0, return_index=True, return_inverse=True)`` for rows of small
+    non-negative ints, up to the order of the unique rows (callers group by first occurrence):
+    each row packed into one int64 when the columns' ranges allow, which a 1-D unique sorts
+    several times faster than rows."""
+    if keys.size and keys.min() >= 0:
+        radix = keys.max(axis=0).astype(np.int64) + 1
+        if float(np.prod(radix.astype(np.float64))) < 2.0**62:
+            weights = np.ones(len(radix), dtype=np.int64)
+            weights[:-1] = np.cumprod(radix[::-1])[::-1][1:]
+            packed = keys.astype(np.int64) @ weights
+            u, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
+            return u, first, inverse.reshape(-1)
+    return np.unique(keys, axis=0, return_index=True, return_inverse=True)
+
+
 def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> None:
     env = plan.env
     index: dict[str, _WriteIndex] = {}
@@ -522,7 +538,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                 idxs = [index[cons.args[a].name] for a in args]
                 rngs = [ix.cell_ranges(arrays[a]) for ix, a in zip(idxs, args)]
                 keys = np.concatenate([r.reshape(len(tasks), -1) for r in rngs], axis=1)
-                _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+                _, first, inverse = _unique_rows(keys)
                 eid_of = np.full(len(first), -1, dtype=np.int64)
                 for u in np.argsort(first, kind="stable").tolist():
                     i = int(first[u])
