@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         fl = floor_us(0.0, weight_bytes + 2.0 * 2 * b * KV * HKV * D)
         for name, fn in impls.items():
             eager = name == "torch_eager"
-            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep)
+            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
             res.add(
                 case,
                 name,

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         fl = floor_us(flops, nbytes)
         for name, fn in impls.items():
             eager = name in ("torch_eager", "hf_eager")
-            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep)
+            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
             res.add(
                 case,
                 name,

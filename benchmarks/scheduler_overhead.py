@@ -80,7 +80,7 @@ def main() -> None:
             c = g.compile("cute", scheduler=sched)
             c(*inputs)
             for impl, t in (
-                (f"mk_{sched}", time_us(lambda: c(*inputs), rep=50)),
+                (f"mk_{sched}", time_us(lambda: c(*inputs), rep=50, cold_l2=False)),
                 (f"mk_{sched}_graph", graph_time(lambda: c(*inputs))),
             ):
                 res.add(
@@ -102,7 +102,7 @@ def main() -> None:
                 layer_kernel((*li, lo), (w,))
 
         for impl, t in (
-            ("launches", time_us(launches, rep=20)),
+            ("launches", time_us(launches, rep=20, cold_l2=False)),
             ("launches_graph", graph_time(launches)),
         ):
             res.add(

@@ -41,7 +41,7 @@ def floor_us(flops: float = 0.0, nbytes: float = 0.0) -> float:
 
 
 _L2_FLUSH_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
-_l2_scratch: torch.Tensor | None = None
+_l2_scratch: dict[int, torch.Tensor] = {}  # per device
 
 
 def flush_l2() -> None:
@@ -50,10 +50,11 @@ def flush_l2() -> None:
     flush, leaves ~50 MB of dirty lines whose write-back lands in the timed call). Before a
     timed call it also gives the host ~60 us of GPU work to run ahead of, so the call's events
     time the GPU, not the host's launch of it."""
-    global _l2_scratch
-    if _l2_scratch is None:
-        _l2_scratch = torch.ones(_L2_FLUSH_BYTES // 8, dtype=torch.int64, device="cuda")
-    _l2_scratch.sum()
+    dev = torch.cuda.current_device()
+    buf = _l2_scratch.get(dev)
+    if buf is None:
+        buf = _l2_scratch[dev] = torch.ones(_L2_FLUSH_BYTES // 8, dtype=torch.int64, device=dev)
+    buf.sum()
 
 
 def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100, cold_l2: bool = True) -> float:
@@ -62,7 +63,8 @@ def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100, cold_l2: bo
     On a GPU each timed call starts with a cold L2 (``cold_l2``, :func:`flush_l2` before its
     start event): a layer in a model finds its weights and KV cache in HBM, not left in L2 by
     its previous call, and the flush keeps calls shorter than the host's launch time from
-    timing the host."""
+    timing the host. Eager calls, whose host time is the point, are timed with
+    ``cold_l2=False``: back to back, so the host's launch work stays in the measurement."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -129,7 +131,12 @@ def environment() -> dict[str, Any]:
         )
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    timing = "median of CUDA-event-timed calls, the L2 flushed before each (cutemk.bench.time_us)"
+    timing = (
+        "median of CUDA-event-timed calls, the L2 flushed before each except eager rows "
+        "(cutemk.bench.time_us)"
+        if torch.cuda.is_available()
+        else "median of wall-clock-timed calls (no GPU)"
+    )
     return {"gpu": gpu, "versions": versions, "commit": commit, "timing": timing}
 
 

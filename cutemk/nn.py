@@ -69,8 +69,9 @@ MLP_SPLIT_K: dict[tuple[str, str], int | None | tuple[int | None, int | None]] =
 chosen per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream,
 and K ranges spread it over every SM (``ops.gemm_splitk``). Up to 128 tokens it still is: one
 128-row tile reads each weight column once (64-row tiles read it twice at 128 tokens), gate/up
-in narrow tiles (Qwen3-8B: 384 of them, ~3 waves), down split along K (its 4096 columns make
-too few 128-row tiles to fill 132 SMs)."""
+in 64-column tiles (Qwen3-8B: 192 of them, ~1.5 waves), down split along K (its 4096 columns
+make too few 128-row tiles to fill 132 SMs; the split's partial tiles are 256 columns wide,
+``cutemk.layers.SPLIT_BLOCK_N``, so the down tile width in :data:`MLP_TILES` applies unsplit)."""
 
 GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
 """MegaDecoderLayer: batches up to this run a graph compiled for it (see ``_fn``)."""

@@ -459,7 +459,7 @@ def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     non-negative ints, up to the order of the unique rows (callers group by first occurrence):
     each row packed into one int64 when the columns' ranges allow, which a 1-D unique sorts
     several times faster than rows."""
-    if keys.size and keys.min() >= 0:
+    if keys.size and keys.min() >= 0 and keys.max() < 2**62:
         radix = keys.max(axis=0).astype(np.int64) + 1
         if float(np.prod(radix.astype(np.float64))) < 2.0**62:
             weights = np.ones(len(radix), dtype=np.int64)
