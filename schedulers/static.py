@@ -77,10 +77,25 @@ class StaticScheduler:
         hop = self.hw.hop_us
         cost = plan.cost
         start = np.zeros(num_sms)
+        # ``start`` after the last task placed through the wait branch, for its waits: a task
+        # with the same waits (the next tile of a row, say) needs only the entry of the SM the
+        # last one went to updated (the events it waits on are complete: their summaries no
+        # longer change)
+        last_wt: tuple[int, ...] | None = None
+        last_sm = 0
+        threshold = own = 0.0
+        b_sm = -1
         while heap:
             t = by_prio[heappop(heap)]
             wt, xt = waits[t], extra[t]
-            if wt or xt:
+            if wt and not xt and wt == last_wt:
+                if last_sm == b_sm:
+                    start[b_sm] = max(own, sm_free[b_sm])
+                else:
+                    start[last_sm] = max(sm_free[last_sm], threshold)
+                sm = int(start.argmin())
+                begin = float(start[sm])
+            elif wt or xt:
                 # when t can start on each SM: a predecessor on the same SM is waited for as
                 # it ends, one on another SM one hop later. Only the latest predecessor (on SM
                 # b) and the latest on any other SM matter: every SM but b waits for the
@@ -107,14 +122,18 @@ class StaticScheduler:
                     v = ev_best[e] if ev_sm[e] != b_sm else ev_second[e]
                     if v > b_second:
                         b_second = v
-                np.maximum(sm_free, b_best + hop, out=start)
+                threshold = b_best + hop
+                np.maximum(sm_free, threshold, out=start)
                 own = max(b_best, b_second + hop if b_second >= 0.0 else 0.0)
                 start[b_sm] = max(own, sm_free[b_sm])
                 sm = int(start.argmin())
                 begin = float(start[sm])
+                last_wt = None if xt else wt
             else:  # ready at once: the SM that frees first
                 sm = int(sm_free.argmin())
                 begin = float(sm_free[sm])
+                last_wt = None
+            last_sm = sm
             ft = begin + cost[t]
             finish[t] = ft
             sm_free[sm] = ft
