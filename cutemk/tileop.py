@@ -207,6 +207,15 @@ class TileOp:
         of row tiles across the columns so one wave of SMs reads few A and B tiles."""
         return tuple(coord)
 
+    def order_key_array(self, coords: np.ndarray) -> np.ndarray:
+        """:meth:`order_key` of the tiles ``coords`` (tasks, grid rank) at once, as a
+        (tasks, key length) array. An op overriding :meth:`order_key` overrides this too where
+        its planning time matters; the fallback calls it per tile."""
+        if type(self).order_key is TileOp.order_key:
+            return coords
+        keys = [self.order_key(tuple(c)) for c in coords.tolist()]
+        return np.asarray(keys).reshape(len(coords), -1)
+
     def reads_async_proxy(self) -> bool:
         """True if the device tile reads global memory through the async proxy (TMA): the
         megakernel then fences every task's stores before notifying them."""

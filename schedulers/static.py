@@ -37,6 +37,29 @@ def _add(best: float, sm: int, second: float, f: float, fsm: int) -> tuple[float
     return best, sm, (f if f > second else second)
 
 
+def _priority_order(plan: Plan, rank: list[float]) -> list[int]:
+    """Task ids by decreasing upward rank, then ``plan.task_key`` (node, the op's preferred
+    tile order), then id: one ``np.lexsort`` over the ops' key arrays, the same order as
+    sorting the tuples (keys of one node have one length; the node index decides between
+    nodes)."""
+    n = plan.num_tasks
+    keys = [
+        plan.graph.nodes[k].op.order_key_array(plan.coords_of(k))
+        for k in range(len(plan.node_tasks))
+    ]
+    width = max([k.shape[1] for k in keys if len(k)], default=0)
+    if not all(np.issubdtype(k.dtype, np.integer) for k in keys if len(k)):
+        return sorted(range(n), key=lambda t: (-rank[t], plan.task_key(t), t))
+    mat = np.zeros((n, 1 + width), dtype=np.int64)
+    for k, ts in enumerate(plan.node_tasks):
+        if len(ts):
+            mat[ts.start : ts.stop, 0] = k
+            mat[ts.start : ts.stop, 1 : 1 + keys[k].shape[1]] = keys[k]
+    cols = [np.arange(n)] + [mat[:, c] for c in range(width, -1, -1)]
+    cols.append(-np.asarray(rank, dtype=np.float64))
+    return np.lexsort(cols).tolist()
+
+
 @register_scheduler
 @dataclass(frozen=True)
 class StaticScheduler:
@@ -67,8 +90,8 @@ class StaticScheduler:
         queues: list[list[int]] = [[] for _ in range(num_sms)]
         # ties: node order, then the op's preferred tile order (grid order by default); the
         # heap holds each task's place in that total order (ints compare faster than tuples)
+        by_prio = _priority_order(plan, rank)
         prio = [0] * plan.num_tasks
-        by_prio = sorted(range(plan.num_tasks), key=lambda t: (-rank[t], plan.task_key(t), t))
         for i, t in enumerate(by_prio):
             prio[t] = i
         heap = [prio[t] for t in range(plan.num_tasks) if missing[t] == 0]

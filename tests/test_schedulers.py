@@ -182,3 +182,35 @@ def test_backends_and_policies_come_from_registries():
         registry._SCHEDULERS.pop("reversed-test")
     with pytest.raises(ValueError, match="scheduler must be one of"):
         mk.resolve_scheduler("nope")
+
+
+def test_order_key_arrays_match_order_key():
+    """Every op's vectorised tile order (the static scheduler's priority sort) is its
+    per-tile ``order_key``, subclasses that override only ``order_key`` included."""
+    import numpy as np
+
+    from cutemk.layers import DecoderConfig, decoder_layer_graph, mlp_graph
+
+    cfg = DecoderConfig(
+        hidden=256,
+        intermediate=512,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        max_pages=8,
+        block_m=64,
+        block_n=64,
+        fold_norms=True,
+    )
+    graphs = [
+        (decoder_layer_graph(mk.sym("B", max=64), cfg, torch.bfloat16), {"B": 40, "pages": 8}),
+        (mlp_graph(mk.sym("T", max=512), 256, 512, torch.bfloat16, 64, 64, split_k=2), {"T": 300}),
+        (mlp_graph(mk.sym("T", max=512), 256, 512, torch.bfloat16, 64, 64), {"T": 300}),
+    ]
+    for g, env in graphs:
+        plan = instantiate(g, env)
+        for node in g.nodes:
+            coords = plan.coords_of(node.index)
+            want = [node.op.order_key(tuple(c)) for c in coords.tolist()]
+            got = node.op.order_key_array(coords)
+            assert np.asarray(got).reshape(len(coords), -1).tolist() == [list(k) for k in want]
