@@ -33,6 +33,7 @@ from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import H200, Hardware, tile_time_us
 from cutemk.device.config import NUM_THREADS, NUM_WARPS, WARP_SIZE, simt_sync
+from cutemk.device.vectors import row_vectors, vec16
 from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import IntLike, cdiv
 from cutemk.tileop import (
@@ -309,13 +310,9 @@ class SplitReduceTile(TileOp):
         """1 / sqrt(mean(x[row]^2) + eps) over the SIMT group: every thread sums the squares
         of its columns, a warp all-reduce, the warps' sums through shared memory."""
         k = self.x.shape[1]
-        vx = 16 // self.x.dtype.itemsize
-        if cutlass.const_expr(k % vx):
-            vx = 1
+        vx = vec16(self.x.dtype.itemsize, k)
         nvx = k // vx
-        x3 = cute.make_tensor(
-            mX.iterator, cute.make_layout((mX.shape[0], nvx, vx), stride=(k, vx, 1))
-        )
+        x3 = row_vectors(mX, mX.shape[0], k, vx)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(-(-nvx // NUM_THREADS)):
             c = tidx + i * NUM_THREADS

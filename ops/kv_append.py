@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import cutlass
 from cutlass import Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
+from cutemk.device.vectors import row_vectors, vec16
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -148,24 +148,14 @@ class KvAppendTile(TileOp):
         page = self.k_cache.shape[1]
         hkv, d = self.k_new.shape[1], self.k_new.shape[2]
         row = hkv * d  # one token's keys (or values): contiguous in both layouts
-        vec = 16 // self.k_new.dtype.itemsize
-        if cutlass.const_expr(row % vec):
-            vec = 1
+        vec = vec16(self.k_new.dtype.itemsize, row)
         nv = row // vec
         # (rows, vectors, vec) views of the new rows and of the caches' token slots
-        kn = cute.make_tensor(
-            mKn.iterator, cute.make_layout((mKn.shape[0], nv, vec), stride=(row, vec, 1))
-        )
-        vn = cute.make_tensor(
-            mVn.iterator, cute.make_layout((mVn.shape[0], nv, vec), stride=(row, vec, 1))
-        )
+        kn = row_vectors(mKn, mKn.shape[0], row, vec)
+        vn = row_vectors(mVn, mVn.shape[0], row, vec)
         slots = mKo.shape[0] * page
-        ko = cute.make_tensor(
-            mKo.iterator, cute.make_layout((slots, nv, vec), stride=(row, vec, 1))
-        )
-        vo = cute.make_tensor(
-            mVo.iterator, cute.make_layout((slots, nv, vec), stride=(row, vec, 1))
-        )
+        ko = row_vectors(mKo, slots, row, vec)
+        vo = row_vectors(mVo, slots, row, vec)
         pos = mLen[coord0] - 1
         cap = mPT.shape[1] * page
         if pos >= 0 and pos < cap:

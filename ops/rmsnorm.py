@@ -13,6 +13,7 @@ from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_WARPS, WARP_SIZE
+from cutemk.device.vectors import row_vectors
 from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
@@ -159,12 +160,8 @@ class RmsNormTile(TileOp):
             cols = self.x.shape[1]
         vec = self._vec
         nvec = cols // vec
-        x3 = cute.make_tensor(
-            mX.iterator, cute.make_layout((rows, nvec, vec), stride=(cols, vec, 1))
-        )
-        y3 = cute.make_tensor(
-            mY.iterator, cute.make_layout((rows, nvec, vec), stride=(cols, vec, 1))
-        )
+        x3 = row_vectors(mX, rows, cols, vec)
+        y3 = row_vectors(mY, rows, cols, vec)
         w2 = cute.make_tensor(mW.iterator, cute.make_layout((nvec, vec), stride=(vec, 1)))
         warp = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
