@@ -7,7 +7,7 @@ Columns: median_us, floor_us = (layer weights + the KV cache read) / 4.3 TB/s, o
 rel_err against an fp32 torch step, ``speedup_vs_torch_graph``.
 
 The megakernel gets the layer's weights with the RMSNorm weights folded into the projections
-after them (``cutemk.layers.fold_norm``, as ``MegaDecoderLayer.from_hf`` does; the norms then
+after them (``cutemk.layers.fold_decoder_norms``, as ``MegaDecoderLayer.from_hf`` does; the norms then
 run inside the split projections' reduce tiles); ``--unfolded-norms`` keeps them as phases.
 
 ``--trace``: a profiled static module's per-node spans (tasks, SMs, first start, last end,
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    from cutemk.layers import DecoderConfig, fold_norm
+    from cutemk.layers import DecoderConfig, fold_decoder_norms
     from cutemk.nn import MegaDecoderLayer
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
@@ -131,8 +131,7 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, attention_align=args.attention_align)
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
-        wm["w_qkv"] = fold_norm(wm["w_qkv"], wm.pop("input_norm"))
-        wm["w_gate_up"] = fold_norm(wm["w_gate_up"], wm.pop("post_norm"))
+        wm = fold_decoder_norms(wm)
     megas = {
         f"mk_{s}": MegaDecoderLayer(wm, cfg, max_batch=max(args.batch), scheduler=s)
         for s in ("static", "dynamic")

@@ -65,6 +65,19 @@ def fold_norm(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     return (w.float() * norm_weight.float()).to(w.dtype)
 
 
+def fold_decoder_norms(w: dict[str, torch.Tensor], moe: bool = False) -> dict[str, torch.Tensor]:
+    """A decoder layer's weights (``input_norm``, ``post_norm`` and the projections, as
+    :func:`decoder_layer_graph` takes them unfolded) for the graph with
+    ``DecoderConfig.fold_norms``: the input norm folded into ``w_qkv`` and, for a dense MLP,
+    the post-attention norm into ``w_gate_up`` (a MoE layer keeps ``post_norm``: its router
+    reads the normalised rows)."""
+    out = dict(w)
+    out["w_qkv"] = fold_norm(out["w_qkv"], out.pop("input_norm"))
+    if not moe:
+        out["w_gate_up"] = fold_norm(out["w_gate_up"], out.pop("post_norm"))
+    return out
+
+
 def linear(
     g: Graph,
     x,
@@ -398,21 +411,18 @@ def decoder_layer_graph(
         align=cfg.attention_align,
     )[0]
     h1 = linear(g, o, w_o, x, **tiles, name="o_proj")  # + residual
-    if moe is not None:
-        h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
-        y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
-    else:
+    if moe is None:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
         w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
-        gu_in, norm_eps = h1, cfg.eps  # folded: the gate/up reduce normalises h1's rows
-        if not fold_mlp:
-            gu_in = g.call(
-                ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm"
-            )
-            norm_eps = None
-        act = linear(
-            g, gu_in, w_gu, **tiles, norm_eps=norm_eps, epilogue="silu_mul", name="gate_up"
-        )
+    # folded: the gate/up reduce normalises h1's rows; otherwise a norm phase of its own
+    h2, norm_eps = h1, cfg.eps
+    if not fold_mlp:
+        h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
+        norm_eps = None
+    if moe is not None:
+        y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
+    else:
+        act = linear(g, h2, w_gu, **tiles, norm_eps=norm_eps, epilogue="silu_mul", name="gate_up")
         y = linear(g, act, w_down, h1, **tiles, name="down")  # + residual
     g.output(y, "y")
     return g

@@ -594,7 +594,7 @@ class MegaDecoderLayer(_KeyedModule):
         """From transformers' ``Qwen3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` (its weights
         copied; its rotary settings from its attention's config: the default rope,
         ``rope_theta``)."""
-        from .layers import DecoderConfig, MoeConfig, fold_norm
+        from .layers import DecoderConfig, MoeConfig, fold_decoder_norms
         from .ops import rope_table
 
         a, m = layer.self_attn, layer.mlp
@@ -642,9 +642,9 @@ class MegaDecoderLayer(_KeyedModule):
             block_n=tiles[1],
             fold_norms=True,
         )
-        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         w = {
-            "w_qkv": fold_norm(w_qkv, layer.input_layernorm.weight),
+            "input_norm": layer.input_layernorm.weight,
+            "w_qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
             "q_norm": a.q_norm.weight,
             "k_norm": a.k_norm.weight,
             "cos_sin": rope_table(max_pos, head_dim, float(theta)).to(a.q_proj.weight.device),
@@ -653,14 +653,12 @@ class MegaDecoderLayer(_KeyedModule):
         }
         if sparse:
             w.update(w_router=block.w_router, w_gate_up=block.w_gate_up, w_down=block.w_down)
-        else:  # the post-attention norm folded into gate/up; the MoE router keeps its own
-            del w["post_norm"]
-            w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        else:
             w.update(
-                w_gate_up=fold_norm(w_gu, layer.post_attention_layernorm.weight),
+                w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
                 w_down=m.down_proj.weight,
             )
-        return cls(w, cfg, moe=moe, **kwargs)
+        return cls(fold_decoder_norms(w, moe=sparse), cfg, moe=moe, **kwargs)
 
     def _fn(self, w: torch.Tensor | None = None, batch: int | None = None) -> Any:
         """The compiled graph for weights like ``w`` (default: this module's ``w_down``) that
