@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass
 
 from .errors import GraphError
-from .plan import Plan
+from .plan import Plan, tasks_by_event
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,8 @@ class DepGraph:
         notifies = tuple(
             tuple(ns) if len(ns) < 2 else tuple(dict.fromkeys(ns)) for ns in plan.notifies
         )
-        prod: list[list[int]] = [[] for _ in range(plan.num_events)]
-        cons: list[list[int]] = [[] for _ in range(plan.num_events)]
-        for t, ns in enumerate(notifies):
-            for e in ns:
-                prod[e].append(t)
-        for t, ws in enumerate(waits):
-            for e in ws:
-                cons[e].append(t)
+        prod = tasks_by_event(notifies, plan.num_events)
+        cons = tasks_by_event(waits, plan.num_events)
         live = [bool(p) and bool(c) for p, c in zip(prod, cons)]
         if not all(live):  # events nobody notifies or nobody waits on are dropped
             waits = tuple(tuple(e for e in w if live[e]) for w in waits)

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,6 +30,15 @@ from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
 from .symbolic import Bindings
 from .tileop import Box, Coord, as_boxes, box_is_empty
+
+
+def tasks_by_event(per_task: Sequence[Sequence[int]], num_events: int) -> list[list[int]]:
+    """Event id -> the tasks whose list in ``per_task`` holds it, in task order."""
+    out: list[list[int]] = [[] for _ in range(num_events)]
+    for t, evs in enumerate(per_task):
+        for e in evs:
+            out[e].append(t)
+    return out
 
 
 class Task(NamedTuple):
@@ -96,19 +106,11 @@ class Plan:
 
     def producers(self) -> list[list[int]]:
         """Event id -> tasks notifying it."""
-        out: list[list[int]] = [[] for _ in range(self.num_events)]
-        for t, evs in enumerate(self.notifies):
-            for e in evs:
-                out[e].append(t)
-        return out
+        return tasks_by_event(self.notifies, self.num_events)
 
     def consumers(self) -> list[list[int]]:
         """Event id -> tasks waiting on it."""
-        out: list[list[int]] = [[] for _ in range(self.num_events)]
-        for t, evs in enumerate(self.waits):
-            for e in evs:
-                out[e].append(t)
-        return out
+        return tasks_by_event(self.waits, self.num_events)
 
     def preds(self, mirror_remote: bool = False) -> list[set[int]]:
         """Task -> tasks it depends on (through any event).
@@ -394,7 +396,8 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
     for node in graph.nodes:
         grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in node.op.grid()))
         start = len(tasks)
-        count = int(np.prod(grid, dtype=np.int64)) if grid else 1
+        coords.append(_grid_coords(grid))
+        count = len(coords[-1])
         tasks.extend(
             map(
                 Task,
@@ -404,7 +407,6 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
             )
         )
         node_tasks.append(range(start, len(tasks)))
-        coords.append(_grid_coords(grid))
     plan = Plan(graph, env, tasks, node_tasks, shapes, coords=coords)
     plan.waits = [[] for _ in tasks]
     plan.notifies = [[] for _ in tasks]
@@ -459,12 +461,10 @@ def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     non-negative ints, up to the order of the unique rows (callers group by first occurrence):
     each row packed into one int64 when the columns' ranges allow, which a 1-D unique sorts
     several times faster than rows."""
-    if keys.size and keys.min() >= 0 and keys.max() < 2**62:
-        radix = keys.max(axis=0).astype(np.int64) + 1
-        if float(np.prod(radix.astype(np.float64))) < 2.0**62:
-            weights = np.ones(len(radix), dtype=np.int64)
-            weights[:-1] = np.cumprod(radix[::-1])[::-1][1:]
-            packed = keys.astype(np.int64) @ weights
+    if keys.size and keys.min() >= 0:
+        dims = (keys.max(axis=0) + 1).tolist()
+        if float(np.prod(dims, dtype=np.float64)) < 2.0**62:
+            packed = np.ravel_multi_index(tuple(keys.T), dims)
             u, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
             return u, first, inverse.reshape(-1)
     return np.unique(keys, axis=0, return_index=True, return_inverse=True)
