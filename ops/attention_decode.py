@@ -328,8 +328,7 @@ class AttentionDecodeTile(TileOp):
     def device_slices(self, tensors, coord0: Int32, coord1: Int32, word: Int32) -> Int32:
         """Ring slices of a live tile: its range in slices of the Hopper tile."""
         _, _, t0, t1, _ = self.device_span(tensors, coord1, word)
-        st = self.sm90().slice_tokens
-        return (t1 - t0 + st - 1) // st  # 0 for range 0 of a bad length
+        return dsm90.slices_of(self.sm90(), t0, t1)  # 0 for range 0 of a bad length
 
     dynamic_slices: ClassVar[bool] = True
     # which tiles exist and what they stream follow from the lengths and the page table alone:

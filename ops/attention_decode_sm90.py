@@ -242,6 +242,8 @@ def tile_span(cfg: cutlass.Constexpr, batch: Int32, coord1: Int32, length: Int32
 
 @cute.jit
 def slices_of(cfg: cutlass.Constexpr, t0: Int32, t1: Int32) -> Int32:
+    """Ring slices of tokens [t0, t1): the producer's count (``device_slices``) and the
+    consumers' are this one formula."""
     return (t1 - t0 + cfg.slice_tokens - 1) // cfg.slice_tokens
 
 
@@ -499,7 +501,7 @@ def compute(
         if bad:
             flag = Float32(1.0)
         sFlag[warp] = flag
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    _consumer_sync()
     for idx2 in range(ctid, g_n * d, CONSUMER_THREADS):
         g = idx2 // d
         dim = idx2 % d

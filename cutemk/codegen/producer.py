@@ -33,6 +33,19 @@ class ProducerRole:
             op.device_load_dependent(tensors[k], c0, c1, word, j, idx, bar, ring, stages, slot)
 
     @cute.jit
+    def _decide(self, tensors, k: int, c0, c1, may: Boolean, word: Int32, n: Int32):
+        """A data-dependent ring tile of node ``k``: (exists, task word, slice count), the
+        word and count read only where it exists (and ``may``: False after an abort; else
+        ``word`` and ``n`` come back as they went in)."""
+        op = self.spec.ops[k]
+        live = may and op.device_exists(tensors[k], c0, c1)
+        if live:
+            word = op.device_task_word(tensors[k], c0, c1)
+            if cutlass.const_expr(self.dynamic_slices[k]):
+                n = op.device_slices(tensors[k], c0, c1, word)
+        return live, word, n
+
+    @cute.jit
     def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
         """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
         tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
@@ -52,11 +65,7 @@ class ProducerRole:
             if cutlass.const_expr(r is not None and self.spec.prefetch[k]):
                 if node == k:
                     if cutlass.const_expr(self.has_exists[k]):
-                        op = self.spec.ops[k]
-                        live = op.device_exists(tensors[k], c0, c1)
-                        if live:
-                            word = op.device_task_word(tensors[k], c0, c1)
-                            n = op.device_slices(tensors[k], c0, c1, word)
+                        live, word, n = self._decide(tensors, k, c0, c1, live, word, n)
                     for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
                         go = live
                         if cutlass.const_expr(self.dynamic_slices[k]):
@@ -89,11 +98,7 @@ class ProducerRole:
                 r is not None and self.has_exists[k] and not self.spec.prefetch[k]
             ):
                 if node == k:
-                    live = ok and self.spec.ops[k].device_exists(tensors[k], c0, c1)
-                    if live:
-                        word = self.spec.ops[k].device_task_word(tensors[k], c0, c1)
-                        if cutlass.const_expr(self.dynamic_slices[k]):
-                            n = self.spec.ops[k].device_slices(tensors[k], c0, c1, word)
+                    live, word, n = self._decide(tensors, k, c0, c1, ok, word, n)
         # (3) loads of data produced in this launch (even after an abort: the armed slots must
         # complete, their data is never read)
         if cutlass.const_expr(self.fence_async):
