@@ -27,7 +27,7 @@ import cutlass
 import torch
 from cutlass import Float32, Int32, cute
 
-from cutemk.costmodel import tile_time_us
+from cutemk.costmodel import H200, tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import ShapeError
@@ -150,8 +150,18 @@ class QkNormRopeTile(TileOp):
     uniform_cost: ClassVar[bool] = True
 
     def cost(self, coord, env):
+        # latency-bound: a warp takes its (token, head) items one after another, each a round
+        # trip to memory (its loads overlap); on the H200 a tile of 4 items measured ~2 us and
+        # one of 16 items 3-5 us, where the bandwidth term alone says 0.3 us (which packed a
+        # B=16 step's 48 tiles onto 28 SMs, one after another)
+        # (uniform: every tile is priced as the first, whose tokens are the block's or, at
+        # fewer tokens, all of them)
         w = self.head_block * self.head_dim
-        return tile_time_us(8.0 * self.block_m * w, 2.0 * self.block_m * w * 2, self.qkv.dtype)
+        stream = tile_time_us(8.0 * self.block_m * w, 2.0 * self.block_m * w * 2, self.qkv.dtype)
+        r0, r1 = self._rows((0, 0), env)
+        heads = min(self.head_block, self.total_heads)
+        items_per_warp = -(-(r1 - r0) * heads // WARPS)
+        return stream + H200.load_latency_us * (1 + items_per_warp)
 
     def reference(self, coord, env, t):
         r0, r1 = self._rows(coord, env)
