@@ -90,6 +90,8 @@ def linear(
     split_k: int | None = 1,
     split_block_n: int = SPLIT_BLOCK_N,
     norm_eps: float | None = None,
+    norm_sumsq=None,
+    sumsq: bool = False,
     name: str | None = None,
 ):
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
@@ -100,8 +102,13 @@ def linear(
 
     ``norm_eps``: ``rmsnorm(x) @ w^T`` for an RMSNorm whose weight is folded into ``w``
     (:func:`fold_norm`). Split, the reduce scales each row by x's inverse RMS (no norm phase);
-    otherwise a weightless ``rmsnorm`` node ``{name}_norm`` precedes the GEMM.
-    Returns the output value."""
+    otherwise a weightless ``rmsnorm`` node ``{name}_norm`` precedes the GEMM. With
+    ``norm_sumsq`` (the ``ss`` another split ``linear`` returned for x) a split reduce takes
+    x's row norms from those sums of squares instead of reading x's rows.
+
+    Returns the output value; with ``sumsq``, ``(y, ss)``: ``ss`` the rows' sums of squares of
+    y in column blocks where the projection is split (None where it is not), for the folded
+    norm of a projection that reads y."""
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -119,20 +126,27 @@ def linear(
         x = g.call(ops.rmsnorm, x, eps=norm_eps, block_m=NUM_WARPS, name=norm_name)
         norm_eps = None
     if split_k == 1:
-        return g.call(
+        y = g.call(
             ops.gemm, x, w, *res, block_m=block_m, block_n=block_n, epilogue=epilogue, name=name
         )
+        return (y, None) if sumsq else y
     part = g.call(
         ops.gemm_partial, x, w, split_k=split_k, block_m=block_m, block_n=split_block_n, name=name
     )
     reduce_name = None if name is None else f"{name}_sum"
+    norm, norm_width = (), None
+    if norm_eps is not None:
+        norm = (x,) if norm_sumsq is None else (norm_sumsq,)
+        norm_width = None if norm_sumsq is None else k
     return g.call(
         ops.gemm_split_reduce,
         part,
-        *((x,) if norm_eps is not None else ()),
+        *norm,
         *res,
         epilogue=epilogue,
         norm_eps=norm_eps,
+        norm_width=norm_width,
+        sumsq=sumsq,
         out_dtype=x.spec.dtype,
         name=reduce_name,
     )
@@ -410,7 +424,9 @@ def decoder_layer_graph(
         splits=cfg.attention_splits,
         align=cfg.attention_align,
     )[0]
-    h1 = linear(g, o, w_o, x, **tiles, name="o_proj")  # + residual
+    # + residual; folded, its split reduce also hands the MLP's norm h1's sums of squares
+    o_proj = linear(g, o, w_o, x, **tiles, sumsq=fold_mlp, name="o_proj")
+    h1, h1_ss = o_proj if fold_mlp else (o_proj, None)
     if moe is None:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
         w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
@@ -422,7 +438,16 @@ def decoder_layer_graph(
     if moe is not None:
         y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
     else:
-        act = linear(g, h2, w_gu, **tiles, norm_eps=norm_eps, epilogue="silu_mul", name="gate_up")
+        act = linear(
+            g,
+            h2,
+            w_gu,
+            **tiles,
+            norm_eps=norm_eps,
+            norm_sumsq=h1_ss,
+            epilogue="silu_mul",
+            name="gate_up",
+        )
         y = linear(g, act, w_down, h1, **tiles, name="down")  # + residual
     g.output(y, "y")
     return g

@@ -149,7 +149,14 @@ class SplitReduceTile(TileOp):
     ``norm_eps`` (with ``x``, the GEMM's A operand (m, K)): the GEMM was ``x @ (W diag(g))^T``
     for an RMSNorm ``y = x / rms(x) * g`` folded into the weight, and each row's sum is scaled
     by ``1 / sqrt(mean(x_row^2) + eps)`` here, before the epilogue: the norm then costs no
-    phase of its own between the layer's previous output and the projection."""
+    phase of its own between the layer's previous output and the projection.
+
+    Where x is itself the output of a split reduce, that reduce can hand the norm its rows'
+    sums of squares instead of the rows: ``sumsq`` makes a tile also write, for each of its
+    rows, the sum of the squares of the values it stored (rounded, as the next GEMM reads
+    them) to ``ss[row, j]`` (output ``ss``, (m, column blocks), fp32), and a reduce given that
+    ``ss`` as ``x`` with ``norm_width`` = K sums a row's column blocks in order (deterministic)
+    instead of reading the K-wide row: one small load a row, no block reduction."""
 
     part: TensorSpec  # (split_k, m, n), or (split_k, m, 2n) with silu_mul; fp32
     r: Optional[TensorSpec] = None  # (m, n) with the residual epilogue
@@ -159,10 +166,17 @@ class SplitReduceTile(TileOp):
     block_n: int = VEC * NUM_THREADS
     x: Optional[TensorSpec] = None  # (m, K): the un-normalised A operand, with norm_eps
     norm_eps: Optional[float] = None
+    # x is the A operand's row sums of squares in column blocks (m, nb) of a reduce with
+    # ``sumsq``, and this is K (the width the mean is over)
+    norm_width: Optional[int] = None
+    sumsq: bool = False  # also write ``ss``: each row's sum of squares of this tile's output
 
     name: ClassVar[str] = "gemm_split_reduce"
-    outputs: ClassVar[tuple[str, ...]] = ("c",)
     uniform_cost: ClassVar[bool] = True
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return ("c", "ss") if self.sumsq else ("c",)
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -200,9 +214,27 @@ class SplitReduceTile(TileOp):
                 raise ShapeError("gemm_split_reduce: x needs a static width")
             if not self.norm_eps > 0:
                 raise ValueError(f"gemm_split_reduce norm_eps must be > 0, got {self.norm_eps}")
+        if self.norm_width is not None:
+            if self.x is None or self.x.dtype != torch.float32:
+                raise TypeError("gemm_split_reduce: norm_width takes x as fp32 row sums of squares")
+            expect_positive_int(self.norm_width, "gemm_split_reduce norm_width")
 
     def check_producers(self, producers) -> None:
         src = producers.get("part")
+        if self.norm_width is not None:
+            ss = producers.get("x")
+            if not (isinstance(ss, SplitReduceTile) and ss.sumsq):
+                raise GraphError(
+                    "gemm_split_reduce: with norm_width, x must be the ss output of a "
+                    "gemm_split_reduce with sumsq"
+                )
+            width = ss.n if isinstance(ss.n, int) else None
+            if isinstance(src, GemmPartialTile) and not (width == self.norm_width == src.k):
+                raise GraphError(
+                    f"gemm_split_reduce: norm_width={self.norm_width}, but the partials are "
+                    f"over K={src.k} and the sums of squares over {width} columns"
+                )
+            return
         if self.x is not None and isinstance(src, GemmPartialTile) and self.x.shape[1] != src.k:
             raise GraphError(
                 f"gemm_split_reduce: x has {self.x.shape[1]} columns, but the partials are over "
@@ -230,7 +262,10 @@ class SplitReduceTile(TileOp):
         return VEC if ok else 1
 
     def output_specs(self):
-        return {"c": TensorSpec((self.m, self.n), self.out_dtype)}
+        specs = {"c": TensorSpec((self.m, self.n), self.out_dtype)}
+        if self.sumsq:
+            specs["ss"] = TensorSpec((self.m, cdiv(self.n, self.block_n)), torch.float32)
+        return specs
 
     def grid(self):
         return (cdiv(self.m, self.block_m), cdiv(self.n, self.block_n))
@@ -254,7 +289,10 @@ class SplitReduceTile(TileOp):
 
     def writes(self, coord, env, data=None):
         rows, cols, _ = self._box(coord, env)
-        return {"c": (rows, cols)}
+        w = {"c": (rows, cols)}
+        if self.sumsq:
+            w["ss"] = (rows, (coord[1], coord[1] + 1))
+        return w
 
     def region_arrays(self, which, env, coords):
         if which == "reads" and self.epilogue == "silu_mul":
@@ -263,7 +301,10 @@ class SplitReduceTile(TileOp):
         rows = blocks(coords[:, 0], self.block_m, m)
         cols = blocks(coords[:, 1], self.block_n, n)
         if which == "writes":
-            return {"c": boxes(rows, cols)}
+            w = {"c": boxes(rows, cols)}
+            if self.sumsq:
+                w["ss"] = boxes(rows, np.stack([coords[:, 1], coords[:, 1] + 1], axis=1))
+            return w
         r = {"part": boxes(span(0, self.splits, len(coords)), rows, cols)}
         if self.r is not None:
             r["r"] = boxes(rows, cols)
@@ -284,7 +325,8 @@ class SplitReduceTile(TileOp):
         )
         if self.x is not None:
             nbytes += rows * self.x.shape[1] * self.x.dtype.itemsize
-        trips = rows * (2 if self.x is not None else 1)
+        # the norm's row: a round trip before the partials' (its sums of squares load with them)
+        trips = rows * (2 if self.x is not None and self.norm_width is None else 1)
         stream = tile_time_us(elems * self.splits * nb, nbytes, torch.float32)
         return stream + H200.load_latency_us * trips
 
@@ -294,16 +336,24 @@ class SplitReduceTile(TileOp):
         scale = 1.0
         if self.x is not None:
             x = t["x"][r0:r1].float()
-            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            if self.norm_width is None:
+                ms = x.pow(2).mean(-1, keepdim=True)
+            else:
+                ms = x.sum(-1, keepdim=True) / self.norm_width
+            scale = torch.rsqrt(ms + self.norm_eps)
         v = part[:, :, c0:c1].sum(0) * scale
         if self.epilogue == "silu_mul":
             v = F.silu(v) * (part[:, :, n + c0 : n + c1].sum(0) * scale)
         if self.r is not None:
             v = v + t["r"][r0:r1, c0:c1].float()
-        t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
+        c = t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
+        if self.sumsq:
+            t["ss"][r0:r1, coord[1]] = c.float().pow(2).sum(-1)
 
     def device_smem_bytes(self) -> int:
-        return 4 * NUM_WARPS if self.x is not None else 0  # the row norm's warp sums
+        # the warp sums of a row norm or of the rows' sums of squares
+        block_sums = self.sumsq or (self.x is not None and self.norm_width is None)
+        return 4 * NUM_WARPS if block_sums else 0
 
     @cute.jit
     def _row_rstd(self, mX, row: Int32, tidx: Int32, sSum) -> Float32:
@@ -322,23 +372,40 @@ class SplitReduceTile(TileOp):
                 for e in cutlass.range_constexpr(vx):
                     v = xv[e].to(Float32)
                     ss = ss + v * v
-        ss = cute.arch.warp_reduction_sum(ss)
+        tot = self._block_sum(ss, tidx, sSum)
+        return cute.math.rsqrt(tot / Float32(k) + Float32(self.norm_eps))
+
+    @cute.jit
+    def _row_rstd_of_sums(self, mSS, row: Int32) -> Float32:
+        """The row's scale from its sums of squares in column blocks (``norm_width``), added in
+        block order; every thread loads them (the same words: one broadcast per warp)."""
+        tot = mSS[row, 0]
+        for j in cutlass.range_constexpr(1, self.x.shape[1]):
+            tot = tot + mSS[row, j]
+        return cute.math.rsqrt(tot / Float32(self.norm_width) + Float32(self.norm_eps))
+
+    @cute.jit
+    def _block_sum(self, v: Float32, tidx: Int32, sSum) -> Float32:
+        """The SIMT group's sum of ``v``, in a fixed order, to every thread."""
+        v = cute.arch.warp_reduction_sum(v)
         if tidx % WARP_SIZE == 0:
-            sSum[tidx // WARP_SIZE] = ss
+            sSum[tidx // WARP_SIZE] = v
         simt_sync()
         tot = sSum[0]
         for w in cutlass.range_constexpr(1, NUM_WARPS):
             tot = tot + sSum[w]
-        simt_sync()  # read by all before the next row's sums
-        return cute.math.rsqrt(tot / Float32(k) + Float32(self.norm_eps))
+        simt_sync()  # read before the next row's sums
+        return tot
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Tile (coord0, coord1) of C; ``tensors`` = (mPart, [mX,] [mR,] mC). A thread owns
-        ``_vec`` consecutive columns of every row of the tile: it loads every range's partials
-        of them at once (one round trip to memory), sums in fp32, applies the row's norm scale
-        (with ``x``) and the epilogue, and stores."""
-        mP, mC = tensors[0], tensors[len(tensors) - 1]
+        """Tile (coord0, coord1) of C; ``tensors`` = (mPart, [mX,] [mR,] mC [, mSS]). A thread
+        owns ``_vec`` consecutive columns of every row of the tile: it loads every range's
+        partials of them at once (one round trip to memory), sums in fp32, applies the row's
+        norm scale (with ``x``) and the epilogue, and stores; with ``sumsq`` the group then
+        adds up the squares of the row's stored values for ``ss``."""
+        n_in = len(self.inputs)
+        mP, mC, mSS = tensors[0], tensors[n_in], tensors[len(tensors) - 1]
         sSum = cute.make_tensor(
             cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout((NUM_WARPS,))
         )
@@ -360,7 +427,7 @@ class SplitReduceTile(TileOp):
         r3 = c3
         if cutlass.const_expr(self.r is not None):
             r3 = cute.make_tensor(
-                tensors[len(tensors) - 2].iterator,
+                tensors[n_in - 1].iterator,
                 cute.make_layout((rows, nv, vec), stride=(n, vec, 1)),
             )
         row0 = coord0 * self.block_m
@@ -369,9 +436,13 @@ class SplitReduceTile(TileOp):
         for r in cutlass.range(self.block_m, unroll=1):
             row = row0 + r
             scale = Float32(1.0)
-            if cutlass.const_expr(self.x is not None):
+            if cutlass.const_expr(self.norm_width is not None):
+                if row < rows:
+                    scale = self._row_rstd_of_sums(tensors[1], row)
+            elif cutlass.const_expr(self.x is not None):
                 if row < rows:  # uniform over the group: the norm's barriers are safe
                     scale = self._row_rstd(tensors[1], row, tidx, sSum)
+            sq = Float32(0.0)
             for j in cutlass.range_constexpr(-(-tile_v // NUM_THREADS)):
                 lv = tidx + j * NUM_THREADS
                 cv = v0 + lv
@@ -403,7 +474,15 @@ class SplitReduceTile(TileOp):
                         if cutlass.const_expr(self.r is not None):
                             acc = acc + res[e].to(Float32)
                         out[e] = acc.to(mC.element_type)
+                        if cutlass.const_expr(self.sumsq):
+                            stored = out[e].to(Float32)
+                            sq = sq + stored * stored
                     cute.autovec_copy(out, c3[row, cv, None])
+            if cutlass.const_expr(self.sumsq):
+                if row < rows:  # uniform over the group
+                    tot = self._block_sum(sq, tidx, sSum)
+                    if tidx == 0:
+                        mSS[row, coord1] = tot
 
 
 def gemm_partial(
@@ -421,10 +500,14 @@ def gemm_split_reduce(
     out_dtype: torch.dtype = torch.bfloat16,
     block_m: int = 2,
     block_n: int = VEC * NUM_THREADS,
+    norm_width: Optional[int] = None,
+    sumsq: bool = False,
 ) -> SplitReduceTile:
     """``epilogue(part.sum(0) * row scale)`` in ``out_dtype``. ``operands``: ``x`` first where
-    ``norm_eps`` is given (the row scale is its RMSNorm's), then the residual ``r`` (which
-    implies the residual epilogue)."""
+    ``norm_eps`` is given (the row scale is its RMSNorm's; with ``norm_width``, x is the row
+    sums of squares another reduce's ``sumsq`` wrote), then the residual ``r`` (which implies
+    the residual epilogue). ``sumsq``: also return ``ss``, the rows' sums of squares of C in
+    column blocks of ``block_n``."""
     if len(operands) > 1 + (norm_eps is not None):
         raise ValueError(
             f"gemm_split_reduce takes x (with norm_eps) and r, got {len(operands)} operands"
@@ -434,7 +517,9 @@ def gemm_split_reduce(
     r = operands.pop(0) if operands else None
     if r is not None and epilogue is None:
         epilogue = "residual"
-    return SplitReduceTile(part, r, epilogue, out_dtype, block_m, block_n, x, norm_eps)
+    return SplitReduceTile(
+        part, r, epilogue, out_dtype, block_m, block_n, x, norm_eps, norm_width, sumsq
+    )
 
 
 def choose_split_k(

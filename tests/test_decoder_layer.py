@@ -156,6 +156,9 @@ def test_decode_step_matches_hf_layer(scheduler, which):
     g = decoder_layer_graph(mk.sym("B", max=8), cfg)
     norm_nodes = [n.name for n in g.nodes if n.op.name == "rmsnorm"]
     assert (norm_nodes == []) == (which == "folded_split"), norm_nodes
+    if which == "folded_split":  # the MLP's norm comes from o_proj's sums of squares
+        gu = next(n for n in g.nodes if n.name == "gate_up_sum")
+        assert gu.op.norm_width == cfg.hidden and gu.op.x.shape[1] == -(-cfg.hidden // 512)
     c = g.compile("interpret", num_sms=8, scheduler=scheduler)
     w = _weights(layer, cfg)
     if cfg.fold_norms:

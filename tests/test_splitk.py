@@ -192,6 +192,52 @@ def test_folded_norm_on_the_interpreter(split_k, epilogue):
         assert rel_err(c(x, fold_norm(w, gamma)), want) < 1e-5
 
 
+def norm_chain_graph(k, n, dtype, max_t=16, block=(64, 64)):
+    """h = a @ w1^T + r (split, ``sumsq``), then rmsnorm(h) @ w2^T with SiLU-mul (split, the
+    norm folded into w2 and taken from h's sums of squares): the decoder layer's o_proj ->
+    gate/up. Outputs h and y."""
+    g = mk.Graph("norm_chain")
+    t = mk.sym("T", max_t)
+    a = g.input("a", (t, k), dtype)
+    r = g.input("r", (t, k), dtype)
+    w1 = g.weight("w1", (k, k), dtype)
+    w2 = g.weight("w2", (2 * n, k), dtype)
+    tiles = {"block_m": block[0], "block_n": block[1], "split_k": 2}
+    h, ss = linear(g, a, w1, r, **tiles, sumsq=True, name="o")
+    y = linear(g, h, w2, **tiles, norm_eps=1e-6, norm_sumsq=ss, epilogue="silu_mul", name="gu")
+    g.output(h, "h")
+    g.output(y, "y")
+    return g
+
+
+def norm_chain_reference(a, r, w1, w2, gamma, h):
+    """y from the h the graph computed (rounded as it stored it)."""
+    want_h = a.float() @ w1.float().T + r.float()
+    return want_h, proj_reference(h, w2.float() * gamma.float(), None, "silu_mul", 1e-6)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_norm_from_sums_of_squares_on_the_interpreter(scheduler):
+    """The second projection's reduce tiles scale rows by the norm of h that the first one's
+    reduce tiles summed (three column blocks of 512 a row), reading no row of h."""
+    from cutemk.layers import fold_norm
+
+    k = 1536
+    g = norm_chain_graph(k, 64, torch.float32, block=(8, 64))
+    gu = next(n for n in g.nodes if n.name == "gu_sum")
+    assert gu.op.norm_width == k and tuple(gu.op.x.shape)[1] == 3
+    c = g.compile("interpret", num_sms=5, scheduler=scheduler)
+    gen = torch.Generator().manual_seed(8)
+    w1 = torch.randn(k, k, generator=gen) / k**0.5
+    w2 = torch.randn(128, k, generator=gen) / k**0.5
+    gamma = 1 + 0.1 * torch.randn(k, generator=gen)
+    for t in (1, 9):
+        a, r = torch.randn(t, k, generator=gen), torch.randn(t, k, generator=gen)
+        h, y = c(a, r, w1, fold_norm(w2, gamma))
+        want_h, want_y = norm_chain_reference(a, r, w1, w2, gamma, h)
+        assert rel_err(h, want_h) < 1e-5 and rel_err(y, want_y) < 1e-5
+
+
 def test_split_mlp_compiles_for_hopper(spill_stores):
     """Qwen3-8B MLP, decode-sized: the partial tiles on the Hopper path (TMA + wgmma, stored
     from registers), the reduce tiles on the SIMT group with 16-byte loads; no spills."""
@@ -252,6 +298,29 @@ def test_folded_norm_on_the_gpu(split_k):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_norm_from_sums_of_squares_on_the_gpu(scheduler):
+    from cutemk.layers import fold_norm
+
+    torch.manual_seed(9)
+    k, n = 1536, 512
+    c = norm_chain_graph(k, n, BF).compile(
+        "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
+    )
+    w1 = (torch.randn(k, k, device="cuda") / k**0.5).to(BF)
+    w2 = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(BF)
+    gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(BF)
+    for t in (1, 7, 16):
+        a = torch.randn(t, k, device="cuda").to(BF)
+        r = (3 * torch.randn(t, k, device="cuda")).to(BF)
+        h, y = c(a, r, w1, fold_norm(w2, gamma))
+        assert not torch.isnan(y).any()
+        want_h, want_y = norm_chain_reference(a, r, w1, w2, gamma, h)
+        assert rel_err(h, want_h) < 1e-2 and rel_err(y, want_y) < 1e-2, f"T={t}"
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("dtype", [BF, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("epilogue", [None, "silu_mul", "residual"])
 def test_split_projection_on_the_gpu(dtype, epilogue):
@@ -270,3 +339,19 @@ def test_split_projection_on_the_gpu(dtype, epilogue):
         assert not torch.isnan(y).any()
         tol = 1e-2 if dtype == BF else 1e-5
         assert rel_err(y, proj_reference(x, w, r, epilogue)) < tol, f"T={t}"
+
+
+def test_norm_width_needs_sums_of_squares_from_a_reduce():
+    """A reduce told to take its norm from sums of squares refuses an x that no ``sumsq``
+    reduce wrote (it would read K-wide rows as block sums)."""
+    from cutemk.errors import GraphError
+
+    g = mk.Graph("bad_norm_source")
+    t = mk.sym("T", 16)
+    a = g.input("a", (t, 256), torch.float32)
+    w = g.weight("w", (64, 256), torch.float32)
+    ss = g.input("ss", (t, 1), torch.float32)
+    part = g.call(ops.gemm_partial, a, w, split_k=2, block_m=16, block_n=64)
+    g.output(g.call(ops.gemm_split_reduce, part, ss, norm_eps=1e-6, norm_width=256), "y")
+    with pytest.raises(GraphError, match="sumsq"):
+        g.compile("interpret", num_sms=2)
