@@ -73,6 +73,24 @@ in 64-column tiles (Qwen3-8B: 192 of them, ~1.5 waves), down split along K (its 
 make too few 128-row tiles to fill 132 SMs; the split's partial tiles are 256 columns wide,
 ``cutemk.layers.SPLIT_BLOCK_N``, so the down tile width in :data:`MLP_TILES` applies unsplit)."""
 
+DECODE_GATE_UP_WIDTHS = (64, 80, 96, 112, 128)
+"""Fused gate/up tile widths the decode regime picks from (:func:`wave_fit_width`)."""
+
+
+def wave_fit_width(columns: int, row_tiles: int, num_sms: int, widths=DECODE_GATE_UP_WIDTHS):
+    """The tile width (of ``widths``) whose busiest SM streams the fewest weight columns when
+    ``row_tiles`` x ``columns / width`` tiles run in waves over ``num_sms`` SMs; ties go to the
+    wider tile (fewer tiles). An unsplit weight stream's time is its busiest SM's share: 192
+    tiles of 64 columns (Qwen3-8B's gate/up at 128 tokens) are 1.45 waves, so 60 SMs stream two
+    tiles while 72 stream one; 128 tiles of 96 columns are one wave of 3/4 of that share."""
+
+    def busiest(w: int) -> int:
+        tiles = row_tiles * -(-columns // w)
+        return -(-tiles // num_sms) * w
+
+    return min(sorted(widths, reverse=True), key=busiest)
+
+
 GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
 """MegaDecoderLayer: batches up to this run a graph compiled for it (see ``_fn``)."""
 
@@ -214,6 +232,11 @@ class MegaMLP(_KeyedModule):
             limit = REGIME_LIMITS[regime]
             limit = self.max_tokens if limit is None else min(self.max_tokens, limit)
             (block_m, block_n), down = mlp_tiles(regime, backend)
+            split_k = MLP_SPLIT_K.get((backend, regime), 1)
+            gate_up_split = split_k[0] if isinstance(split_k, tuple) else split_k
+            if backend == "cute" and regime == "decode" and gate_up_split == 1:
+                sms = self.num_sms or _sm_count(like.device)
+                block_n = wave_fit_width(self.intermediate, -(-limit // block_m), sms)
             g = mlp_graph(
                 sym("T", max=limit),
                 self.hidden,
@@ -223,7 +246,7 @@ class MegaMLP(_KeyedModule):
                 block_n,
                 fuse_silu=True,
                 down_block=down,
-                split_k=MLP_SPLIT_K.get((backend, regime), 1),
+                split_k=split_k,
             )
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
@@ -269,6 +292,15 @@ def _regime(limits: dict[str, int | None], tokens: int) -> str:
         if limit is None or tokens <= limit:
             return name
     raise AssertionError("the last regime has no limit")
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SMs a kernel on ``device`` runs on (the H200's 132 off the GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    from .costmodel import H200
+
+    return H200.num_sms
 
 
 def _compile(module: nn.Module, g: Any, backend: str) -> Any:

@@ -158,6 +158,8 @@ CONFIGS = [  # (block, epilogue, out dtype, scheduler)
     ((64, 256), None, torch.float32, "static"),
     ((128, 256), "residual", None, "dynamic"),
     ((64, 128), "residual", torch.float32, "static"),
+    ((128, 96), "silu_mul", None, "static"),  # MegaMLP's wave-fitted decode widths
+    ((128, 112), "silu_mul", None, "dynamic"),
 ]
 
 

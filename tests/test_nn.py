@@ -101,6 +101,19 @@ def test_regimes_and_tiles(hf_mlp):
         mlp_tiles("warmup")
 
 
+def test_decode_gate_up_width_fits_the_waves():
+    """The unsplit decode gate/up tile is as wide as makes its busiest SM stream the fewest
+    weight columns: one wave of 96-column tiles for Qwen3-8B (not 1.45 waves of 64), 112 for
+    Qwen3-32B and LLaMA-3.1-8B; narrow tiles where even those leave SMs idle."""
+    from cutemk.nn import wave_fit_width
+
+    assert wave_fit_width(12288, 1, 132) == 96  # 128 tiles
+    assert wave_fit_width(25600, 1, 132) == 112  # 229 tiles: 2 of 112 vs 4 waves of 64
+    assert wave_fit_width(14336, 1, 132) == 112  # 128 tiles
+    assert wave_fit_width(3072, 1, 132) == 64  # 48 tiles either way: the narrowest
+    assert wave_fit_width(128 * 132, 1, 132) == 128  # a tie goes to the wider tile
+
+
 def test_state_dict_and_to(hf_mlp):
     mega = MegaMLP.from_hf(hf_mlp, max_tokens=64)
     sd = mega.state_dict()
