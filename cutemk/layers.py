@@ -88,7 +88,7 @@ def linear(
     block_n: int,
     epilogue: str | None = None,
     split_k: int | None = 1,
-    split_block_n: int = SPLIT_BLOCK_N,
+    split_block_n: int | None = None,
     norm_eps: float | None = None,
     norm_sumsq=None,
     sumsq: bool = False,
@@ -97,8 +97,10 @@ def linear(
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
     residual ``r``) as one GEMM node, or split along K (``ops.gemm_splitk``): a partial GEMM
     node of ``(block_m, split_block_n)`` tiles named ``name``, then a reduce node
-    ``{name}_sum`` applying the epilogue. ``split_k`` None picks the split from the sizes
-    (:func:`ops.choose_split_k`) where x has at most ``block_m`` rows (decode); 1 never splits.
+    ``{name}_sum`` applying the epilogue. ``split_k`` None picks the split and (where
+    ``split_block_n`` is None) the partial tile width from the sizes (:func:`ops.choose_split`)
+    where x has at most ``block_m`` rows (decode); 1 never splits. ``split_block_n`` defaults to
+    ``SPLIT_BLOCK_N`` where the split is given.
 
     ``norm_eps``: ``rmsnorm(x) @ w^T`` for an RMSNorm whose weight is folded into ``w``
     (:func:`fold_norm`). Split, the reduce scales each row by x's inverse RMS (no norm phase);
@@ -116,9 +118,17 @@ def linear(
     if split_k is None:
         split_k = 1
         if m_max <= block_m and isinstance(k, int) and isinstance(n_rows, int):
-            split_k = ops.choose_split_k(
-                m_max, n_rows, k, block_m, split_block_n, x.spec.dtype.itemsize
+            if split_block_n is not None:
+                widths = (split_block_n,)
+            else:
+                widths = ops.SPLIT_WIDTHS
+            # unsplit, a folded norm would need a phase of its own: only split where there is one
+            fused = 2 if epilogue == "silu_mul" else 1  # the fused tile: gate and up rows
+            unsplit = None if norm_eps is not None else fused * block_n
+            split_k, split_block_n = ops.choose_split(
+                m_max, n_rows, k, block_m, unsplit, widths, x.spec.dtype.itemsize
             )
+    split_block_n = split_block_n or SPLIT_BLOCK_N
     expect_positive_int(split_k, "linear split_k")
     res = () if r is None else (r,)
     if norm_eps is not None and split_k == 1:

@@ -14,6 +14,8 @@ from .gemm import GemmTile, gemm
 from .gemm_splitk import (
     GemmPartialTile,
     SplitReduceTile,
+    SPLIT_WIDTHS,
+    choose_split,
     choose_split_k,
     gemm_partial,
     gemm_split_reduce,
@@ -53,6 +55,8 @@ __all__ = [
     "gemm_partial",
     "SplitReduceTile",
     "gemm_split_reduce",
+    "SPLIT_WIDTHS",
+    "choose_split",
     "choose_split_k",
     "KvAppendTile",
     "kv_append",

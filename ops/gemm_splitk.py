@@ -16,7 +16,8 @@ its weight slab, so the stream spreads over all SMs:
   block is complete, and the next GEMM's tiles (split too) wait only for the reduce tiles of
   their K range.
 
-:func:`choose_split_k` picks ``split_k`` from the sizes (``cutemk.layers.linear`` uses it).
+:func:`choose_split` picks ``split_k`` and the partial tile width from the sizes
+(``cutemk.layers.linear`` uses it).
 """
 
 from __future__ import annotations
@@ -522,6 +523,54 @@ def gemm_split_reduce(
     )
 
 
+SPLIT_WIDTHS = (256, 192, 128)
+"""Partial tile widths :func:`choose_split` picks from (64-row tiles: two consumer warpgroups
+of 128, 96 or 64 columns)."""
+
+
+def _stream_us(m_max, n, k, block_m, width, s, itemsize, hw, reduce_us) -> float:
+    """A model of the weight-bound regime: each wave of tiles streams one tile's share of the
+    weights per SM at ``hw.mem_bw / hw.num_sms``; a split adds its partials' traffic (written
+    and read back in fp32) and a reduction phase (``reduce_us``: a hop plus the reduce tiles)."""
+    tiles = math.ceil(m_max / block_m) * math.ceil(n / width)
+    waves = math.ceil(tiles * s / hw.num_sms)
+    task = width * (k // s) * itemsize / (hw.mem_bw / hw.num_sms) * 1e6 + hw.task_overhead_us
+    if s == 1:
+        return waves * task
+    return waves * task + 2 * s * m_max * n * 4 / hw.mem_bw * 1e6 + reduce_us
+
+
+def choose_split(
+    m_max: int,
+    n: int,
+    k: int,
+    block_m: int,
+    unsplit_width: int | None = None,
+    widths: tuple[int, ...] = SPLIT_WIDTHS,
+    itemsize: int = 2,
+    hw: Hardware = H200,
+    reduce_us: float = 3.0,
+) -> tuple[int, int]:
+    """``(split_k, width)``: the K ranges and partial tile width (of ``widths``) that stream
+    the weights fastest on ``hw``, or ``(1, unsplit_width)`` where one unsplit GEMM of tiles
+    ``unsplit_width`` weight rows wide does (None: the GEMM must be split, e.g. because its
+    reduce applies a folded norm). Only splits that keep every range a whole number of
+    k-slices (at least 2 each) count; ties go to fewer ranges, then wider tiles. The width
+    matters where the tiles fill whole waves badly: Qwen3-8B's fused QKV (6144 columns) at 64
+    rows is 24 tiles of 256 columns, so 4 ranges leave 36 of 132 SMs idle, while 32 tiles of
+    192 fill 128."""
+    slices = k // SLICE if k % SLICE == 0 else 0
+    cands = [(s, w) for s in range(2, slices // 2 + 1) if slices % s == 0 for w in widths]
+    if unsplit_width is not None or not cands:
+        cands.append((1, unsplit_width or widths[0]))
+
+    def key(c):
+        s, w = c
+        return (_stream_us(m_max, n, k, block_m, w, s, itemsize, hw, reduce_us), s, -w)
+
+    return min(cands, key=key)
+
+
 def choose_split_k(
     m_max: int,
     n: int,
@@ -532,24 +581,6 @@ def choose_split_k(
     hw: Hardware = H200,
     reduce_us: float = 3.0,
 ) -> int:
-    """The number of K ranges that streams the weights fastest on ``hw``, 1 for no split.
-
-    A model of the weight-bound regime: each wave of tiles streams one tile's share of the
-    weights per SM at ``hw.mem_bw / hw.num_sms``; a split adds its partials' traffic (written
-    and read back in fp32) and a reduction phase (``reduce_us``: a hop plus the reduce tiles).
-    Only splits that keep every range a whole number of k-slices (at least 2 each) count."""
-    if k % SLICE:
-        return 1
-    tiles = math.ceil(m_max / block_m) * math.ceil(n / block_n)
-    per_sm = hw.mem_bw / hw.num_sms
-    slices = k // SLICE
-
-    def time_us(s: int) -> float:
-        waves = math.ceil(tiles * s / hw.num_sms)
-        task = block_n * (k // s) * itemsize / per_sm * 1e6 + hw.task_overhead_us
-        if s == 1:
-            return waves * task
-        return waves * task + 2 * s * m_max * n * 4 / hw.mem_bw * 1e6 + reduce_us
-
-    candidates = [s for s in range(1, slices // 2 + 1) if slices % s == 0] or [1]
-    return min(candidates, key=lambda s: (time_us(s), s))
+    """The number of K ranges of ``block_n``-wide tiles that streams the weights fastest on
+    ``hw``, 1 for no split (:func:`choose_split` with one width)."""
+    return choose_split(m_max, n, k, block_m, block_n, (block_n,), itemsize, hw, reduce_us)[0]

@@ -72,6 +72,21 @@ def test_split_choice_spreads_decode_weights_over_every_sm():
     assert ops.choose_split_k(1, 4096, 64, 64, 256) == 1
 
 
+def test_split_width_fills_the_waves():
+    """With the partial tile width free (256, 192 or 128 columns) the busiest SM streams
+    fewer weight columns: Qwen3-8B's QKV at 64 rows is 24 tiles of 256 (4 ranges: 96 SMs busy)
+    or 32 of 192 (128 SMs); its gate/up 2 ranges of 128 tiles of 192 instead of 4 of 96 tiles;
+    down and o_proj 4 ranges of 32 tiles of 128. An unsplit GEMM competes where it may (no
+    folded norm needs the reduce)."""
+    assert ops.choose_split(64, 6144, 4096, 64) == (4, 192)
+    assert ops.choose_split(16, 24576, 4096, 64) == (2, 192)
+    assert ops.choose_split(16, 4096, 12288, 64) == (4, 128)
+    assert ops.choose_split(16, 4096, 4096, 64) == (4, 128)
+    # Qwen3-8B's gate/up at 128 rows of 128-row tiles: one wave of 192-row tiles, unsplit
+    assert ops.choose_split(128, 24576, 4096, 128, unsplit_width=192) == (1, 192)
+    assert ops.choose_split(1, 4096, 4000, 64) == (1, 256)  # K not whole slices
+
+
 def test_linear_splits_only_decode_sized_inputs():
     g = mk.Graph("lin")
     x = g.input("x", (mk.sym("T", 64), 4096), BF)
@@ -243,7 +258,7 @@ def test_split_mlp_compiles_for_hopper(spill_stores):
     from registers), the reduce tiles on the SIMT group with 16-byte loads; no spills."""
     g = mlp_graph(mk.sym("T", max=16), 4096, 12288, BF, 64, 128, fuse_silu=True, split_k=None)
     parts = [n.op for n in g.nodes if n.op.name == "gemm_partial"]
-    assert [p.split_k for p in parts] == [4, 8]
+    assert [(p.split_k, p.block_n) for p in parts] == [(2, 192), (4, 128)]
     assert all(p.sm90() is not None and p.sm90().epi_bytes == 0 for p in parts)
     with tempfile.TemporaryDirectory() as d:
         compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
