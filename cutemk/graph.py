@@ -176,9 +176,10 @@ class Graph:
         """Declare an explicit event tensor (Event Tensor paper, Fig. 3).
 
         ``notify``/``wait`` pair a value *produced by* the node that notifies / waits with an
-        index map from that node's tile coordinate to event indices. A (producer, consumer)
-        pair wired explicitly gets no automatic events: the explicit wiring is trusted for
-        ordering, and its counts are checked when the graph is instantiated.
+        index map from that node's tile coordinate to event indices. An explicit event adds
+        ordering to a (producer, consumer) pair: the pair's automatic events (its data
+        dependencies) stay, so an ordering event can never drop one, and the explicit event's
+        counts are checked when the graph is instantiated.
 
         ``remote_wait`` (distributed graphs) pairs a value with a map from the waiting node's
         tile coordinate to ``(rank, index)`` pairs: the task waits until element ``index`` of

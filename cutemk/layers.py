@@ -33,7 +33,9 @@ class MoeConfig:
     block_m: int = 16  # grouped row tile (64 or 128 for the Hopper grouped GEMM)
     block_n: int = 32  # columns of the gate/up tile (gate and up each)
     down_block_n: int | None = None  # columns of the down tile (default: block_n)
-    router_block_n: int | None = None  # expert columns of a router tile (default: all)
+    # expert columns of a router tile (default: all of them up to ROUTER_BLOCK_N; a tile of
+    # 512 experts' logits would need 128 KB of output staging)
+    router_block_n: int | None = None
     # dtype of the router logits: fp32, or None for the model's dtype (what Hugging Face's gate
     # Linear yields, so a module built from it routes on the same numbers)
     router_dtype: torch.dtype | None = torch.float32
@@ -51,6 +53,9 @@ def _positive(**sizes: int) -> None:
 
 
 SPLIT_BLOCK_N = 256
+
+ROUTER_BLOCK_N = 64
+"""Default expert columns of a router GEMM tile (``MoeConfig.router_block_n``)."""
 """Columns of a split-K partial tile: one 256-row weight box a slice (wide boxes stream best)."""
 
 
@@ -235,7 +240,7 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
         x,
         w_router,
         block_m=cfg.block_m,
-        block_n=cfg.router_block_n or e,
+        block_n=cfg.router_block_n or min(e, ROUTER_BLOCK_N),
         out_dtype=cfg.router_dtype or dtype,
         name="router",
     )

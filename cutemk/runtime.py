@@ -157,6 +157,7 @@ class CuteGraph:
         self._peer_tables: dict[str, Any] = {}
         self._broken = ""  # set when a distributed launch aborted: the ranks' epochs disagree
         self._buffers: dict[tuple, _Buffers] = {}
+        self._retired: list[_Buffers] = []  # replaced by load_plan; captured graphs may read them
         self._weight_cache: dict[tuple, Any] = {}
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self._fn = None
@@ -183,8 +184,14 @@ class CuteGraph:
         return b
 
     def load_plan(self, plan: Plan) -> None:
-        """Install ``plan`` (e.g. one a tool or test edited) for its bound dims."""
-        self._buffers[env_key(plan.env)] = self._build_buffers(plan)
+        """Install ``plan`` (e.g. one a tool or test edited) for its bound dims. The state it
+        replaces stays allocated as long as this object: a CUDA graph captured before may still
+        replay launches that read it."""
+        key = env_key(plan.env)
+        old = self._buffers.get(key)
+        if old is not None:
+            self._retired.append(old)
+        self._buffers[key] = self._build_buffers(plan)
 
     def _build_buffers(self, plan: Plan) -> _Buffers:
         if self.spec.distributed:  # collective setup: stays on the caller's thread

@@ -103,7 +103,7 @@ def test_worker_shape_fits_shared_memory_and_counts_agree():
     assert decode.ring_stages >= 8  # >= 64 KB of weight loads in flight per SM
     # a SIMT op whose scratch leaves no room for two ring slots is refused by name
     huge = op_for(bf, 4096, 4096, (128, 256))
-    with pytest.raises(GraphError, match="fewer than 2 slots"):
+    with pytest.raises(GraphError, match=r"fewer than 2 ring slots.*of scratch \(fat\)"):
         worker_shape((huge, _FatScratch()))
 
 

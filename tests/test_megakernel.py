@@ -170,6 +170,33 @@ def test_missing_notify_is_reported_within_seconds(scheduler):
     assert torch.equal(c(*args).cpu(), dag_expected(deps))
 
 
+@pytest.mark.gpu
+def test_load_plan_keeps_the_state_a_captured_graph_replays():
+    """A CUDA graph captured before ``load_plan`` replaced the plan of its dims still reads the
+    old plan's device state: that state must stay allocated (else the replay reads memory
+    that new tensors own)."""
+    deps = [[], [0], [1], [0, 2], [3]]
+    g = ops.dag_graph(deps, N, M)
+    c = g.compile("cute", scheduler="static")
+    args = ops.dag_inputs(deps, device="cuda")
+    expected = dag_expected(deps).cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        c(*args)  # warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = c(*args)
+    c.load_plan(instantiate(g, {"N": 5, "M": int(args[1].numel())}))
+    junk = [torch.full((1 << 20,), -1, dtype=torch.int32, device="cuda") for _ in range(8)]
+    for _ in range(5):
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert torch.equal(c(*args), expected)  # the new plan runs too
+    del junk
+
+
 @pytest.mark.parametrize("layer,scheduler", [("mlp", "static"), ("moe", "dynamic")])
 def test_layer_megakernels_compile_for_sm90a(layer, scheduler, tmp_path):
     from cutemk.layers import MoeConfig, mlp_graph, moe_graph

@@ -153,3 +153,15 @@ def test_moe_worker_shapes_leave_a_deep_ring():
     for cfg, stages, scratch in ((decode, 7, 35 * 1024), (PREFILL, 5, 2048)):
         w = kernel_spec(moe_graph(mk.sym("T", max=4096), cfg, torch.bfloat16), False).worker
         assert w.ring_stages == stages and w.scratch_bytes <= scratch, w
+
+
+def test_moe_graph_with_512_experts_fits_by_default():
+    """Qwen3-Next's 512 experts: the default router tile is 64 experts wide (a tile of all 512
+    experts' logits needed 128 KB of output staging beside the one-task route's 133 KB of
+    counters, and no two ring slots fitted)."""
+    from cutemk.runtime import kernel_spec
+
+    cfg = MoeConfig(2048, 512, 512, 10, block_m=64, block_n=64, down_block_n=128)
+    g = moe_graph(mk.sym("T", max=4096), cfg, torch.bfloat16)
+    assert next(n for n in g.nodes if n.name == "router").op.block_n == 64
+    assert kernel_spec(g, False).worker.ring_stages >= 2

@@ -102,11 +102,16 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
         if cap < 2:
             raise GraphError(f"CUTEMK_RING_STAGES={cap}: the ring needs at least 2 slots")
         if stages < 2:
-            names = ", ".join(f"{op.name}" for op in ops)
+            ring_ops = [op for op in ops if op.ring_tile() is not None]
+            wide = max(ring_ops, key=lambda op: op.ring_tile().slot_bytes)
+            staging = max(ring_ops, key=lambda op: op.ring_tile().epi_bytes)
+            fat = max(simt, key=lambda op: int(op.device_smem_bytes()), default=None)
+            scratch_of = f" ({fat.name})" if fat is not None else ""
             raise GraphError(
-                f"megakernel shared memory: ops ({names}) need ring slots of {slot} B, "
-                f"{epi} B of output staging and {scratch} B of scratch; fewer than 2 slots fit "
-                f"in {SMEM_LIMIT} B"
+                f"megakernel shared memory: fewer than 2 ring slots fit in {SMEM_LIMIT} B: "
+                f"{wide.name} needs ring slots of {slot} B, {staging.name} {epi} B of output "
+                f"staging, and the SIMT ops {scratch} B of scratch{scratch_of}; use narrower "
+                "tiles (block_n, router_block_n) or fewer tokens per routing tile"
             )
     shape = WorkerShape(ring_stages=stages, slot_bytes=slot, epi_bytes=epi, scratch_bytes=scratch)
     shape.check()
