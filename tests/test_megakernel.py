@@ -43,6 +43,25 @@ def dag_expected(deps):
     return torch.tensor(out, dtype=torch.int32)
 
 
+def _captured(c, args):
+    """``(graph, out)``: one call of ``c`` captured in a CUDA graph after a warm call."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        c(*args)  # warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = c(*args)
+    return graph, out
+
+
+def _assert_replays(graph, out, expected, times: int):
+    for _ in range(times):
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 def test_interpreter_matches_direct_dag_evaluation():
     rng = random.Random(0)
     for sched in ("static", "dynamic"):
@@ -133,17 +152,7 @@ def test_thousand_launches_and_graph_replay_without_reset(scheduler):
     state = ca._bufs({"N": 300, "M": int(ia[1].numel())}).torch_dev["state"]
     assert int(state[0]) == len([i for i in range(1000) if i % 3])  # epochs advanced on device
     # CUDA-graph replay: the epoch lives on the device, so replays need no host work at all
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        ca(*ia)  # warm
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = ca(*ia)
-    for _ in range(200):
-        out.fill_(-7)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ea)
+    _assert_replays(*_captured(ca, ia), ea, 200)
 
 
 @pytest.mark.gpu
@@ -180,19 +189,10 @@ def test_load_plan_keeps_the_state_a_captured_graph_replays():
     c = g.compile("cute", scheduler="static")
     args = ops.dag_inputs(deps, device="cuda")
     expected = dag_expected(deps).cuda()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        c(*args)  # warm
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = c(*args)
+    graph, out = _captured(c, args)
     c.load_plan(instantiate(g, {"N": 5, "M": int(args[1].numel())}))
     junk = [torch.full((1 << 20,), -1, dtype=torch.int32, device="cuda") for _ in range(8)]
-    for _ in range(5):
-        out.fill_(-7)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    _assert_replays(graph, out, expected, 5)
     assert torch.equal(c(*args), expected)  # the new plan runs too
     del junk
 
