@@ -122,7 +122,7 @@ class _KeyedModule(nn.Module):
 
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
-        return _regime(self.regime_limits, tokens)
+        return regime_of(self.regime_limits, tokens)
 
     def regimes(self) -> tuple[str, ...]:
         """The regimes this module can run: those starting below ``max_tokens``."""
@@ -229,24 +229,9 @@ class MegaMLP(_KeyedModule):
         key = (backend, regime, like.dtype, like.device)
         fn = self._compiled.get(key)
         if fn is None:
-            limit = REGIME_LIMITS[regime]
-            limit = self.max_tokens if limit is None else min(self.max_tokens, limit)
-            (block_m, block_n), down = mlp_tiles(regime, backend)
-            split_k = MLP_SPLIT_K.get((backend, regime), 1)
-            gate_up_split = split_k[0] if isinstance(split_k, tuple) else split_k
-            if backend == "cute" and regime == "decode" and gate_up_split == 1:
-                sms = self.num_sms or _sm_count(like.device)
-                block_n = wave_fit_width(self.intermediate, -(-limit // block_m), sms)
-            g = mlp_graph(
-                sym("T", max=limit),
-                self.hidden,
-                self.intermediate,
-                like.dtype,
-                block_m,
-                block_n,
-                fuse_silu=True,
-                down_block=down,
-                split_k=split_k,
+            sms = self.num_sms or _sm_count(like.device)
+            g = mlp_regime_graph(
+                self.hidden, self.intermediate, regime, like.dtype, self.max_tokens, backend, sms
             )
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
@@ -285,13 +270,74 @@ def regime_starts(limits: dict[str, int | None], max_tokens: int) -> list[tuple[
     return out
 
 
-def _regime(limits: dict[str, int | None], tokens: int) -> str:
+def regime_of(limits: dict[str, int | None], tokens: int) -> str:
     """The first regime of ``limits`` (in order, the most tokens each serves) that takes
     ``tokens``."""
     for name, limit in limits.items():
         if limit is None or tokens <= limit:
             return name
     raise AssertionError("the last regime has no limit")
+
+
+def mlp_regime_graph(
+    hidden: int,
+    intermediate: int,
+    regime: str,
+    dtype: torch.dtype,
+    max_tokens: int,
+    backend: str = "cute",
+    num_sms: int = 132,
+) -> Any:
+    """The graph :class:`MegaMLP` compiles for ``regime`` (tiles from :data:`MLP_TILES`,
+    splits from :data:`MLP_SPLIT_K`, the decode gate/up width from :func:`wave_fit_width`
+    over ``num_sms``), for at most ``max_tokens`` tokens; no weights needed."""
+    limit = REGIME_LIMITS[regime]
+    limit = max_tokens if limit is None else min(max_tokens, limit)
+    (block_m, block_n), down = mlp_tiles(regime, backend)
+    split_k = MLP_SPLIT_K.get((backend, regime), 1)
+    gate_up_split = split_k[0] if isinstance(split_k, tuple) else split_k
+    if backend == "cute" and regime == "decode" and gate_up_split == 1:
+        block_n = wave_fit_width(intermediate, -(-limit // block_m), num_sms)
+    return mlp_graph(
+        sym("T", max=limit),
+        hidden,
+        intermediate,
+        dtype,
+        block_m,
+        block_n,
+        fuse_silu=True,
+        down_block=down,
+        split_k=split_k,
+    )
+
+
+def moe_regime_graph(
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    regime: str,
+    dtype: torch.dtype,
+    max_tokens: int,
+    backend: str = "cute",
+) -> Any:
+    """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :data:`MOE_TILES`,
+    routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
+    from .layers import MoeConfig, moe_graph
+
+    limit = MOE_REGIME_LIMITS[regime]
+    limit = max_tokens if limit is None else min(max_tokens, limit)
+    cfg = MoeConfig(
+        hidden,
+        intermediate,
+        num_experts,
+        top_k,
+        norm_topk_prob,
+        router_dtype=None,
+        **MOE_TILES[(backend, regime)],
+    )
+    return moe_graph(sym("T", max=limit), cfg, dtype)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -535,20 +581,17 @@ class MegaMoE(_KeyedModule):
         key = (backend, regime, like.dtype, like.device)
         fn = self._compiled.get(key)
         if fn is None:
-            from .layers import MoeConfig, moe_graph
-
-            limit = MOE_REGIME_LIMITS[regime]
-            limit = self.max_tokens if limit is None else min(self.max_tokens, limit)
-            cfg = MoeConfig(
+            g = moe_regime_graph(
                 self.hidden,
                 self.intermediate,
                 self.num_experts,
                 self.top_k,
                 self.norm_topk_prob,
-                router_dtype=None,
-                **MOE_TILES[(backend, regime)],
+                regime,
+                like.dtype,
+                self.max_tokens,
+                backend,
             )
-            g = moe_graph(sym("T", max=limit), cfg, like.dtype)
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
 

@@ -1,0 +1,261 @@
+"""Host path of the drop-in modules: what a new token count, an eager call and a fresh process
+cost on the host, for the Qwen3-30B-A3B MoE block and the Qwen3-8B MLP at real size.
+
+Sections (``--sections``, all by default):
+
+- ``plan`` (no GPU needed): the regime graph ``MegaMoE`` / ``MegaMLP`` compiles for each token
+  count (``cutemk.nn.moe_regime_graph`` / ``mlp_regime_graph``), planned at that count:
+  instantiate, static schedule + its deadlock check, lowering (static and dynamic); best of
+  ``--repeat`` runs, with the task count. ``static_ms`` / ``dynamic_ms`` is what the first
+  call at a new count pays before its launch (the target: at most 50 ms at T=4096).
+- ``eager`` (GPU): host time of one eager call (no CUDA graph) of a small ``MegaMLP`` (the
+  kernel is tiny, so the call is host-bound): wall time of back-to-back calls per call,
+  against one torch kernel launch (``torch.add``) timed the same way, and the module's
+  CUDA-graph replay for reference (target: at most 15 us).
+- ``warmup`` (GPU): a fresh process builds both modules at real size and runs
+  ``cutemk.warmup`` (every regime's kernel compiled by one launch, the ``--warm-tokens``
+  planned), twice against one empty on-disk compile cache: cold, then cached (targets: 30 s
+  cold and 2 s cached for every T up to 4096; with plans per token count, the counts given).
+
+Not measured here: one CUDA-graph capture replayed at any token count (the token count as
+device data does not exist yet).
+
+Run: python benchmarks/host_path.py [--sections plan eager warmup] [--tokens 1 16 128 1024
+4096] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from cutemk.bench import Results
+from cutemk.codegen.lower import lower
+from cutemk.nn import (
+    MOE_REGIME_LIMITS,
+    REGIME_LIMITS,
+    mlp_regime_graph,
+    moe_regime_graph,
+    regime_of,
+)
+from cutemk.plan import instantiate, no_gc
+from cutemk.scheduling import check_static_schedule, resolve_scheduler
+
+NUM_SMS = 132
+MOE = {"hidden": 2048, "intermediate": 768, "num_experts": 128, "top_k": 8}  # Qwen3-30B-A3B
+MLP = {"hidden": 4096, "intermediate": 12288}  # Qwen3-8B
+MAX_TOKENS = 4096
+
+
+def _graphs(model: str):
+    """token count -> the regime graph the module runs it with (built once per regime)."""
+    built: dict[str, object] = {}
+
+    def of(t: int):
+        if model == "moe":
+            regime = regime_of(MOE_REGIME_LIMITS, t)
+            if regime not in built:
+                built[regime] = moe_regime_graph(
+                    **MOE,
+                    norm_topk_prob=True,
+                    regime=regime,
+                    dtype=torch.bfloat16,
+                    max_tokens=MAX_TOKENS,
+                )
+        else:
+            regime = regime_of(REGIME_LIMITS, t)
+            if regime not in built:
+                built[regime] = mlp_regime_graph(
+                    **MLP, regime=regime, dtype=torch.bfloat16, max_tokens=MAX_TOKENS
+                )
+        return regime, built[regime]
+
+    return of
+
+
+def _plan_once(graph, t: int) -> dict[str, float]:
+    ms: dict[str, float] = {}
+    t0 = time.perf_counter()
+    plan = instantiate(graph, {"T": t})
+    ms["instantiate"] = time.perf_counter() - t0
+    with no_gc():
+        t0 = time.perf_counter()
+        sched = resolve_scheduler("static").build(plan, NUM_SMS)
+        check_static_schedule(plan, sched, NUM_SMS)
+        ms["schedule"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lower(plan, sched, NUM_SMS).program_arrays()
+        ms["lower_static"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lower(plan, None, NUM_SMS).program_arrays()
+        ms["lower_dynamic"] = time.perf_counter() - t0
+    out = {k: 1e3 * v for k, v in ms.items()}
+    out["tasks"] = plan.num_tasks
+    return out
+
+
+def plan_section(res: Results, tokens: list[int], repeat: int) -> None:
+    for model in ("moe", "mlp"):
+        graph_of = _graphs(model)
+        for t in tokens:
+            regime, g = graph_of(t)
+            g.validate()
+            _plan_once(g, min(t, 16))  # imports and caches warm
+            runs = [_plan_once(g, t) for _ in range(repeat)]
+            best = {k: min(r[k] for r in runs) for k in runs[0]}
+            static = best["instantiate"] + best["schedule"] + best["lower_static"]
+            dynamic = best["instantiate"] + best["lower_dynamic"]
+            res.add(
+                f"plan {model} T={t}",
+                "static",
+                1e3 * static,
+                regime=regime,
+                tasks=int(best["tasks"]),
+                static_ms=round(static, 2),
+                dynamic_ms=round(dynamic, 2),
+                **{k: round(v, 2) for k, v in best.items() if k != "tasks"},
+            )
+            print(f"plan {model} T={t} ({regime}): {static:.1f} ms static, {dynamic:.1f} dynamic")
+
+
+def _host_us(fn, calls: int) -> float:
+    """Host microseconds a call: back-to-back calls, the GPU never the bottleneck (the calls'
+    kernels are tiny), one sync at the end."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * host / calls
+
+
+def eager_section(res: Results, calls: int) -> None:
+    from cutemk.bench import graphed, time_us
+    from cutemk.nn import MegaMLP
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, i = 256, 512
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
+
+    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
+    x = torch.randn(8, h, device="cuda", generator=gen).bfloat16()
+    a = torch.randn(8, h, device="cuda", generator=gen)
+    mk_us = _host_us(lambda: mlp(x), calls)
+    torch_us = _host_us(lambda: torch.add(a, a), calls)
+    replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)
+    case = f"eager MegaMLP h={h} i={i} T=8"
+    res.add(case, "cutemk_eager_host", mk_us, target_us=15.0)
+    res.add(case, "torch_add_host", torch_us)
+    res.add(case, "cutemk_graph_replay", replay)
+    print(f"eager call: {mk_us:.1f} us host (torch.add {torch_us:.1f} us), replay {replay:.1f} us")
+
+
+_WARMUP_CHILD = """
+import json, sys, time, torch
+t0 = time.perf_counter()
+import cutemk
+from cutemk.nn import MegaMLP, MegaMoE
+moe, mlp, tokens = json.loads(sys.argv[1])
+t_import = time.perf_counter() - t0
+dt = torch.bfloat16
+e, h, i = moe["num_experts"], moe["hidden"], moe["intermediate"]
+mods = {
+    "moe": MegaMoE(torch.randn(e, h, device="cuda", dtype=dt),
+                   torch.randn(e, 2 * i, h, device="cuda", dtype=dt),
+                   torch.randn(e, h, i, device="cuda", dtype=dt),
+                   top_k=moe["top_k"], max_tokens=4096),
+    "mlp": MegaMLP(torch.randn(mlp["intermediate"], mlp["hidden"], device="cuda", dtype=dt),
+                   torch.randn(mlp["intermediate"], mlp["hidden"], device="cuda", dtype=dt),
+                   torch.randn(mlp["hidden"], mlp["intermediate"], device="cuda", dtype=dt),
+                   max_tokens=4096),
+}
+out = {"import_s": t_import}
+for name, m in mods.items():
+    t0 = time.perf_counter()
+    report = cutemk.warmup(m, tokens=tokens, progress=False)
+    out[name + "_s"] = time.perf_counter() - t0
+    out[name + "_steps"] = len(report.steps)
+print("WARMUP " + json.dumps(out))
+"""
+
+
+def _warmup_child(cache_dir: str, tokens: list[int]) -> dict:
+    env = dict(os.environ, CUTE_DSL_CACHE_DIR=cache_dir)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _WARMUP_CHILD, json.dumps([MOE, MLP, tokens])],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall = time.perf_counter() - t0
+    line = next((s for s in proc.stdout.splitlines() if s.startswith("WARMUP ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"warm-up process failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    out = json.loads(line[len("WARMUP ") :])
+    out["process_s"] = wall
+    return out
+
+
+def warmup_section(res: Results, tokens: list[int]) -> None:
+    with tempfile.TemporaryDirectory(prefix="cutemk-cache-") as cache:
+        for label in ("cold", "cached"):
+            out = _warmup_child(cache, tokens)
+            res.add(
+                f"warmup moe+mlp, {len(tokens)} token counts planned",
+                label,
+                1e6 * out["process_s"],
+                **{k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()},
+            )
+            print(f"warm-up {label}: {out['process_s']:.1f} s ({out})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", nargs="+", default=["plan", "eager", "warmup"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 1024, 4096])
+    p.add_argument(
+        "--warm-tokens",
+        nargs="*",
+        type=int,
+        default=[1, 16, 128, 1024, 4096],
+        help="token counts the warm-up plans",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer repeats and calls")
+    args = p.parse_args(argv)
+    unknown = set(args.sections) - {"plan", "eager", "warmup"}
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}")
+    gpu = torch.cuda.is_available()
+    if not gpu and set(args.sections) - {"plan"}:
+        print("no GPU: running the plan section only")
+        args.sections = [s for s in args.sections if s == "plan"]
+    res = Results(
+        "host_path",
+        meta={"num_sms": NUM_SMS, "moe": MOE, "mlp": MLP, "max_tokens": MAX_TOKENS},
+    )
+    if "plan" in args.sections:
+        plan_section(res, args.tokens, 2 if args.quick else 5)
+    if "eager" in args.sections:
+        eager_section(res, 200 if args.quick else 2000)
+    if "warmup" in args.sections:
+        warmup_section(res, args.warm_tokens)
+    res.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
