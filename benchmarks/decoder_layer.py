@@ -172,7 +172,7 @@ def main(argv=None) -> int:
             for _ in range(3):
                 profiled(x, pos, k_pages, v_pages, table, lens)
             torch.cuda.synchronize()
-            records = profiled._fn(batch=b).profile_records()
+            records = profiled.compiled(profiled.regime(b)).profile_records()
             res.add_trace(case, records)
             if args.records is not None:
                 args.records.mkdir(parents=True, exist_ok=True)

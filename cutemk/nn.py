@@ -617,6 +617,10 @@ class MegaMoE(_KeyedModule):
         )
 
 
+DECODER_REGIME_LIMITS: dict[str, int | None] = {"gemv": GEMV_MAX_BATCH, "batch": None}
+""":class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves."""
+
+
 class MegaDecoderLayer(_KeyedModule):
     """Decode steps of a Qwen3 decoder layer (dense MLP) as one megakernel
     (:func:`cutemk.layers.decoder_layer_graph`), over a paged KV cache the caller owns.
@@ -627,7 +631,10 @@ class MegaDecoderLayer(_KeyedModule):
     int32, ``seq_lens`` (B,) int32 counting the new token; returns the layer's output (B, H).
     Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
     sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
+    Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use.
     """
+
+    regime_limits = DECODER_REGIME_LIMITS
 
     def __init__(
         self,
@@ -735,24 +742,51 @@ class MegaDecoderLayer(_KeyedModule):
             )
         return cls(fold_decoder_norms(w, moe=sparse), cfg, moe=moe, **kwargs)
 
-    def _fn(self, w: torch.Tensor | None = None, batch: int | None = None) -> Any:
-        """The compiled graph for weights like ``w`` (default: this module's ``w_down``) that
-        serves ``batch`` sequences (default: ``max_batch``): one graph up to
-        ``GEMV_MAX_BATCH``, one for the rest. A graph's weight loads are sized for its largest
-        batch, and a box of mostly absent rows costs the copy engine nearly a full one."""
-        w = self.w_down if w is None else w
-        backend = self.resolved_backend(w)
-        limit = self.max_batch
-        if (limit if batch is None else batch) <= GEMV_MAX_BATCH:
-            limit = min(limit, GEMV_MAX_BATCH)
-        key = (backend, w.dtype, w.device, limit)
+    @property
+    def max_tokens(self) -> int:
+        """One new token a sequence: the most tokens a step takes is ``max_batch``."""
+        return self.max_batch
+
+    @property
+    def hidden(self) -> int:
+        return self.cfg.hidden
+
+    def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
+        """The compiled graph of a regime (:data:`DECODER_REGIME_LIMITS`) for weights like
+        ``like`` (default: this module's ``w_down``), compiled on first use: one graph up to
+        ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
+        its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
+        one)."""
+        if regime not in self.regimes():
+            raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
         fn = self._compiled.get(key)
         if fn is None:
             from .layers import decoder_layer_graph
 
-            g = decoder_layer_graph(sym("B", max=limit), self.cfg, w.dtype, self.moe)
+            limit = self.regime_limits[regime]
+            limit = self.max_batch if limit is None else min(self.max_batch, limit)
+            g = decoder_layer_graph(sym("B", max=limit), self.cfg, like.dtype, self.moe)
             fn = self._compiled[key] = _compile(self, g, backend)
         return fn
+
+    def warm_inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """A decode step of ``batch`` sequences for :func:`cutemk.warmup`: one token each, at
+        position 0 of its own one-page cache (zeros, on the weights' device and dtype)."""
+        cfg, w = self.cfg, self.w_down
+        kw = {"device": w.device}
+        cache = (batch, cfg.page_size, cfg.kv_heads, cfg.head_dim)
+        table = torch.arange(batch, dtype=torch.int32, **kw)[:, None].repeat(1, cfg.max_pages)
+        return (
+            torch.zeros(batch, cfg.hidden, dtype=w.dtype, **kw),
+            torch.zeros(batch, dtype=torch.int32, **kw),
+            torch.zeros(cache, dtype=w.dtype, **kw),
+            torch.zeros(cache, dtype=w.dtype, **kw),
+            table,
+            torch.ones(batch, dtype=torch.int32, **kw),
+        )
 
     def forward(self, x, positions, k_cache, v_cache, page_table, seq_lens) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
@@ -769,7 +803,7 @@ class MegaDecoderLayer(_KeyedModule):
         """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
         named = dict(zip(self._names, weights))
         with torch.no_grad():
-            return self._fn(named["w_down"], x.shape[0])(
+            return self.compiled(self.regime(x.shape[0]), like=named["w_down"])(
                 x=x,
                 positions=positions,
                 k_cache=k_cache,

@@ -1,8 +1,9 @@
 """Warm-up: compile what a module or a compiled graph runs, and plan token counts, before
 serving (``cutemk.warmup``).
 
-A drop-in module (``cutemk.nn.MegaMLP`` / ``MegaMoE``) compiles one kernel per regime on the
-first call that needs it, and every new token count is planned on its first call. A server
+A drop-in module (``cutemk.nn.MegaMLP`` / ``MegaMoE`` / ``MegaDecoderLayer``) compiles one
+kernel per regime on the first call that needs it, and every new token count is planned on its
+first call. A server
 would rather pay both at start: :func:`warmup` runs one launch at the smallest token count of
 each regime (which compiles its kernel and plans that count) and plans the token counts it is
 given, with a progress bar where ``tqdm`` is installed, and reports what it did.
@@ -52,8 +53,9 @@ def _progress(total: int, enabled: bool | None):
 def warmup(obj: Any, tokens: Iterable[int] = (), progress: bool | None = None) -> WarmupReport:
     """Prepare ``obj`` for serving.
 
-    ``obj``: a ``MegaMLP`` / ``MegaMoE`` (every regime's kernel is compiled by one launch at
-    its smallest token count, on zeros) or a graph compiled with one symbolic dim (nothing
+    ``obj``: a ``MegaMLP`` / ``MegaMoE`` / ``MegaDecoderLayer`` (every regime's kernel is
+    compiled by one launch at its smallest token count, on zeros; a decoder layer's on its
+    ``warm_inputs``) or a graph compiled with one symbolic dim (nothing
     to launch). ``tokens``: token counts to plan now (each at most the module's or graph's
     max). ``progress``: a tqdm bar (None: when stderr is a terminal)."""
     tokens = [int(t) for t in tokens]
@@ -67,6 +69,12 @@ def warmup(obj: Any, tokens: Iterable[int] = (), progress: bool | None = None) -
 
 
 def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> WarmupReport:
+    if tokens and hasattr(module, "warm_inputs"):
+        raise ValueError(
+            f"{type(module).__name__}: its plans are keyed by the KV cache's page count as well "
+            "as the batch, so warm-up plans none; warm it with tokens=() (its first step at a "
+            "new batch plans in milliseconds)"
+        )
     for t in tokens:
         if not 1 <= t <= module.max_tokens:
             raise ShapeError(f"warmup token count {t} is outside [1, {module.max_tokens}]")
@@ -77,7 +85,10 @@ def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> Warmu
     with torch.no_grad():
         for regime, t in starts:
             t0 = time.perf_counter()
-            module(torch.zeros(t, module.hidden, dtype=w.dtype, device=w.device))
+            if hasattr(module, "warm_inputs"):  # a step of the module's own kind of input
+                module(*module.warm_inputs(t))
+            else:
+                module(torch.zeros(t, module.hidden, dtype=w.dtype, device=w.device))
             if w.is_cuda:
                 torch.cuda.synchronize(w.device)
             report.steps.append((f"{regime}: compile + launch at T={t}", time.perf_counter() - t0))

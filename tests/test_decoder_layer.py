@@ -188,7 +188,24 @@ def test_mega_decoder_layer_from_hf():
     for lens in ([3, 40], [1 + i for i in range(17)]):
         inputs, want = _step_case(layer, rotary, CFG, lens, gen)
         torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
-    assert sorted(k[-1] for k in mega._compiled) == [16, 18]
+    assert sorted(k[1] for k in mega._compiled) == ["batch", "gemv"]  # 16 and 18 sequences
+    # warm-up compiles (here: builds) both regimes' graphs by a step of each on its own inputs
+    fresh = MegaDecoderLayer.from_hf(
+        layer,
+        page_size=CFG.page_size,
+        max_pages=CFG.max_pages,
+        max_positions=256,
+        max_batch=18,
+        backend="interpret",
+    )
+    report = mk.warmup(fresh, progress=False)
+    assert [name for name, _ in report.steps] == [
+        "gemv: compile + launch at T=1",
+        "batch: compile + launch at T=17",
+    ]
+    assert sorted(k[1] for k in fresh._compiled) == ["batch", "gemv"]
+    with pytest.raises(ValueError, match="page count"):
+        mk.warmup(fresh, tokens=[4], progress=False)
 
 
 @pytest.mark.gpu
