@@ -53,10 +53,11 @@ def _positive(**sizes: int) -> None:
 
 
 SPLIT_BLOCK_N = 256
+"""Columns of a split-K partial tile where the split is given (``linear``; a chosen split
+picks its width too): one 256-row weight box a slice (wide boxes stream best)."""
 
 ROUTER_BLOCK_N = 64
 """Default expert columns of a router GEMM tile (``MoeConfig.router_block_n``)."""
-"""Columns of a split-K partial tile: one 256-row weight box a slice (wide boxes stream best)."""
 
 
 def fold_norm(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

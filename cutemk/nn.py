@@ -92,7 +92,7 @@ def wave_fit_width(columns: int, row_tiles: int, num_sms: int, widths=DECODE_GAT
 
 
 GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
-"""MegaDecoderLayer: batches up to this run a graph compiled for it (see ``_fn``)."""
+"""MegaDecoderLayer: batches up to this run a graph compiled for it (its 'gemv' regime)."""
 
 REGIMES = tuple(REGIME_LIMITS)
 _SILU_NAMES = ("silu", "swish")
@@ -109,12 +109,24 @@ def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
         ) from None
 
 
+_COMPILED_BY_KEY: dict[str, dict[tuple, Any]] = {}
+"""A module key's compiled graphs (see ``_KeyedModule._compiled``)."""
+
+
 class _KeyedModule(nn.Module):
     """A module whose megakernel runs through a ``cutemk`` custom op keyed by its launch
     configuration (``_cutemk_key``, see :func:`cutemk.torch_ops.key_of`), with ``backend``
     and weights ``w_down``; those with regimes name their limits in ``regime_limits``."""
 
     regime_limits: dict[str, int | None] = {}
+
+    @property
+    def _compiled(self) -> dict[tuple, Any]:
+        """The compiled graphs of every module with this one's key: a call dispatches through
+        the custom op to any live module of the key (``torch_ops``), so they share kernels and
+        plans (a compiled graph holds no weights: they come with each call), and warming one
+        warms them all."""
+        return _COMPILED_BY_KEY.setdefault(self._cutemk_key, {})
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -176,7 +188,6 @@ class MegaMLP(_KeyedModule):
         w_gate_up = torch.cat([w_gate.detach(), w_up.detach()]).contiguous()
         self.register_buffer("w_gate_up", w_gate_up)
         self.register_buffer("w_down", w_down.detach().contiguous())
-        self._compiled: dict[tuple, Any] = {}
         # the custom op's key: everything but the weights that decides the kernels it runs
         self._cutemk_key = (
             f"MegaMLP(h={self.hidden}, i={self.intermediate}, max={max_tokens}, "
@@ -536,7 +547,6 @@ class MegaMoE(_KeyedModule):
         self.register_buffer("w_router", w_router.detach().contiguous())
         self.register_buffer("w_gate_up", w_gate_up.detach().contiguous())
         self.register_buffer("w_down", w_down.detach().contiguous())
-        self._compiled: dict[tuple, Any] = {}
         self._cutemk_key = (
             f"MegaMoE(h={self.hidden}, i={self.intermediate}, e={self.num_experts}, "
             f"k={top_k}, norm={self.norm_topk_prob}, max={max_tokens}, backend={backend}, "
@@ -655,7 +665,6 @@ class MegaDecoderLayer(_KeyedModule):
         self._names = list(weights)
         for name, w in weights.items():
             self.register_buffer(name, w.detach().contiguous())
-        self._compiled: dict[tuple, Any] = {}
         self._cutemk_key = (
             f"MegaDecoderLayer({cfg!r}, moe={moe!r}, weights={self._names}, max={max_batch}, "
             f"backend={backend}, scheduler={scheduler!r}, sms={num_sms})"

@@ -107,6 +107,7 @@ class _Buffers:
     cute_intermediates: dict[str, Any]
     max_epoch: int  # the kernel wraps its counters to epoch 0 after this many launches
     launches: int = 0  # distributed: counted on the host (counters never wrap on the device)
+    captured: bool = False  # a CUDA graph captured a launch of this state
 
 
 class CuteGraph:
@@ -157,7 +158,7 @@ class CuteGraph:
         self._peer_tables: dict[str, Any] = {}
         self._broken = ""  # set when a distributed launch aborted: the ranks' epochs disagree
         self._buffers: dict[tuple, _Buffers] = {}
-        self._retired: list[_Buffers] = []  # replaced by load_plan; captured graphs may read them
+        self._retired: list[_Buffers] = []  # replaced by load_plan; a captured graph reads them
         self._weight_cache: dict[tuple, Any] = {}
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self._fn = None
@@ -184,12 +185,12 @@ class CuteGraph:
         return b
 
     def load_plan(self, plan: Plan) -> None:
-        """Install ``plan`` (e.g. one a tool or test edited) for its bound dims. The state it
-        replaces stays allocated as long as this object: a CUDA graph captured before may still
-        replay launches that read it."""
+        """Install ``plan`` (e.g. one a tool or test edited) for its bound dims. State it
+        replaces that a CUDA graph captured stays allocated as long as this object: the graph
+        may still replay launches that read it."""
         key = env_key(plan.env)
         old = self._buffers.get(key)
-        if old is not None:
+        if old is not None and old.captured:
             self._retired.append(old)
         self._buffers[key] = self._build_buffers(plan)
 
@@ -325,6 +326,7 @@ class CuteGraph:
                     f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor"
                 )
         b = self._bufs(env)
+        b.captured = b.captured or torch.cuda.is_current_stream_capturing()
         self.last_env = env
         device = next(iter(leaves.values())).device
         outs = {}

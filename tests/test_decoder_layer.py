@@ -190,14 +190,16 @@ def test_mega_decoder_layer_from_hf():
         torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
     assert sorted(k[1] for k in mega._compiled) == ["batch", "gemv"]  # 16 and 18 sequences
     # warm-up compiles (here: builds) both regimes' graphs by a step of each on its own inputs
+    # (a module of another max batch: a key of its own, nothing compiled yet)
     fresh = MegaDecoderLayer.from_hf(
         layer,
         page_size=CFG.page_size,
         max_pages=CFG.max_pages,
         max_positions=256,
-        max_batch=18,
+        max_batch=19,
         backend="interpret",
     )
+    assert not fresh._compiled
     report = mk.warmup(fresh, progress=False)
     assert [name for name, _ in report.steps] == [
         "gemv: compile + launch at T=1",

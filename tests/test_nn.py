@@ -57,9 +57,10 @@ def test_matches_torch_mlp(hf_mlp, dtype):
         y = mega(x)
         assert y.shape == (t, H) and y.dtype == dtype
         assert rel_err(y, fp32_reference(mlp, x)) < TOL[dtype], f"T={t}"
-    # all three regimes served, each compiled once for all four token counts
-    assert {k[1] for k in mega._compiled} == {"gemv", "decode", "prefill"}
-    assert len(mega._compiled) == 3
+    # all three regimes served, each compiled once for all four token counts (the compiled
+    # graphs are shared by the modules of one key, here per dtype)
+    mine = [k for k in mega._compiled if k[2] == dtype]
+    assert {k[1] for k in mine} == {"gemv", "decode", "prefill"} and len(mine) == 3
 
 
 def test_leading_dims_and_empty(hf_mlp):

@@ -59,3 +59,19 @@ def test_mlp_and_graph_warmup():
         mk.warmup(c, tokens=[65], progress=False)
     with pytest.raises(TypeError):
         mk.warmup(object())
+
+
+def test_warmup_serves_every_module_of_its_key():
+    """A call dispatches through the custom op to any live module of the same configuration,
+    so those modules share compiled graphs and plans: warming one warms them all, whichever
+    the op dispatches to."""
+    g = torch.Generator().manual_seed(2)
+    ws = [torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g)]
+    ws.append(torch.randn(16, 32, generator=g))
+    a, b = (MegaMLP(*ws, max_tokens=40, backend="interpret") for _ in range(2))
+    mk.warmup(a, tokens=[3, 33], progress=False)
+    assert b._compiled is a._compiled
+    for t in (3, 33):
+        assert (("T", t),) in b.compiled(b.regime(t))._plans
+    other = MegaMLP(*ws, max_tokens=41, backend="interpret")  # another key: its own graphs
+    assert other._compiled is not a._compiled and not other._compiled
