@@ -110,7 +110,8 @@ def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
 
 
 _COMPILED_BY_KEY: dict[str, dict[tuple, Any]] = {}
-"""A module key's compiled graphs (see ``_KeyedModule._compiled``)."""
+"""A module key's compiled graphs (see ``_KeyedModule._compiled``), by the custom op's key
+(``torch_ops.op_key``: a profiled module's kernels are others)."""
 
 
 class _KeyedModule(nn.Module):
@@ -126,7 +127,7 @@ class _KeyedModule(nn.Module):
         the custom op to any live module of the key (``torch_ops``), so they share kernels and
         plans (a compiled graph holds no weights: they come with each call), and warming one
         warms them all."""
-        return _COMPILED_BY_KEY.setdefault(self._cutemk_key, {})
+        return _COMPILED_BY_KEY.setdefault(torch_ops.op_key(self), {})
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

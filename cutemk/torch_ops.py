@@ -25,11 +25,17 @@ def key_of(module: Any) -> str:
     of a model share a key, and ``torch.compile`` sees one constant for all of them (no
     recompilation per layer); a profiled module (``profile = True``) has a key of its own.
     Outside tracing, records the module among its key's runners."""
+    key = op_key(module)
+    if not torch.compiler.is_compiling():
+        _runners.setdefault(key, weakref.WeakSet()).add(module)
+    return key
+
+
+def op_key(module: Any) -> str:
+    """:func:`key_of` without recording the module."""
     key = module.__dict__["_cutemk_key"]
     if module.__dict__.get("profile"):  # profiled kernels are others: never share a runner
         key += " profiled"
-    if not torch.compiler.is_compiling():
-        _runners.setdefault(key, weakref.WeakSet()).add(module)
     return key
 
 

@@ -75,3 +75,6 @@ def test_warmup_serves_every_module_of_its_key():
         assert (("T", t),) in b.compiled(b.regime(t))._plans
     other = MegaMLP(*ws, max_tokens=41, backend="interpret")  # another key: its own graphs
     assert other._compiled is not a._compiled and not other._compiled
+    profiled = MegaMLP(*ws, max_tokens=40, backend="interpret")
+    profiled.profile = True  # profiling kernels are others too
+    assert profiled._compiled is not a._compiled
