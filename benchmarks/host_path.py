@@ -36,8 +36,7 @@ import time
 
 import torch
 
-from cutemk.bench import Results
-from cutemk.codegen.lower import lower
+from cutemk.bench import Results, plan_stages
 from cutemk.nn import (
     MOE_REGIME_LIMITS,
     REGIME_LIMITS,
@@ -45,8 +44,6 @@ from cutemk.nn import (
     moe_regime_graph,
     regime_of,
 )
-from cutemk.plan import instantiate, no_gc
-from cutemk.scheduling import check_static_schedule, resolve_scheduler
 
 NUM_SMS = 132
 MOE = {"hidden": 2048, "intermediate": 768, "num_experts": 128, "top_k": 8}  # Qwen3-30B-A3B
@@ -80,35 +77,14 @@ def _graphs(model: str):
     return of
 
 
-def _plan_once(graph, t: int) -> dict[str, float]:
-    ms: dict[str, float] = {}
-    t0 = time.perf_counter()
-    plan = instantiate(graph, {"T": t})
-    ms["instantiate"] = time.perf_counter() - t0
-    with no_gc():
-        t0 = time.perf_counter()
-        sched = resolve_scheduler("static").build(plan, NUM_SMS)
-        check_static_schedule(plan, sched, NUM_SMS)
-        ms["schedule"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lower(plan, sched, NUM_SMS).program_arrays()
-        ms["lower_static"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lower(plan, None, NUM_SMS).program_arrays()
-        ms["lower_dynamic"] = time.perf_counter() - t0
-    out = {k: 1e3 * v for k, v in ms.items()}
-    out["tasks"] = plan.num_tasks
-    return out
-
-
 def plan_section(res: Results, tokens: list[int], repeat: int) -> None:
     for model in ("moe", "mlp"):
         graph_of = _graphs(model)
         for t in tokens:
             regime, g = graph_of(t)
             g.validate()
-            _plan_once(g, min(t, 16))  # imports and caches warm
-            runs = [_plan_once(g, t) for _ in range(repeat)]
+            plan_stages(g, {"T": min(t, 16)}, NUM_SMS)  # imports and caches warm
+            runs = [plan_stages(g, {"T": t}, NUM_SMS) for _ in range(repeat)]
             best = {k: min(r[k] for r in runs) for k in runs[0]}
             static = best["instantiate"] + best["schedule"] + best["lower_static"]
             dynamic = best["instantiate"] + best["lower_dynamic"]

@@ -11,18 +11,14 @@ Run: python benchmarks/plan_time.py [--tokens 128 1024 4096]
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import cutemk as mk
 import cutemk.plan as plan_mod
-from cutemk.bench import Results
-from cutemk.codegen.lower import lower
+from cutemk.bench import Results, plan_stages
 from cutemk.layers import MoeConfig, mlp_graph, moe_graph
 from cutemk.nn import MOE_TILES
-from cutemk.plan import instantiate, no_gc
-from cutemk.scheduling import check_static_schedule, resolve_scheduler
 
 NUM_SMS = 132
 
@@ -34,25 +30,8 @@ def _stages(graph, t: int, repeat: int = 5) -> dict[str, float]:
 
 
 def _stages_once(graph, t: int) -> dict[str, float]:
-    ms = {}
-    t0 = time.perf_counter()
-    plan = instantiate(graph, {"T": t})
-    ms["instantiate"] = time.perf_counter() - t0
-    with no_gc():
-        t0 = time.perf_counter()
-        sched = resolve_scheduler("static").build(plan, NUM_SMS)
-        check_static_schedule(plan, sched, NUM_SMS)
-        ms["schedule"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lower(plan, sched, NUM_SMS).program_arrays()
-        ms["lower_static"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lower(plan, None, NUM_SMS).program_arrays()
-        ms["lower_dynamic"] = time.perf_counter() - t0
-    out = {k: round(1e3 * v, 2) for k, v in ms.items()}
-    out["tasks"] = plan.num_tasks
-    out["events"] = plan.num_events
-    return out
+    out = plan_stages(graph, {"T": t}, NUM_SMS)
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()}
 
 
 def main(argv=None) -> int:

@@ -103,6 +103,36 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return g.replay
 
 
+def plan_stages(graph: Any, env: dict[str, int], num_sms: int = H200.num_sms) -> dict[str, Any]:
+    """Host milliseconds of each stage a first call at new bindings ``env`` pays before its
+    launch (no GPU needed): ``instantiate`` (tasks and events), ``schedule`` (the static
+    schedule and its deadlock check), ``lower_static`` / ``lower_dynamic`` (the kernel's
+    arrays for either scheduler); with the plan's ``tasks`` and ``events``."""
+    from .codegen.lower import lower
+    from .plan import instantiate, no_gc
+    from .scheduling import check_static_schedule, resolve_scheduler
+
+    ms = {}
+    t0 = time.perf_counter()
+    plan = instantiate(graph, env)
+    ms["instantiate"] = time.perf_counter() - t0
+    with no_gc():
+        t0 = time.perf_counter()
+        sched = resolve_scheduler("static").build(plan, num_sms)
+        check_static_schedule(plan, sched, num_sms)
+        ms["schedule"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lower(plan, sched, num_sms).program_arrays()
+        ms["lower_static"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lower(plan, None, num_sms).program_arrays()
+        ms["lower_dynamic"] = time.perf_counter() - t0
+    out: dict[str, Any] = {k: 1e3 * v for k, v in ms.items()}
+    out["tasks"] = plan.num_tasks
+    out["events"] = plan.num_events
+    return out
+
+
 def environment() -> dict[str, Any]:
     """GPU name and library versions for the results header."""
     versions = {

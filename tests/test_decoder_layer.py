@@ -175,14 +175,18 @@ def test_mega_decoder_layer_from_hf():
     from cutemk.nn import MegaDecoderLayer
 
     layer, rotary = _hf(CFG)
-    mega = MegaDecoderLayer.from_hf(
-        layer,
-        page_size=CFG.page_size,
-        max_pages=CFG.max_pages,
-        max_positions=256,
-        max_batch=18,
-        backend="interpret",
-    )
+
+    def mega_of(max_batch):
+        return MegaDecoderLayer.from_hf(
+            layer,
+            page_size=CFG.page_size,
+            max_pages=CFG.max_pages,
+            max_positions=256,
+            max_batch=max_batch,
+            backend="interpret",
+        )
+
+    mega = mega_of(18)
     gen = torch.Generator().manual_seed(2)
     # 2 sequences run the graph compiled for at most 16, 17 the one for max_batch
     for lens in ([3, 40], [1 + i for i in range(17)]):
@@ -191,14 +195,7 @@ def test_mega_decoder_layer_from_hf():
     assert sorted(k[1] for k in mega._compiled) == ["batch", "gemv"]  # 16 and 18 sequences
     # warm-up compiles (here: builds) both regimes' graphs by a step of each on its own inputs
     # (a module of another max batch: a key of its own, nothing compiled yet)
-    fresh = MegaDecoderLayer.from_hf(
-        layer,
-        page_size=CFG.page_size,
-        max_pages=CFG.max_pages,
-        max_positions=256,
-        max_batch=19,
-        backend="interpret",
-    )
+    fresh = mega_of(19)
     assert not fresh._compiled
     report = mk.warmup(fresh, progress=False)
     assert [name for name, _ in report.steps] == [
