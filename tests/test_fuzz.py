@@ -144,3 +144,69 @@ def test_fuzz_decode_attention_interpreted(seed):
     torch.testing.assert_close(out[good], ref, rtol=1e-4, atol=1e-4)
     for b in bad:
         assert torch.isnan(out[b]).all()
+
+
+def _mlp_case(rng: random.Random, gpu: bool):
+    """(hidden, intermediate, tiles, split_k, max T, T values) of one MLP fuzz case: tile shapes,
+    K splits (given, chosen from the sizes, none) and token counts past a tile's edge."""
+    from cutemk.layers import mlp_graph
+
+    if gpu:
+        h, i = rng.choice([(256, 384), (512, 512), (1024, 768)])
+        tiles = rng.choice([((64, 64), None), ((64, 128), (64, 64)), ((128, 96), (128, 256))])
+        max_t = rng.choice([16, 128, 1024])
+    else:
+        h, i = rng.choice([(128, 128), (256, 128), (128, 384)])  # K splits in whole slices
+        tiles = rng.choice([((16, 32), None), ((8, 16), (16, 64)), ((32, 32), (8, 32))])
+        max_t = rng.choice([16, 40])
+    split = rng.choice([1, 2, None, (1, None), (None, 2)])
+    (bm, bn), down = tiles
+    dtype = torch.bfloat16 if gpu else torch.float32
+    g = mlp_graph(mk.sym("T", max=max_t), h, i, dtype, bm, bn, True, down, split)
+    ts = sorted({1, rng.randint(2, max_t), max_t})
+    return g, h, i, ts, f"h={h} i={i} tiles={tiles} split={split} max={max_t}"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fuzz_mlp_interpreted(seed):
+    """Random MLP graphs (tiles, split-K choices, token counts) against fp32 torch."""
+    from cutemk.layers import mlp_reference
+
+    rng = random.Random(500 + seed)
+    g, h, i, ts, what = _mlp_case(rng, gpu=False)
+    c = g.compile(
+        "interpret", num_sms=rng.choice([1, 4, 9]), scheduler=rng.choice(["static", "dynamic"])
+    )
+    gen = torch.Generator().manual_seed(seed)
+    w_gu = torch.randn(2 * i, h, generator=gen) / h**0.5
+    w_d = torch.randn(h, i, generator=gen) / i**0.5
+    for t in ts:
+        x = torch.randn(t, h, generator=gen)
+        ref = mlp_reference(x, w_gu, w_d)
+        err = ((c(x, w_gu, w_d) - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, f"seed {seed} {what} T={t}: rel err {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzz_mlp_on_the_gpu(seed):
+    """Random bf16 MLP graphs on the Hopper tiles, both schedulers, outputs NaN-poisoned,
+    bit-identical on a second launch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from cutemk.layers import mlp_reference
+
+    rng = random.Random(1500 + seed)
+    g, h, i, ts, what = _mlp_case(rng, gpu=True)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w_gu = (torch.randn(2 * i, h, device="cuda", generator=gen) / h**0.5).bfloat16()
+    w_d = (torch.randn(h, i, device="cuda", generator=gen) / i**0.5).bfloat16()
+    for scheduler in ("static", "dynamic"):
+        c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+        for t in ts:
+            x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+            y = c(x, w_gu, w_d)
+            ref = mlp_reference(x, w_gu, w_d)
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, f"seed {seed} {what} {scheduler} T={t}: rel err {err:.3g}"
+            assert torch.equal(c(x, w_gu, w_d), y), f"seed {seed} T={t}: a second launch differs"
