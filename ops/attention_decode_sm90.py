@@ -23,16 +23,16 @@ read shared memory.
   writes it): where the lengths and pages are launch inputs too, the producer decides the
   tile and issues its slices before the task's events (``TileOp.early_exists``), all but the
   slice holding the last position, which follows the events.
-- **Consumers** (``compute``, 8 warps; the sequence length comes with the task record, as
-  the producer read it): warp w owns rows ``[w * C/8, (w + 1) * C/8)`` of every
-  slice. Scores: 8 lanes a row, each with D/8 dimensions of the G query heads' q in registers
-  (loaded from global memory as the tile starts; 16-byte shared loads of K, chunk order
-  rotated per lane so a quarter-warp hits 8 distinct bank groups), reduced by 3 shuffles. Online softmax per warp (max by 2 shuffles), the warp's
-  probabilities through 1 KB of shared memory, then P·V with a lane holding D/32 dimensions of
-  o for every head. After the last slice the 8 warps' (m, l, o) merge through shared memory
-  and the consumers write the output (the sequence's only range) or ``part_o`` / ``part_ml``
-  and count the range in (``ops.kv_split.claim_merge``); the last range merges them all. The
-  storer warp has nothing to store and only publishes the tile.
+- **Consumers** (``compute``, 8 warps; the sequence length comes with the task record, as the
+  producer read it): warp w owns rows ``[w * C/8, (w + 1) * C/8)`` of every slice. Scores: 8
+  lanes a row, each with D/8 dimensions of the G query heads' q in registers (loaded from global
+  memory as the tile starts; 16-byte shared loads of K, chunk order rotated per lane so a
+  quarter-warp hits 8 distinct bank groups), reduced by 3 shuffles. Online softmax per warp (max
+  by 2 shuffles), the warp's probabilities through 1 KB of shared memory, then P·V with a lane
+  holding D/32 dimensions of o for every head. After the last slice the 8 warps' (m, l, o) merge
+  through shared memory and the consumers write the output (the sequence's only range) or
+  ``part_o`` / ``part_ml`` and count the range in (``ops.kv_split.claim_merge``); the last range
+  merges them all. The storer warp has nothing to store and only publishes the tile.
 - Bad data: a page id outside the cache anywhere in the tile's valid range makes the tile's
   output NaN (the merge then makes the sequence NaN), as the reference does. Warp 0 reads
   each slice's page ids as the slice starts and checks them one slice later (the load's
