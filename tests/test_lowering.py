@@ -186,6 +186,53 @@ def test_records_and_csr_are_consistent():
     assert low.max_launches() * (plan.num_tasks + 1) < 2**31
 
 
+def test_malformed_lowered_programs_are_refused():
+    """The boundary check between lowering and the kernel: each way of corrupting a lowered
+    program (that would hang or read out of bounds on the GPU) is a GraphError naming it."""
+    import copy
+
+    from cutemk.errors import GraphError
+
+    rng = random.Random(8)
+    deps = random_dag(rng, 40)
+    plan = instantiate(
+        ops.dag_graph(deps, N, M), {"N": 40, "M": int(ops.dag_inputs(deps)[1].numel())}
+    )
+    good = lower(plan, StaticScheduler().build(plan, 5), 8)
+    good.validate(8, True)
+    lower(plan, None, 8).validate(8, False)
+
+    def corrupt(edit, match):
+        low = copy.deepcopy(good)
+        edit(low)
+        with pytest.raises(GraphError, match=match):
+            low.validate(8, True)
+
+    def wait_range(low):
+        low.task_rec.reshape(-1, REC_WIDTH)[3, R_WHI] = low.wait_ev.size + 1
+
+    def event_id(low):
+        low.wait_ev[0] = low.num_events
+
+    def queue_twice(low):
+        q = low.queue_rec.reshape(-1, REC_WIDTH)
+        q[1, R_TASK] = q[0, R_TASK]
+
+    def queue_ptr(low):
+        low.queue_ptr[2] = low.queue_ptr[1] - 1
+
+    def initial(low):
+        low.num_init -= 1
+
+    corrupt(wait_range, "wait range")
+    corrupt(event_id, "event id outside")
+    corrupt(queue_twice, "exactly once")
+    corrupt(queue_ptr, "queue_ptr is not a CSR pointer")
+    corrupt(initial, "initial tasks")
+    with pytest.raises(GraphError, match="dynamic program has static queues"):
+        good.validate(8, False)
+
+
 def test_pack_int32_header_and_alignment():
     arrays = [
         np.arange(5, dtype=np.int32),

@@ -70,6 +70,71 @@ class LoweredPlan:
             if isinstance(getattr(self, f.name), np.ndarray)
         }
 
+    def validate(self, grid: int, static: bool) -> None:
+        """Raise GraphError unless the arrays are a well-formed program for ``grid`` CTAs: every
+        record's wait and notify ranges inside their lists, every event id and task id in
+        range, the CSR pointers monotone, each task queued once (``static``) and the tasks
+        with no waits exactly the initial ones. The boundary check between lowering and the
+        kernel (a malformed program would hang or read out of bounds on the GPU)."""
+        n, n_ev = self.num_tasks, self.num_events
+        rows = max(n, 1)
+
+        def bad(what: str) -> None:
+            raise GraphError(f"lowered plan ({n} tasks, {n_ev} events): {what}")
+
+        def csr(ptr: np.ndarray, size: int, flat_len: int, name: str) -> None:
+            if len(ptr) != size + 1 or ptr[0] != 0 or (np.diff(ptr) < 0).any():
+                bad(f"{name} is not a CSR pointer of {size} rows")
+            if ptr[-1] > flat_len:
+                bad(f"{name} points past its list ({int(ptr[-1])} > {flat_len})")
+
+        if self.task_rec.size != rows * REC_WIDTH:
+            bad(f"task_rec holds {self.task_rec.size} words, not {rows} records")
+        rec = self.task_rec.reshape(rows, REC_WIDTH)[:n]
+        if not np.array_equal(rec[:, R_TASK], np.arange(n)):
+            bad("task_rec is not indexed by task id")
+        for lo, hi, ids, name in (
+            (R_WLO, R_WHI, self.wait_ev, "wait"),
+            (R_NLO, R_NHI, self.notify_ev, "notify"),
+        ):
+            starts, ends = rec[:, lo], rec[:, hi]
+            if n and ((starts < 0).any() or (ends < starts).any() or ends.max() > ids.size):
+                bad(f"a task's {name} range falls outside {name}_ev")
+            used = ids[: int(ends.max())] if n else ids[:0]
+            if ((used < 0) | (used >= n_ev)).any():
+                bad(f"{name}_ev holds an event id outside 0..{n_ev - 1}")
+        if (
+            n
+            and int(rec[:, R_WHI].max())
+            and not np.array_equal(
+                self.wait_target[: int(rec[:, R_WHI].max())],
+                self.ev_count[self.wait_ev[: int(rec[:, R_WHI].max())]],
+            )
+        ):
+            bad("a wait's target is not its event's count")
+        csr(self.queue_ptr, grid, n, "queue_ptr")
+        if self.queue_rec.size != max(int(self.queue_ptr[-1]), 1) * REC_WIDTH:
+            bad(
+                f"queue_rec holds {self.queue_rec.size} words for {int(self.queue_ptr[-1])} records"
+            )
+        queued = self.queue_rec.reshape(-1, REC_WIDTH)[: int(self.queue_ptr[-1]), R_TASK]
+        if static and not np.array_equal(np.sort(queued), np.arange(n)):
+            bad("the static queues do not hold every task exactly once")
+        if not static and len(queued):
+            bad("a dynamic program has static queues")
+        csr(self.cons_ptr, n_ev, self.cons_task.size, "cons_ptr")
+        cons = self.cons_task[: int(self.cons_ptr[-1])]
+        cons = np.where(cons < 0, -cons - 1, cons)
+        if ((cons < 0) | (cons >= n)).any():
+            bad("cons_task holds a task id outside the plan")
+        nwait = self.task_nwait[:n]
+        if (nwait < 0).any():
+            bad("a task waits on a negative number of events")
+        init = np.sort(self.init_tasks[: self.num_init])
+        if not np.array_equal(init, np.flatnonzero(nwait == 0)):
+            bad("the initial tasks are not exactly the tasks with no waits")
+        csr(self.rwait_ptr, n, self.rwait_ev.size, "rwait_ptr")
+
     def max_launches(self) -> int:
         """Launches before a counter target (count * epoch) would overflow int32; the kernel
         zeroes its counters and restarts at epoch 0 when it gets there."""
@@ -173,7 +238,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     cons_ptr = _ptr(np.bincount(ev_sorted, minlength=n_ev))
     cons_task = _nonempty(np.where(nlive[cons] > 1, cons, -cons - 1).astype(np.int32))
     init = sorted(np.flatnonzero(nlive == 0).tolist(), key=plan.ready_key)
-    return LoweredPlan(
+    lowered = LoweredPlan(
         num_tasks=n,
         num_events=plan.num_events,
         task_rec=rec.reshape(-1),
@@ -193,6 +258,8 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         rwait_target=rwait_target,
         num_init=len(init),
     )
+    lowered.validate(grid, schedule is not None)
+    return lowered
 
 
 def pack_int32(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
