@@ -430,14 +430,23 @@ def dump_stage(plan: Plan, stage: str, payload: Any) -> Path | None:
     ``<graph>_<dims>.<stage>.json`` (a JSON-able payload) or ``.npz`` (a dict of numpy arrays;
     ``payload`` may be a function making it, called only when dumping).
     The stages: ``plan`` (the task graph), ``schedule`` (static queues), ``lowered`` (the
-    arrays the megakernel reads). Returns the path, or None when dumping is off."""
+    arrays the megakernel reads); the kernel's (which depends on the graph's structure only) is
+    written by :func:`dump_file`. Returns the path, or None when dumping is off."""
+    tag = "_".join(f"{k}{v}" for k, v in sorted(plan.env.items())) or "static"
+    return dump_file(f"{plan.graph.name}_{tag}.{stage}", payload)
+
+
+def dump_file(name: str, payload: Any) -> Path | None:
+    """Under ``CUTEMK_DUMP=dir``, write ``payload`` to ``dir/<name>.json`` (JSON-able) or
+    ``.npz`` (a dict of numpy arrays); a callable ``payload`` is called only when dumping.
+    Returns the path, or None when dumping is off. :func:`dump_stage` names a plan's stages;
+    the kernel stage is ``<graph>.<static|dynamic>.kernel`` (``runtime.kernel_spec``)."""
     dump_dir = os.environ.get("CUTEMK_DUMP")
     if not dump_dir:
         return None
     if callable(payload):  # built only when dumping
         payload = payload()
-    tag = "_".join(f"{k}{v}" for k, v in sorted(plan.env.items())) or "static"
-    path = Path(dump_dir) / f"{plan.graph.name}_{tag}.{stage}"
+    path = Path(dump_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     if (
         isinstance(payload, dict)

@@ -48,7 +48,7 @@ from .codegen.megakernel import (
 )
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
-from .plan import Plan, dump_stage, instantiate, no_gc
+from .plan import Plan, dump_file, dump_stage, instantiate, no_gc
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
 from .tileop import TileOp
@@ -526,7 +526,7 @@ def kernel_spec(
     prefetch = tuple(_loads_before_events(n) for n in graph.nodes)
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)
-    return KernelSpec(
+    spec = KernelSpec(
         ops_,
         node_tensors,
         values,
@@ -538,6 +538,8 @@ def kernel_spec(
         prefetch,
         worker_shape(ops_),
     )
+    dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
+    return spec
 
 
 def compile_offline(

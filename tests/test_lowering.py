@@ -293,7 +293,8 @@ def test_one_kernel_key_for_same_structure_different_dags():
 
 
 def test_dump_writes_each_stage(tmp_path, monkeypatch):
-    """CUTEMK_DUMP=dir: the plan, the static schedule and the lowered arrays of a launch."""
+    """CUTEMK_DUMP=dir: the plan, the static schedule and the lowered arrays of a launch, and
+    the kernel spec of the graph's megakernel."""
     import json
 
     from cutemk.layers import mlp_graph
@@ -313,6 +314,13 @@ def test_dump_writes_each_stage(tmp_path, monkeypatch):
     path = dump_stage(plan, "lowered", low.program_arrays())
     with np.load(path) as z:
         assert np.array_equal(z["queue_rec"], low.queue_rec)
+    # the kernel stage: the compile-cache key of the graph's megakernel (no GPU needed)
+    from cutemk.runtime import kernel_spec
+
+    spec = kernel_spec(g, dynamic=False)
+    kernel = json.loads((tmp_path / "qwen3_mlp.static.kernel.json").read_text())
+    assert [o["name"] for o in kernel["ops"]] == [n.op.name for n in g.nodes]
+    assert kernel["worker"]["ring_stages"] == spec.worker.ring_stages and not kernel["dynamic"]
     monkeypatch.delenv("CUTEMK_DUMP")
     assert dump_stage(plan, "lowered", low.program_arrays()) is None
 

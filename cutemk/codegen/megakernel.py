@@ -40,6 +40,7 @@ serves every token count.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -132,6 +133,21 @@ class KernelSpec:
     distributed: bool = False  # cross-rank waits, sys-scope notifies, a barrier per launch
     prefetch: tuple[bool, ...] = ()  # per node: its independent loads may precede its waits
     worker: WorkerShape = WorkerShape()
+
+    def describe(self) -> dict:
+        """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
+        return {
+            "ops": [{"name": op.name, "config": repr(op)} for op in self.ops],
+            "node_tensors": [list(t) for t in self.node_tensors],
+            "values": [list(v) for v in self.values],
+            "dynamic": self.dynamic,
+            "watchdog": self.watchdog,
+            "profile": self.profile,
+            "arch": self.arch,
+            "distributed": self.distributed,
+            "prefetch": list(self.prefetch),
+            "worker": dataclasses.asdict(self.worker),
+        }
 
 
 @dataclass
