@@ -37,7 +37,7 @@ import time
 import torch
 
 from cutemk.bench import Results, plan_stages
-from cutemk.nn import (
+from cutemk.regimes import (
     MOE_REGIME_LIMITS,
     REGIME_LIMITS,
     mlp_regime_graph,

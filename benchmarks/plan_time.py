@@ -18,7 +18,7 @@ import cutemk as mk
 import cutemk.plan as plan_mod
 from cutemk.bench import Results, plan_stages
 from cutemk.layers import MoeConfig, mlp_graph, moe_graph
-from cutemk.nn import MOE_TILES
+from cutemk.regimes import MOE_TILES
 
 NUM_SMS = 132
 

@@ -5,13 +5,9 @@
 layers) by the fused MLP graph of :func:`cutemk.layers.mlp_graph`: one megakernel launch in
 which each down-projection tile waits only for the gate/up tiles it reads.
 
-One compiled graph serves every token count up to its declared maximum, but one tile shape does
-not suit every token count: at decode sizes the MLP is a weight stream that must reach all 132
-SMs (split along K where the tiles are too few), while small tiles waste bandwidth on re-reads
-of the weights at prefill sizes. So the module keeps three *regimes*, each one graph compiled
-lazily on first use: ``gemv`` for T <= 16, ``decode`` for T <= 128 and ``prefill`` above. Their
-tile shapes live in :data:`MLP_TILES` (read through :func:`mlp_tiles`) and their K splits in
-:data:`MLP_SPLIT_K`, the places to tune them.
+:class:`MegaMoE` replaces a Qwen3-MoE sparse block and :class:`MegaDecoderLayer` a Qwen3
+decoder layer's decode step. Each module keeps a few *regimes* (token-count ranges, one graph
+each, compiled lazily on first use); which graph a regime compiles is :mod:`cutemk.regimes`'.
 
 Inference only: the megakernel has no backward, so :meth:`MegaMLP.forward` runs under
 ``torch.no_grad`` and its output never requires grad.
@@ -22,6 +18,7 @@ cutemk`` reaches it lazily as ``cutemk.nn``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -30,88 +27,41 @@ from torch import nn
 
 from . import torch_ops
 from .errors import DeviceError, DTypeError, ShapeError
-from .layers import mlp_graph
+from .regimes import (  # noqa: F401 (the regime tables are this module's API too)
+    DECODE_GATE_UP_WIDTHS,
+    DECODE_MAX_TOKENS,
+    DECODER_REGIME_LIMITS,
+    GEMV_MAX_BATCH,
+    MLP_SPLIT_K,
+    MLP_TILES,
+    MOE_DECODE_MAX_TOKENS,
+    MOE_REGIME_LIMITS,
+    MOE_TILES,
+    REGIME_LIMITS,
+    REGIMES,
+    Tiles,
+    mlp_regime_graph,
+    mlp_tiles,
+    moe_regime_graph,
+    regime_of,
+    regime_starts,
+    wave_fit_width,
+)
 from .symbolic import sym
 from .tileop import expect_positive_int
 
-DECODE_MAX_TOKENS = 128
-"""Largest token count the decode regimes serve; larger ones go to the prefill graph."""
-
-REGIME_LIMITS: dict[str, int | None] = {"gemv": 16, "decode": DECODE_MAX_TOKENS, "prefill": None}
-"""Regimes in order with the most tokens each serves. 'gemv' is 'decode' compiled for at most
-16 rows: its A loads are 16 rows, not 64 (out-of-bounds rows still cost the copy engine)."""
-
-Tiles = tuple[tuple[int, int], tuple[int, int]]
-
-MLP_TILES: dict[tuple[str, str], Tiles] = {
-    # (backend, regime): ((block_m, block_n) of the fused gate/up GEMM, the same of the down
-    # GEMM). The fused gate/up tile holds two accumulators, so at one register budget it is half
-    # as wide as the down tile. Measured on the H200 (benchmarks/gemm_sweep.py, mlp.py): at
-    # decode sizes each SM's weight stream runs faster with wide B boxes than with many tiles
-    # (64x32 reached 1.5 TB/s, 64x256 3.4 TB/s), so decode uses 64-row tiles about 128 to 256
-    # weight rows wide; prefill uses 128-row tiles, which read each weight tile once per 128
-    # tokens.
-    ("cute", "gemv"): ((64, 128), (64, 64)),
-    ("cute", "decode"): ((128, 64), (128, 256)),
-    ("cute", "prefill"): ((128, 128), (128, 256)),
-    # The interpreter runs torch references on the CPU: small tiles exercise many events
-    # (and races, deadlocks) at test sizes; speed does not matter there.
-    ("interpret", "gemv"): ((16, 32), (16, 32)),
-    ("interpret", "decode"): ((16, 32), (16, 32)),
-    ("interpret", "prefill"): ((16, 32), (16, 32)),
-}
-
-MLP_SPLIT_K: dict[tuple[str, str], int | None | tuple[int | None, int | None]] = {
-    ("cute", "gemv"): None,
-    ("cute", "decode"): (1, None),
-}
-"""(backend, regime) -> ``split_k`` of the MLP's GEMMs (``cutemk.layers.mlp_graph``; None:
-chosen per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream,
-and K ranges spread it over every SM (``ops.gemm_splitk``). Up to 128 tokens it still is: one
-128-row tile reads each weight column once (64-row tiles read it twice at 128 tokens), gate/up
-in 64-column tiles (Qwen3-8B: 192 of them, ~1.5 waves), down split along K (its 4096 columns
-make too few 128-row tiles to fill 132 SMs; the split's partial tiles are 256 columns wide,
-``cutemk.layers.SPLIT_BLOCK_N``, so the down tile width in :data:`MLP_TILES` applies unsplit)."""
-
-DECODE_GATE_UP_WIDTHS = (64, 80, 96, 112, 128)
-"""Fused gate/up tile widths the decode regime picks from (:func:`wave_fit_width`)."""
-
-
-def wave_fit_width(columns: int, row_tiles: int, num_sms: int, widths=DECODE_GATE_UP_WIDTHS):
-    """The tile width (of ``widths``) whose busiest SM streams the fewest weight columns when
-    ``row_tiles`` x ``columns / width`` tiles run in waves over ``num_sms`` SMs; ties go to the
-    wider tile (fewer tiles). An unsplit weight stream's time is its busiest SM's share: 192
-    tiles of 64 columns (Qwen3-8B's gate/up at 128 tokens) are 1.45 waves, so 60 SMs stream two
-    tiles while 72 stream one; 128 tiles of 96 columns are one wave of 3/4 of that share."""
-
-    def busiest(w: int) -> int:
-        tiles = row_tiles * -(-columns // w)
-        return -(-tiles // num_sms) * w
-
-    return min(sorted(widths, reverse=True), key=busiest)
-
-
-GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
-"""MegaDecoderLayer: batches up to this run a graph compiled for it (its 'gemv' regime)."""
-
-REGIMES = tuple(REGIME_LIMITS)
 _SILU_NAMES = ("silu", "swish")
 
 
-def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
-    """``((block_m, block_n) of gate/up, (block_m, block_n) of down)`` for a regime
-    ('decode' | 'prefill')."""
-    try:
-        return MLP_TILES[(backend, regime)]
-    except KeyError:
-        raise ValueError(
-            f"no MLP tiles for backend={backend!r}, regime={regime!r}; known: {sorted(MLP_TILES)}"
-        ) from None
+class _Compiled(dict):
+    """(backend, regime, dtype, device) -> compiled graph, of one module key (a dict that can
+    be weakly referenced)."""
 
 
-_COMPILED_BY_KEY: dict[str, dict[tuple, Any]] = {}
+_COMPILED_BY_KEY: weakref.WeakValueDictionary[str, _Compiled] = weakref.WeakValueDictionary()
 """A module key's compiled graphs (see ``_KeyedModule._compiled``), by the custom op's key
-(``torch_ops.op_key``: a profiled module's kernels are others)."""
+(``torch_ops.op_key``: a profiled module's kernels are others). Held by the key's live modules:
+kernels, plans and their device state go with the last of them."""
 
 
 class _KeyedModule(nn.Module):
@@ -127,7 +77,19 @@ class _KeyedModule(nn.Module):
         the custom op to any live module of the key (``torch_ops``), so they share kernels and
         plans (a compiled graph holds no weights: they come with each call), and warming one
         warms them all."""
-        return _COMPILED_BY_KEY.setdefault(torch_ops.op_key(self), {})
+        key = torch_ops.op_key(self)
+        held = self.__dict__.get("_compiled_held")
+        if held is None or held[0] != key:  # first use, or the key changed (profile set)
+            graphs = _COMPILED_BY_KEY.get(key)
+            if graphs is None:
+                graphs = _COMPILED_BY_KEY[key] = _Compiled()
+            held = self.__dict__["_compiled_held"] = (key, graphs)
+        return held[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state.pop("_compiled_held", None)  # compiled kernels are the process's, not the module's
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -271,87 +233,6 @@ class MegaMLP(_KeyedModule):
         )
 
 
-def regime_starts(limits: dict[str, int | None], max_tokens: int) -> list[tuple[str, int]]:
-    """(regime, its smallest token count) of the regimes of ``limits`` (in order, the most
-    tokens each serves) that a module of ``max_tokens`` runs."""
-    out, lower = [], 0
-    for name, limit in limits.items():
-        if lower < max_tokens:
-            out.append((name, lower + 1))
-        lower = limit if limit is not None else lower
-    return out
-
-
-def regime_of(limits: dict[str, int | None], tokens: int) -> str:
-    """The first regime of ``limits`` (in order, the most tokens each serves) that takes
-    ``tokens``."""
-    for name, limit in limits.items():
-        if limit is None or tokens <= limit:
-            return name
-    raise AssertionError("the last regime has no limit")
-
-
-def mlp_regime_graph(
-    hidden: int,
-    intermediate: int,
-    regime: str,
-    dtype: torch.dtype,
-    max_tokens: int,
-    backend: str = "cute",
-    num_sms: int = 132,
-) -> Any:
-    """The graph :class:`MegaMLP` compiles for ``regime`` (tiles from :data:`MLP_TILES`,
-    splits from :data:`MLP_SPLIT_K`, the decode gate/up width from :func:`wave_fit_width`
-    over ``num_sms``), for at most ``max_tokens`` tokens; no weights needed."""
-    limit = REGIME_LIMITS[regime]
-    limit = max_tokens if limit is None else min(max_tokens, limit)
-    (block_m, block_n), down = mlp_tiles(regime, backend)
-    split_k = MLP_SPLIT_K.get((backend, regime), 1)
-    gate_up_split = split_k[0] if isinstance(split_k, tuple) else split_k
-    if backend == "cute" and regime == "decode" and gate_up_split == 1:
-        block_n = wave_fit_width(intermediate, -(-limit // block_m), num_sms)
-    return mlp_graph(
-        sym("T", max=limit),
-        hidden,
-        intermediate,
-        dtype,
-        block_m,
-        block_n,
-        fuse_silu=True,
-        down_block=down,
-        split_k=split_k,
-    )
-
-
-def moe_regime_graph(
-    hidden: int,
-    intermediate: int,
-    num_experts: int,
-    top_k: int,
-    norm_topk_prob: bool,
-    regime: str,
-    dtype: torch.dtype,
-    max_tokens: int,
-    backend: str = "cute",
-) -> Any:
-    """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :data:`MOE_TILES`,
-    routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
-    from .layers import MoeConfig, moe_graph
-
-    limit = MOE_REGIME_LIMITS[regime]
-    limit = max_tokens if limit is None else min(max_tokens, limit)
-    cfg = MoeConfig(
-        hidden,
-        intermediate,
-        num_experts,
-        top_k,
-        norm_topk_prob,
-        router_dtype=None,
-        **MOE_TILES[(backend, regime)],
-    )
-    return moe_graph(sym("T", max=limit), cfg, dtype)
-
-
 def _sm_count(device: torch.device) -> int:
     """The SMs a kernel on ``device`` runs on (the H200's 132 off the GPU)."""
     if device.type == "cuda":
@@ -454,39 +335,6 @@ def _check_silu(mlp: nn.Module) -> None:
             f"{type(mlp).__name__}.act_fn is {act!r}, not SiLU; MegaMLP computes "
             "down(silu(gate) * up) only"
         )
-
-
-MOE_DECODE_MAX_TOKENS = 512
-"""Largest token count :class:`MegaMoE`'s decode graphs serve (64-row grouped tiles); larger
-ones go to its prefill graph (128-row tiles)."""
-
-MOE_REGIME_LIMITS: dict[str, int | None] = {
-    "gemv": 16,
-    "decode": MOE_DECODE_MAX_TOKENS,
-    "prefill": None,
-}
-"""MegaMoE's regimes in order with the most tokens each serves. An expert holds at most T rows,
-so 'gemv' (decode compiled for T <= 16) loads 16-row A boxes instead of 64."""
-
-MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
-    # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
-    # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
-    # router's 128 expert columns over 8 SMs. Prefill: 128-row tiles, wider columns, the
-    # routing spread over SMs in chunks of 64 tokens (one task routes 32K slots in ~100 us).
-    ("cute", "gemv"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
-    ("cute", "decode"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
-    ("cute", "prefill"): dict(
-        block_m=128,
-        block_n=64,
-        down_block_n=128,
-        router_block_n=32,
-        route_chunk=64,
-        combine_block_m=16,
-    ),
-    ("interpret", "gemv"): dict(block_m=16, block_n=32),
-    ("interpret", "decode"): dict(block_m=16, block_n=32),
-    ("interpret", "prefill"): dict(block_m=16, block_n=32),
-}
 
 
 class MegaMoE(_KeyedModule):
@@ -626,10 +474,6 @@ class MegaMoE(_KeyedModule):
             f"hidden={self.hidden}, intermediate={self.intermediate}, "
             f"experts={self.num_experts}, top_k={self.top_k}, max_tokens={self.max_tokens}"
         )
-
-
-DECODER_REGIME_LIMITS: dict[str, int | None] = {"gemv": GEMV_MAX_BATCH, "batch": None}
-""":class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves."""
 
 
 class MegaDecoderLayer(_KeyedModule):

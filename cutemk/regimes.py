@@ -1,0 +1,209 @@
+"""Which graph a drop-in module (``cutemk.nn``) compiles for a token count: its *regimes*.
+
+One compiled graph serves every token count up to its declared maximum, but one tile shape does
+not suit every token count: at decode sizes a layer is a weight stream that must reach all 132
+SMs (split along K where the tiles are too few), while small tiles waste bandwidth on re-reads
+of the weights at prefill sizes. So a module keeps a few regimes, each one graph compiled
+lazily on first use. The MLP's: ``gemv`` for T <= 16, ``decode`` for T <= 128 and ``prefill``
+above, tile shapes in :data:`MLP_TILES` (read through :func:`mlp_tiles`) and K splits in
+:data:`MLP_SPLIT_K`; the MoE block's in :data:`MOE_REGIME_LIMITS` / :data:`MOE_TILES`; the
+decoder layer's in :data:`DECODER_REGIME_LIMITS`. These tables are the places to tune them, and
+:func:`mlp_regime_graph` / :func:`moe_regime_graph` build a regime's graph without weights (for
+tools such as ``benchmarks/host_path.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .graph import Graph
+from .layers import MoeConfig, mlp_graph, moe_graph
+from .symbolic import sym
+
+DECODE_MAX_TOKENS = 128
+"""Largest token count the decode regimes serve; larger ones go to the prefill graph."""
+
+REGIME_LIMITS: dict[str, int | None] = {"gemv": 16, "decode": DECODE_MAX_TOKENS, "prefill": None}
+"""Regimes in order with the most tokens each serves. 'gemv' is 'decode' compiled for at most
+16 rows: its A loads are 16 rows, not 64 (out-of-bounds rows still cost the copy engine)."""
+
+Tiles = tuple[tuple[int, int], tuple[int, int]]
+
+MLP_TILES: dict[tuple[str, str], Tiles] = {
+    # (backend, regime): ((block_m, block_n) of the fused gate/up GEMM, the same of the down
+    # GEMM). The fused gate/up tile holds two accumulators, so at one register budget it is half
+    # as wide as the down tile. Measured on the H200 (benchmarks/gemm_sweep.py, mlp.py): at
+    # decode sizes each SM's weight stream runs faster with wide B boxes than with many tiles
+    # (64x32 reached 1.5 TB/s, 64x256 3.4 TB/s), so decode uses 64-row tiles about 128 to 256
+    # weight rows wide; prefill uses 128-row tiles, which read each weight tile once per 128
+    # tokens.
+    ("cute", "gemv"): ((64, 128), (64, 64)),
+    ("cute", "decode"): ((128, 64), (128, 256)),
+    ("cute", "prefill"): ((128, 128), (128, 256)),
+    # The interpreter runs torch references on the CPU: small tiles exercise many events
+    # (and races, deadlocks) at test sizes; speed does not matter there.
+    ("interpret", "gemv"): ((16, 32), (16, 32)),
+    ("interpret", "decode"): ((16, 32), (16, 32)),
+    ("interpret", "prefill"): ((16, 32), (16, 32)),
+}
+
+MLP_SPLIT_K: dict[tuple[str, str], int | None | tuple[int | None, int | None]] = {
+    ("cute", "gemv"): None,
+    ("cute", "decode"): (1, None),
+}
+"""(backend, regime) -> ``split_k`` of the MLP's GEMMs (``cutemk.layers.mlp_graph``; None:
+chosen per GEMM from the sizes); 1 where absent. At up to 16 tokens the MLP is a weight stream,
+and K ranges spread it over every SM (``ops.gemm_splitk``). Up to 128 tokens it still is: one
+128-row tile reads each weight column once (64-row tiles read it twice at 128 tokens), gate/up
+in 64-column tiles (Qwen3-8B: 192 of them, ~1.5 waves), down split along K (its 4096 columns
+make too few 128-row tiles to fill 132 SMs; the split's partial tiles are 256 columns wide,
+``cutemk.layers.SPLIT_BLOCK_N``, so the down tile width in :data:`MLP_TILES` applies unsplit)."""
+
+DECODE_GATE_UP_WIDTHS = (64, 80, 96, 112, 128)
+"""Fused gate/up tile widths the decode regime picks from (:func:`wave_fit_width`)."""
+
+
+def wave_fit_width(columns: int, row_tiles: int, num_sms: int, widths=DECODE_GATE_UP_WIDTHS):
+    """The tile width (of ``widths``) whose busiest SM streams the fewest weight columns when
+    ``row_tiles`` x ``columns / width`` tiles run in waves over ``num_sms`` SMs; ties go to the
+    wider tile (fewer tiles). An unsplit weight stream's time is its busiest SM's share: 192
+    tiles of 64 columns (Qwen3-8B's gate/up at 128 tokens) are 1.45 waves, so 60 SMs stream two
+    tiles while 72 stream one; 128 tiles of 96 columns are one wave of 3/4 of that share."""
+
+    def busiest(w: int) -> int:
+        tiles = row_tiles * -(-columns // w)
+        return -(-tiles // num_sms) * w
+
+    return min(sorted(widths, reverse=True), key=busiest)
+
+
+GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
+"""MegaDecoderLayer: batches up to this run a graph compiled for it (its 'gemv' regime)."""
+
+REGIMES = tuple(REGIME_LIMITS)
+
+
+def mlp_tiles(regime: str, backend: str = "cute") -> Tiles:
+    """``((block_m, block_n) of gate/up, (block_m, block_n) of down)`` for a regime
+    ('decode' | 'prefill')."""
+    try:
+        return MLP_TILES[(backend, regime)]
+    except KeyError:
+        raise ValueError(
+            f"no MLP tiles for backend={backend!r}, regime={regime!r}; known: {sorted(MLP_TILES)}"
+        ) from None
+
+
+MOE_DECODE_MAX_TOKENS = 512
+"""Largest token count :class:`MegaMoE`'s decode graphs serve (64-row grouped tiles); larger
+ones go to its prefill graph (128-row tiles)."""
+
+MOE_REGIME_LIMITS: dict[str, int | None] = {
+    "gemv": 16,
+    "decode": MOE_DECODE_MAX_TOKENS,
+    "prefill": None,
+}
+"""MegaMoE's regimes in order with the most tokens each serves. An expert holds at most T rows,
+so 'gemv' (decode compiled for T <= 16) loads 16-row A boxes instead of 64."""
+
+MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
+    # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
+    # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
+    # router's 128 expert columns over 8 SMs. Prefill: 128-row tiles, wider columns, the
+    # routing spread over SMs in chunks of 64 tokens (one task routes 32K slots in ~100 us).
+    ("cute", "gemv"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
+    ("cute", "decode"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
+    ("cute", "prefill"): dict(
+        block_m=128,
+        block_n=64,
+        down_block_n=128,
+        router_block_n=32,
+        route_chunk=64,
+        combine_block_m=16,
+    ),
+    ("interpret", "gemv"): dict(block_m=16, block_n=32),
+    ("interpret", "decode"): dict(block_m=16, block_n=32),
+    ("interpret", "prefill"): dict(block_m=16, block_n=32),
+}
+
+DECODER_REGIME_LIMITS: dict[str, int | None] = {"gemv": GEMV_MAX_BATCH, "batch": None}
+""":class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves."""
+
+
+def regime_starts(limits: dict[str, int | None], max_tokens: int) -> list[tuple[str, int]]:
+    """(regime, its smallest token count) of the regimes of ``limits`` (in order, the most
+    tokens each serves) that a module of ``max_tokens`` runs."""
+    out, lower = [], 0
+    for name, limit in limits.items():
+        if lower < max_tokens:
+            out.append((name, lower + 1))
+        lower = limit if limit is not None else lower
+    return out
+
+
+def regime_of(limits: dict[str, int | None], tokens: int) -> str:
+    """The first regime of ``limits`` (in order, the most tokens each serves) that takes
+    ``tokens``."""
+    for name, limit in limits.items():
+        if limit is None or tokens <= limit:
+            return name
+    raise AssertionError("the last regime has no limit")
+
+
+def mlp_regime_graph(
+    hidden: int,
+    intermediate: int,
+    regime: str,
+    dtype: torch.dtype,
+    max_tokens: int,
+    backend: str = "cute",
+    num_sms: int = 132,
+) -> Graph:
+    """The graph :class:`MegaMLP` compiles for ``regime`` (tiles from :data:`MLP_TILES`,
+    splits from :data:`MLP_SPLIT_K`, the decode gate/up width from :func:`wave_fit_width`
+    over ``num_sms``), for at most ``max_tokens`` tokens; no weights needed."""
+    limit = REGIME_LIMITS[regime]
+    limit = max_tokens if limit is None else min(max_tokens, limit)
+    (block_m, block_n), down = mlp_tiles(regime, backend)
+    split_k = MLP_SPLIT_K.get((backend, regime), 1)
+    gate_up_split = split_k[0] if isinstance(split_k, tuple) else split_k
+    if backend == "cute" and regime == "decode" and gate_up_split == 1:
+        block_n = wave_fit_width(intermediate, -(-limit // block_m), num_sms)
+    return mlp_graph(
+        sym("T", max=limit),
+        hidden,
+        intermediate,
+        dtype,
+        block_m,
+        block_n,
+        fuse_silu=True,
+        down_block=down,
+        split_k=split_k,
+    )
+
+
+def moe_regime_graph(
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    regime: str,
+    dtype: torch.dtype,
+    max_tokens: int,
+    backend: str = "cute",
+) -> Graph:
+    """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :data:`MOE_TILES`,
+    routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
+    limit = MOE_REGIME_LIMITS[regime]
+    limit = max_tokens if limit is None else min(max_tokens, limit)
+    cfg = MoeConfig(
+        hidden,
+        intermediate,
+        num_experts,
+        top_k,
+        norm_topk_prob,
+        router_dtype=None,
+        **MOE_TILES[(backend, regime)],
+    )
+    return moe_graph(sym("T", max=limit), cfg, dtype)
