@@ -19,7 +19,6 @@ import torch
 
 from .arch import target_arch
 from .binding import bind, env_key, fresh_, poison_
-from .comm import Communicator, is_distributed, symmetric_values
 from .codegen.lower import (
     ABORT,
     DBG_EVENT,
@@ -46,13 +45,14 @@ from .codegen.megakernel import (
     Megakernel,
     worker_shape,
 )
+from .comm import Communicator, is_distributed, symmetric_values
+from .device.ring import WAIT_NAMES
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
 from .plan import Plan, dump_file, dump_stage, instantiate, no_gc
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
 from .tileop import TileOp
-from .device.ring import WAIT_NAMES
 
 _COMPILED: dict[KernelSpec, Any] = {}
 _LOCK = threading.Lock()
@@ -303,12 +303,13 @@ class CuteGraph:
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):
-        if self.spec.watchdog and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self.spec.watchdog and capturing:
             raise CuteMKError(
                 "watchdog=True reads the kernel's state back after every launch, "
                 "so it cannot be captured in a CUDA graph; compile without it"
             )
-        if self.spec.distributed and torch.cuda.is_current_stream_capturing():
+        if self.spec.distributed and capturing:
             raise CuteMKError(
                 "a distributed megakernel cannot be captured in a CUDA graph yet: other ranks "
                 "read its event counters, so they never wrap on the device, and the host resets "
@@ -326,7 +327,7 @@ class CuteGraph:
                     f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor"
                 )
         b = self._bufs(env)
-        b.captured = b.captured or torch.cuda.is_current_stream_capturing()
+        b.captured = b.captured or capturing
         self.last_env = env
         device = next(iter(leaves.values())).device
         outs = {}
