@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from cutemk import ops
 from cutemk.ops import kv_split
+from cutemk.costmodel import H200
 from cutemk.device.config import NUM_WARPS
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym, upper
@@ -128,22 +129,41 @@ def linear(
                 widths = (split_block_n,)
             else:
                 widths = ops.SPLIT_WIDTHS
-            # unsplit, a folded norm would need a phase of its own: only split where there is one
+            # the unsplit candidate: tiles as wide as fill the waves best; with a folded norm only
+            # where the GEMM's epilogue can apply it (x's sums of squares given, a 16-bit GEMM:
+            # the Hopper tile), else it would need a phase of its own
             fused = 2 if epilogue == "silu_mul" else 1  # the fused tile: gate and up rows
-            unsplit = None if norm_eps is not None else fused * block_n
+            unsplit = None
+            if norm_eps is None or _norm_in_epilogue(x, norm_sumsq):
+                row_tiles = -(-m_max // block_m)
+                block_n = ops.wave_fit_width(n_rows // fused, row_tiles, H200.num_sms)
+                unsplit = fused * block_n
             split_k, split_block_n = ops.choose_split(
                 m_max, n_rows, k, block_m, unsplit, widths, x.spec.dtype.itemsize
             )
     split_block_n = split_block_n or SPLIT_BLOCK_N
     expect_positive_int(split_k, "linear split_k")
     res = () if r is None else (r,)
+    norm = {}
     if norm_eps is not None and split_k == 1:
-        norm_name = None if name is None else f"{name}_norm"
-        x = g.call(ops.rmsnorm, x, eps=norm_eps, block_m=NUM_WARPS, name=norm_name)
+        if _norm_in_epilogue(x, norm_sumsq):  # each row scaled in the GEMM's epilogue
+            res = (*res, norm_sumsq)
+            norm = {"norm_width": k, "norm_eps": norm_eps}
+        else:
+            norm_name = None if name is None else f"{name}_norm"
+            x = g.call(ops.rmsnorm, x, eps=norm_eps, block_m=NUM_WARPS, name=norm_name)
         norm_eps = None
     if split_k == 1:
         y = g.call(
-            ops.gemm, x, w, *res, block_m=block_m, block_n=block_n, epilogue=epilogue, name=name
+            ops.gemm,
+            x,
+            w,
+            *res,
+            block_m=block_m,
+            block_n=block_n,
+            epilogue=epilogue,
+            name=name,
+            **norm,
         )
         return (y, None) if sumsq else y
     part = g.call(
@@ -166,6 +186,12 @@ def linear(
         out_dtype=x.spec.dtype,
         name=reduce_name,
     )
+
+
+def _norm_in_epilogue(x, norm_sumsq) -> bool:
+    """Whether an unsplit GEMM of ``x`` can apply a folded norm in its epilogue: x's sums of
+    squares exist and the GEMM runs on the Hopper tile (16-bit operands)."""
+    return norm_sumsq is not None and x.spec.dtype in (torch.bfloat16, torch.float16)
 
 
 def mlp_graph(

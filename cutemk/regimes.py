@@ -18,6 +18,7 @@ import torch
 
 from .graph import Graph
 from .layers import MoeConfig, mlp_graph, moe_graph
+from .ops import DECODE_GATE_UP_WIDTHS, wave_fit_width  # noqa: F401 (re-exported)
 from .symbolic import sym
 
 DECODE_MAX_TOKENS = 128
@@ -58,24 +59,6 @@ and K ranges spread it over every SM (``ops.gemm_splitk``). Up to 128 tokens it 
 in 64-column tiles (Qwen3-8B: 192 of them, ~1.5 waves), down split along K (its 4096 columns
 make too few 128-row tiles to fill 132 SMs; the split's partial tiles are 256 columns wide,
 ``cutemk.layers.SPLIT_BLOCK_N``, so the down tile width in :data:`MLP_TILES` applies unsplit)."""
-
-DECODE_GATE_UP_WIDTHS = (64, 80, 96, 112, 128)
-"""Fused gate/up tile widths the decode regime picks from (:func:`wave_fit_width`)."""
-
-
-def wave_fit_width(columns: int, row_tiles: int, num_sms: int, widths=DECODE_GATE_UP_WIDTHS):
-    """The tile width (of ``widths``) whose busiest SM streams the fewest weight columns when
-    ``row_tiles`` x ``columns / width`` tiles run in waves over ``num_sms`` SMs; ties go to the
-    wider tile (fewer tiles). An unsplit weight stream's time is its busiest SM's share: 192
-    tiles of 64 columns (Qwen3-8B's gate/up at 128 tokens) are 1.45 waves, so 60 SMs stream two
-    tiles while 72 stream one; 128 tiles of 96 columns are one wave of 3/4 of that share."""
-
-    def busiest(w: int) -> int:
-        tiles = row_tiles * -(-columns // w)
-        return -(-tiles // num_sms) * w
-
-    return min(sorted(widths, reverse=True), key=busiest)
-
 
 GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
 """MegaDecoderLayer: batches up to this run a graph compiled for it (its 'gemv' regime)."""

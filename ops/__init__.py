@@ -14,9 +14,11 @@ from .gemm import GemmTile, gemm
 from .gemm_splitk import (
     GemmPartialTile,
     SplitReduceTile,
+    DECODE_GATE_UP_WIDTHS,
     SPLIT_WIDTHS,
     choose_split,
     choose_split_k,
+    wave_fit_width,
     gemm_partial,
     gemm_split_reduce,
 )
@@ -55,9 +57,11 @@ __all__ = [
     "gemm_partial",
     "SplitReduceTile",
     "gemm_split_reduce",
+    "DECODE_GATE_UP_WIDTHS",
     "SPLIT_WIDTHS",
     "choose_split",
     "choose_split_k",
+    "wave_fit_width",
     "KvAppendTile",
     "kv_append",
     "MoeCombineTile",

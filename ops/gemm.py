@@ -4,11 +4,17 @@ Optional fused epilogues: ``silu_mul``: B stacks [W_gate; W_up] (2N rows) and ti
 ``silu(A @ W_gate[n]^T) * (A @ W_up[n]^T)``, writing an (M, N) result (Qwen3 MLP's gate/up);
 ``residual``: ``C = A @ B^T + R`` with R (M, N) in C's dtype, the op's third input (a
 transformer block's skip connection, e.g. after the down or output projection).
+
+A row norm folded into B (``norm_ss``, Hopper tile only): each row of the product is scaled by
+``rsqrt(sum_j norm_ss[row, j] / norm_width + norm_eps)`` before the epilogue, ``norm_ss`` being
+A's row sums of squares in column blocks that a split reduce with ``sumsq`` wrote
+(``ops.gemm_splitk``): ``rmsnorm(A) * g @ W^T`` as ``rstd(A) * (A @ (W diag(g))^T)`` with no
+norm phase and no K split (the decoder layer's post-attention norm before gate/up).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import cutlass
@@ -20,7 +26,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
-from cutemk.errors import DTypeError, ShapeError
+from cutemk.errors import DTypeError, GraphError, ShapeError
 from cutemk.symbolic import IntLike, cdiv, upper
 from . import gemm_sm90
 from cutemk.tileop import (
@@ -82,6 +88,10 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
     epilogue: Optional[str] = None
     out_dtype: Optional[torch.dtype] = None
     r: Optional[TensorSpec] = None  # (m, n) with epilogue "residual"
+    # the row norm (see the module doc): A's row sums of squares (m, column blocks), fp32
+    norm_ss: Optional[TensorSpec] = field(default=None, kw_only=True)
+    norm_width: Optional[int] = field(default=None, kw_only=True)  # K, the mean's width
+    norm_eps: Optional[float] = field(default=None, kw_only=True)
 
     name: ClassVar[str] = "gemm"
     outputs: ClassVar[tuple[str, ...]] = ("c",)
@@ -89,7 +99,11 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return ("a", "b", "r") if self.epilogue == "residual" else ("a", "b")
+        return ("a", "b") + ("r",) * (self.r is not None) + ("norm_ss",) * self._normed
+
+    @property
+    def _normed(self) -> bool:
+        return self.norm_ss is not None
 
     def __post_init__(self) -> None:
         expect_ndim(self.a, 2, "gemm a")
@@ -116,6 +130,30 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             out = self.out_dtype or self.a.dtype
             if self.r.dtype != out:
                 raise TypeError(f"gemm r must have the output's dtype {out}, got {self.r.dtype}")
+        if len({self.norm_ss is None, self.norm_width is None, self.norm_eps is None}) > 1:
+            raise ValueError("gemm: norm_ss, norm_width and norm_eps go together")
+        if self.norm_ss is not None:
+            expect_ndim(self.norm_ss, 2, "gemm norm_ss")
+            expect_dtype(self.norm_ss, (torch.float32,), "gemm norm_ss")
+            expect_same_dim(self.norm_ss.shape[0], self.m, "gemm: norm_ss rows vs a rows")
+            if not isinstance(self.norm_ss.shape[1], int):
+                raise ShapeError("gemm: norm_ss needs a static number of column blocks")
+            if not isinstance(self.norm_width, int) or self.norm_width < 1:
+                raise ValueError(f"gemm norm_width must be a positive int, got {self.norm_width}")
+            if not self.norm_eps > 0:
+                raise ValueError(f"gemm norm_eps must be > 0, got {self.norm_eps}")
+
+    def check_producers(self, producers) -> None:
+        if not self._normed:
+            return
+        src = producers.get("norm_ss")
+        if getattr(src, "sumsq", False) is not True or src.n != self.norm_width:
+            raise GraphError(
+                "gemm: norm_ss must be the ss output of a gemm_split_reduce with sumsq over "
+                f"norm_width={self.norm_width} columns"
+            )
+        if self.k != self.norm_width:
+            raise GraphError(f"gemm: norm_width={self.norm_width}, but A has K={self.k}")
 
     @property
     def m(self) -> IntLike:
@@ -161,6 +199,8 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         r = {"a": (block(i, self.block_m, m), (0, k)), "b": b_box}
         if self.r is not None:
             r["r"] = (block(i, self.block_m, m), block(j, self.block_n, n))
+        if self._normed:
+            r["norm_ss"] = (block(i, self.block_m, m), (0, self.norm_ss.shape[1]))
         return r
 
     def writes(self, coord, env, data=None):
@@ -182,6 +222,8 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         r = {"a": boxes(rows, span(0, k, len(coords))), "b": boxes(b_rows, span(0, k, len(coords)))}
         if self.r is not None:
             r["r"] = boxes(rows, cols)
+        if self._normed:
+            r["norm_ss"] = boxes(rows, span(0, self.norm_ss.shape[1], len(coords)))
         return r
 
     def cost(self, coord, env):
@@ -197,12 +239,16 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         m, n, _ = self._dims(env)
         (r0, r1), (c0, c1) = self.writes(coord, env)["c"]
         a = t["a"][r0:r1].float()
+        scale = 1.0
+        if self._normed:
+            ms = t["norm_ss"][r0:r1].float().sum(-1, keepdim=True) / self.norm_width
+            scale = torch.rsqrt(ms + self.norm_eps)
         if self.epilogue == "silu_mul":
-            gate = a @ t["b"][c0:c1].float().T
-            up = a @ t["b"][n + c0 : n + c1].float().T
+            gate = (a @ t["b"][c0:c1].float().T) * scale
+            up = (a @ t["b"][n + c0 : n + c1].float().T) * scale
             out = F.silu(gate) * up
         else:
-            out = a @ t["b"][c0:c1].float().T
+            out = (a @ t["b"][c0:c1].float().T) * scale
         if self.r is not None:
             out = out + t["r"][r0:r1, c0:c1].float()
         t["c"][r0:r1, c0:c1] = out.to(t["c"].dtype)
@@ -226,6 +272,7 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             upper(self.m),
             residual=self.r is not None,
             split=self.split_k,
+            norm=(self.norm_ss.shape[1], self.norm_width, self.norm_eps) if self._normed else None,
         )
 
     def device_plan(self) -> GemmDevicePlan:
@@ -259,6 +306,11 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         """The portable tile (the SIMT group): tile (coord0, coord1) of C; ``tensors`` =
         (mA, mB, [mR,] mC). mA: (m, k), mB: (n, k) or (2n, k) = [W_gate; W_up], mR: (m, n) with
         the residual epilogue, mC: (m, n)."""
+        if cutlass.const_expr(self._normed):
+            raise GraphError(
+                "gemm with a row norm (norm_ss) runs on the Hopper tile only (sm_90a, 16-bit "
+                "A and B, a tile shape wgmma takes)"
+            )
         self._device_tile_mma(tensors, coord0, coord1, tidx, smem_ptr)
 
     @cute.jit
@@ -392,15 +444,33 @@ def _stage_rows(
 def gemm(
     a: TensorSpec,
     b: TensorSpec,
-    r: Optional[TensorSpec] = None,
-    *,
+    *operands: TensorSpec,
     block_m: int = 64,
     block_n: int = 64,
     epilogue: Optional[str] = None,
     out_dtype: Optional[torch.dtype] = None,
+    norm_width: Optional[int] = None,
+    norm_eps: Optional[float] = None,
 ) -> GemmTile:
-    """C = A @ B^T with an optional fused epilogue (see module doc); ``r`` is the residual
-    (``epilogue="residual"``, which it implies when given)."""
+    """C = A @ B^T with an optional fused epilogue (see module doc). ``operands``: the
+    residual ``r`` (``epilogue="residual"``, which it implies when given), then, with
+    ``norm_width`` and ``norm_eps``, the row norm's ``norm_ss``."""
+    rest = list(operands)
+    norm_ss = rest.pop() if norm_width is not None and rest else None
+    if len(rest) > 1:
+        raise ValueError(f"gemm takes r and (with norm_width) norm_ss, got {len(operands)}")
+    r = rest[0] if rest else None
     if r is not None and epilogue is None:
         epilogue = "residual"
-    return GemmTile(a, b, block_m, block_n, epilogue, out_dtype, r)
+    return GemmTile(
+        a,
+        b,
+        block_m,
+        block_n,
+        epilogue,
+        out_dtype,
+        r,
+        norm_ss=norm_ss,
+        norm_width=norm_width,
+        norm_eps=norm_eps,
+    )

@@ -35,7 +35,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
+from cutemk.device.config import CONSUMER_BARRIER, EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
 from cutemk.tileop import RingTile
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
@@ -74,12 +74,18 @@ class Sm90GemmConfig:
     # K splits (split-K): tile (coord0, coord1) is K range ``coord1 % split`` of column block
     # ``coord1 // split``, its fp32 partial written straight to part[split index] (no staging)
     split: int = 1
+    # the row norm (``ops.gemm``'s norm_ss): column blocks of the sums of squares (0: none),
+    # the width the mean is over, epsilon
+    norm_blocks: int = 0
+    norm_width: int = 0
+    norm_eps: float = 0.0
 
     @property
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
-        (A, B, R, C) with a residual, or (A, B, tile_info, C) when grouped."""
-        return 3 + int(self.grouped) + int(self.residual)
+        (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, or (A, B,
+        tile_info, C) when grouped."""
+        return 3 + int(self.grouped) + int(self.residual) + int(self.norm_blocks > 0)
 
     @property
     def a_bytes(self) -> int:
@@ -103,9 +109,11 @@ class Sm90GemmConfig:
 
     @property
     def epi_bytes(self) -> int:
+        """The staged tile, then (with the row norm) the rows' scales in fp32."""
         if self.split > 1:  # partials go from registers to global memory
             return 0
-        return _round_up(self.bm * self.bn * self.out_dtype.itemsize, 1024)
+        scales = 4 * self.bm if self.norm_blocks else 0
+        return _round_up(self.bm * self.bn * self.out_dtype.itemsize + scales, 1024)
 
     @property
     def atom_layout(self) -> tuple[int, int, int]:
@@ -129,6 +137,7 @@ def sm90_config(
     grouped: bool = False,
     residual: bool = False,
     split: int = 1,
+    norm: tuple[int, int, float] | None = None,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -142,7 +151,9 @@ def sm90_config(
     ``block_m``, so tile i's rows start at box ``i * block_m / a_rows``.
 
     ``split`` > 1: a split-K partial tile (fp32 output, K a multiple of ``split * BLOCK_K``,
-    each tile ``K / split`` of it), see ``ops.gemm_splitk``."""
+    each tile ``K / split`` of it), see ``ops.gemm_splitk``.
+
+    ``norm``: ``(column blocks, width, eps)`` of the row norm (see ``ops.gemm``)."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -162,14 +173,29 @@ def sm90_config(
         return None
     if split > 1 and k % (split * BLOCK_K):
         return None
+    if norm is not None and (split > 1 or grouped):
+        return None
     # a power of two >= 8: the swizzled A layout of other row counts (e.g. 40) aborts the
     # compiler
     a_rows = block_m
     if m_max is not None:
         a_rows = min(block_m, max(8, 1 << (max(m_max, 1) - 1).bit_length()))
     k_tiles = -(-k // BLOCK_K) // split
+    nb, width, eps = norm or (0, 0, 0.0)
     return Sm90GemmConfig(
-        block_m, block_n, n_b, k_tiles, dtype, out_dtype, a_rows, grouped, residual, split
+        block_m,
+        block_n,
+        n_b,
+        k_tiles,
+        dtype,
+        out_dtype,
+        a_rows,
+        grouped,
+        residual,
+        split,
+        nb,
+        width,
+        float(eps),
     )
 
 
@@ -193,9 +219,24 @@ def _slice_layouts(cfg: Sm90GemmConfig, a_rows: int | None = None):
     return a, b
 
 
+def _swizzle_bytes(row_bytes: int) -> int:
+    """The swizzle width the library's atom heuristic picks for rows of ``row_bytes``."""
+    return next((w for w in (128, 64, 32) if row_bytes % w == 0), 16)
+
+
 def _epi_layout(cfg: Sm90GemmConfig):
+    """The staged tile, swizzled by an atom as wide as the tile's rows allow, unless one
+    warpgroup's columns (a 64-row tile splits its columns over the two) are not a whole
+    number of that atom's: then by one sized for a warpgroup's columns (a 64 x 96 tile: 32B
+    atoms of 16 columns, not 64B atoms of 32, which the two 48-column halves would cut)."""
     out = _CUTE_DTYPES[cfg.out_dtype]
-    epi = sm90_utils.make_smem_layout_epi(out, LayoutEnum.ROW_MAJOR, (cfg.bm, cfg.bn), 1)
+    es = cfg.out_dtype.itemsize
+    cols = cfg.bn
+    if (cfg.wg_n * es) % _swizzle_bytes(cfg.bn * es):
+        cols = cfg.wg_n
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, out, cols)
+    atom = sm90_utils.make_smem_layout_atom(kind, out)
+    epi = cute.tile_to_shape(atom, (cfg.bm, cfg.bn, 1), (0, 1, 2))
     return cute.slice_(epi, (None, None, 0))
 
 
@@ -386,9 +427,13 @@ def compute(
     if cutlass.const_expr(fused):
         acc_up.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    rs = Float32(1.0)  # with the row norm: the scale of the tile's row ``ctid``
 
     for kt in cutlass.range(cfg.k_tiles, unroll=1):
         idx = consumer_wait(full, count + kt, stages, wait)
+        if cutlass.const_expr(cfg.norm_blocks > 0):
+            if kt == 0:  # A's first slice is in: its producers' sums of squares are out too
+                rs = _row_scale(cfg, tensors[2 + int(cfg.residual)], coord0, ctid)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             s = (None, None, kb, idx)
@@ -413,6 +458,21 @@ def compute(
     tCsC = thr_mma.partition_C(sC)
     # the previous tile's TMA store has read sC
     cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    if cutlass.const_expr(cfg.norm_blocks > 0):
+        # every consumer of the previous tile read its scales before the store that the
+        # barrier above waited for: the scales' room is free
+        sScale = cute.make_tensor(
+            cute.recast_ptr(epi_ptr, dtype=Float32) + cfg.bm * cfg.bn * cfg.out_dtype.itemsize // 4,
+            cute.make_layout(cfg.bm),
+        )
+        if ctid < cfg.bm:
+            sScale[ctid] = rs
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, _ = tCcC[i]
+            acc[i] = acc[i] * sScale[r]
+            if cutlass.const_expr(fused):
+                acc_up[i] = acc_up[i] * sScale[r]
     if cutlass.const_expr(cfg.residual):  # R's rows and columns inside the tensor only
         mR = tensors[2]
         r0 = coord0 * cfg.bm
@@ -431,6 +491,20 @@ def compute(
     # generic-proxy shared-memory writes -> the TMA engine's reads
     cute.arch.fence_proxy("async.shared", space="cta")
     return count + cfg.k_tiles
+
+
+@cute.jit
+def _row_scale(cfg: cutlass.Constexpr, mSS: cute.Tensor, coord0: Int32, ctid: Int32) -> Float32:
+    """``rsqrt(mean(A[row]^2) + eps)`` of the tile's row ``ctid`` from A's row sums of squares
+    in column blocks (added in block order); 1 for threads past the tile or rows past A."""
+    row = coord0 * cfg.bm + ctid
+    scale = Float32(1.0)
+    if ctid < cfg.bm and row < mSS.shape[0]:
+        tot = mSS[row, 0]
+        for j in cutlass.range_constexpr(1, cfg.norm_blocks):
+            tot = tot + mSS[row, j]
+        scale = cute.math.rsqrt(tot / Float32(cfg.norm_width) + Float32(cfg.norm_eps))
+    return scale
 
 
 @cute.jit

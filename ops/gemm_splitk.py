@@ -523,6 +523,24 @@ def gemm_split_reduce(
     )
 
 
+DECODE_GATE_UP_WIDTHS = (64, 80, 96, 112, 128)
+"""Fused gate/up tile widths an unsplit decode GEMM picks from (:func:`wave_fit_width`)."""
+
+
+def wave_fit_width(columns: int, row_tiles: int, num_sms: int, widths=DECODE_GATE_UP_WIDTHS):
+    """The tile width (of ``widths``) whose busiest SM streams the fewest weight columns when
+    ``row_tiles`` x ``columns / width`` tiles run in waves over ``num_sms`` SMs; ties go to the
+    wider tile (fewer tiles). An unsplit weight stream's time is its busiest SM's share: 192
+    tiles of 64 columns (Qwen3-8B's gate/up at 128 tokens) are 1.45 waves, so 60 SMs stream two
+    tiles while 72 stream one; 128 tiles of 96 columns are one wave of 3/4 of that share."""
+
+    def busiest(w: int) -> int:
+        tiles = row_tiles * -(-columns // w)
+        return -(-tiles // num_sms) * w
+
+    return min(sorted(widths, reverse=True), key=busiest)
+
+
 SPLIT_WIDTHS = (256, 192, 128)
 """Partial tile widths :func:`choose_split` picks from (64-row tiles: two consumer warpgroups
 of 128, 96 or 64 columns)."""

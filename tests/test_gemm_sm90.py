@@ -160,6 +160,7 @@ CONFIGS = [  # (block, epilogue, out dtype, scheduler)
     ((64, 128), "residual", torch.float32, "static"),
     ((128, 96), "silu_mul", None, "static"),  # MegaMLP's wave-fitted decode widths
     ((128, 112), "silu_mul", None, "dynamic"),
+    ((64, 96), "silu_mul", None, "static"),  # 48-column warpgroup halves: 32B epilogue atoms
 ]
 
 

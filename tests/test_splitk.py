@@ -207,19 +207,30 @@ def test_folded_norm_on_the_interpreter(split_k, epilogue):
         assert rel_err(c(x, fold_norm(w, gamma)), want) < 1e-5
 
 
-def norm_chain_graph(k, n, dtype, max_t=16, block=(64, 64)):
-    """h = a @ w1^T + r (split, ``sumsq``), then rmsnorm(h) @ w2^T with SiLU-mul (split, the
-    norm folded into w2 and taken from h's sums of squares): the decoder layer's o_proj ->
-    gate/up. Outputs h and y."""
+def norm_chain_graph(k, n, dtype, max_t=16, block=(64, 64), split2=2):
+    """h = a @ w1^T + r (split, ``sumsq``), then rmsnorm(h) @ w2^T with SiLU-mul (``split2``
+    ranges, the norm folded into w2 and taken from h's sums of squares: by the reduce tiles,
+    or unsplit by the GEMM's epilogue): the decoder layer's o_proj -> gate/up. Outputs h
+    and y."""
     g = mk.Graph("norm_chain")
     t = mk.sym("T", max_t)
     a = g.input("a", (t, k), dtype)
     r = g.input("r", (t, k), dtype)
     w1 = g.weight("w1", (k, k), dtype)
     w2 = g.weight("w2", (2 * n, k), dtype)
-    tiles = {"block_m": block[0], "block_n": block[1], "split_k": 2}
-    h, ss = linear(g, a, w1, r, **tiles, sumsq=True, name="o")
-    y = linear(g, h, w2, **tiles, norm_eps=1e-6, norm_sumsq=ss, epilogue="silu_mul", name="gu")
+    tiles = {"block_m": block[0], "block_n": block[1]}
+    h, ss = linear(g, a, w1, r, **tiles, split_k=2, sumsq=True, name="o")
+    y = linear(
+        g,
+        h,
+        w2,
+        **tiles,
+        split_k=split2,
+        norm_eps=1e-6,
+        norm_sumsq=ss,
+        epilogue="silu_mul",
+        name="gu",
+    )
     g.output(h, "h")
     g.output(y, "y")
     return g
@@ -253,12 +264,38 @@ def test_norm_from_sums_of_squares_on_the_interpreter(scheduler):
         assert rel_err(h, want_h) < 1e-5 and rel_err(y, want_y) < 1e-5
 
 
+def test_norm_in_the_gemm_epilogue_on_the_interpreter():
+    """Unsplit, a 16-bit projection scales its rows by the norm from h's sums of squares in
+    its epilogue (no norm node, no reduce)."""
+    from cutemk.layers import fold_norm
+
+    k = 1536
+    g = norm_chain_graph(k, 64, BF, block=(64, 64), split2=1)
+    gu = next(n for n in g.nodes if n.name == "gu")
+    assert gu.op.name == "gemm" and gu.op.norm_width == k
+    assert not any(n.op.name == "rmsnorm" for n in g.nodes)
+    c = g.compile("interpret", num_sms=5)
+    gen = torch.Generator().manual_seed(10)
+    w1 = (torch.randn(k, k, generator=gen) / k**0.5).to(BF)
+    w2 = (torch.randn(128, k, generator=gen) / k**0.5).to(BF)
+    gamma = (1 + 0.1 * torch.randn(k, generator=gen)).to(BF)
+    for t in (1, 9):
+        a = torch.randn(t, k, generator=gen).to(BF)
+        r = (3 * torch.randn(t, k, generator=gen)).to(BF)
+        h, y = c(a, r, w1, fold_norm(w2, gamma))
+        want_h, want_y = norm_chain_reference(a, r, w1, w2, gamma, h)
+        assert rel_err(h, want_h) < 1e-2 and rel_err(y, want_y) < 1e-2
+
+
 def test_split_mlp_compiles_for_hopper(spill_stores):
-    """Qwen3-8B MLP, decode-sized: the partial tiles on the Hopper path (TMA + wgmma, stored
-    from registers), the reduce tiles on the SIMT group with 16-byte loads; no spills."""
+    """Qwen3-8B MLP, decode-sized: gate/up unsplit in one wave of 96-column fused tiles, down
+    as partial tiles on the Hopper path (TMA + wgmma, stored from registers) and reduce tiles
+    on the SIMT group with 16-byte loads; no spills."""
     g = mlp_graph(mk.sym("T", max=16), 4096, 12288, BF, 64, 128, fuse_silu=True, split_k=None)
+    gate_up = next(n.op for n in g.nodes if n.name == "gate_up")
+    assert gate_up.name == "gemm" and gate_up.block_n == 96 and gate_up.sm90() is not None
     parts = [n.op for n in g.nodes if n.op.name == "gemm_partial"]
-    assert [(p.split_k, p.block_n) for p in parts] == [(2, 192), (4, 128)]
+    assert [(p.split_k, p.block_n) for p in parts] == [(4, 128)]
     assert all(p.sm90() is not None and p.sm90().epi_bytes == 0 for p in parts)
     with tempfile.TemporaryDirectory() as d:
         compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
@@ -313,13 +350,14 @@ def test_folded_norm_on_the_gpu(split_k):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_norm_from_sums_of_squares_on_the_gpu(scheduler):
+@pytest.mark.parametrize("scheduler,split2", [("static", 2), ("dynamic", 2), ("static", 1)])
+def test_norm_from_sums_of_squares_on_the_gpu(scheduler, split2):
+    """split2 1: the gate/up GEMM applies the norm in its epilogue (64 x 96 fused tiles)."""
     from cutemk.layers import fold_norm
 
     torch.manual_seed(9)
-    k, n = 1536, 512
-    c = norm_chain_graph(k, n, BF).compile(
+    k, n = 1536, 480
+    c = norm_chain_graph(k, n, BF, block=(64, 96), split2=split2).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
     )
     w1 = (torch.randn(k, k, device="cuda") / k**0.5).to(BF)
