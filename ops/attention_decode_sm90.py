@@ -8,12 +8,13 @@ keeps the ring's slots full (tens of KB per SM, across task boundaries) and the 
 read shared memory.
 
 - **Slices.** A tile (b, h, s) takes range s of sequence b (``ops.kv_split``: a multiple of
-  ``C`` tokens), ``C`` tokens a ring slot (``C`` = 64, or 32 for one-token pages); how many
-  slices a tile streams follows the sequence's live length (``slices_of``), so producer and
-  consumers agree on it from the length the producer read. A slot holds the slice's K rows
-  then its V rows, ``(C, D)`` each, row-major, as TMA lands them: one box of
-  ``R = min(page, C)`` rows per page (a page's rows are strided by the KV heads in the cache;
-  the box gathers one head's).
+  ``C`` tokens), ``C`` tokens a ring slot (``C`` = 64, 128 where the ranges align to it); how
+  many slices a tile streams follows the sequence's live length (``slices_of``), so producer
+  and consumers agree on it from the length the producer read. A slot holds the slice's K rows
+  then its V rows, each as D/64 tiles of (C, 64) with the 128-byte swizzle (chunk j of row t
+  at chunk ``j ^ (t % 8)``), as TMA lands them: per page one box of ``R = min(page, C)`` rows
+  a 64-dimension block (a page's rows are strided by the KV heads in the cache; the box
+  gathers one head's).
 - **Host** (``tma_args``): one descriptor each for K and V over the cache viewed as
   ``(page_size, D, Hkv, pages)`` (the page is a coordinate, like a grouped GEMM's expert).
 - **Producer warp** (``load_kv``): lane r reads the page id of box r from the page table and
@@ -24,15 +25,19 @@ read shared memory.
   tile and issues its slices before the task's events (``TileOp.early_exists``), all but the
   slice holding the last position, which follows the events.
 - **Consumers** (``compute``, 8 warps; the sequence length comes with the task record, as the
-  producer read it): warp w owns rows ``[w * C/8, (w + 1) * C/8)`` of every slice. Scores: 8
-  lanes a row, each with D/8 dimensions of the G query heads' q in registers (loaded from global
-  memory as the tile starts; 16-byte shared loads of K, chunk order rotated per lane so a
-  quarter-warp hits 8 distinct bank groups), reduced by 3 shuffles. Online softmax per warp (max
-  by 2 shuffles), the warp's probabilities through 1 KB of shared memory, then P·V with a lane
-  holding D/32 dimensions of o for every head. After the last slice the 8 warps' (m, l, o) merge
-  through shared memory and the consumers write the output (the sequence's only range) or
-  ``part_o`` / ``part_ml`` and count the range in (``ops.kv_split.claim_merge``); the last range
-  merges them all. The storer warp has nothing to store and only publishes the tile.
+  producer read it): warp w owns tokens ``[w * C/8, (w + 1) * C/8)`` of every slice, in blocks
+  of 8, on the tensor cores (``mma.sync``, :mod:`cutemk.device.mma`): the G query heads of the
+  KV head are the rows (up to 16), so scores S = q K^T are m16n8k16 products with q's A
+  fragments in registers (loaded once from global memory) and K's B fragments by 32-bit shared
+  loads (the swizzle puts a block's 8 tokens on distinct banks). The online softmax runs on
+  S's accumulators (a row's 8 tokens over a quad of lanes: 2 shuffles for the max), and P,
+  rounded to 16 bits, is already the A fragment of o += P V (m16n8k8; V's B fragments by
+  16-bit shared loads, conflict-free by the same swizzle). After the last slice the 8 warps'
+  (m, l, o) merge through shared memory and the consumers write the output (the sequence's
+  only range) or ``part_o`` / ``part_ml`` and count the range in
+  (``ops.kv_split.claim_merge``); the last range merges them all. The storer warp has nothing
+  to store and only publishes the tile. Pages under 8 tokens (a box below one swizzle atom)
+  and other shapes the config refuses run the portable tile.
 - Bad data: a page id outside the cache anywhere in the tile's valid range makes the tile's
   output NaN (the merge then makes the sequence NaN), as the reference does. Warp 0 reads
   each slice's page ids as the slice starts and checks them one slice later (the load's
@@ -45,9 +50,11 @@ import math
 from dataclasses import dataclass
 
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import BFloat16, Boolean, Float16, Float32, Int32, cute
 from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
 
 from cutemk.device.config import (
     CONSUMER_BARRIER,
@@ -55,6 +62,7 @@ from cutemk.device.config import (
     WARP_SIZE,
     WARPGROUP,
 )
+from cutemk.device.mma import ldmatrix_x4, mma_1688, mma_16816, pack2
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
 from . import kv_split as kvs
@@ -62,13 +70,15 @@ from . import kv_split as kvs
 CONSUMER_THREADS = 2 * WARPGROUP
 CONSUMER_WARPS = CONSUMER_THREADS // WARP_SIZE
 STORE_THREADS = CONSUMER_THREADS + WARP_SIZE
-ROW_LANES = 8
-"""Lanes that share one K row's dot products (each holds D/8 dimensions)."""
-ROWS_AT_ONCE = WARP_SIZE // ROW_LANES
-MAX_Q_REGS = 128
-"""fp32 q values a consumer lane keeps (G * D / 8)."""
+SWIZZLE_DIMS = 64
+"""Dimensions of one 128-byte swizzled row block (16-bit elements)."""
+MMA_ROWS = 16
+"""Query heads of a KV head the mma's rows hold (G <= 16)."""
+MAX_O_REGS = 64
+"""fp32 accumulators of o a consumer lane keeps: D / 8 column blocks x 2 (G <= 8) or 4."""
 
 _CUTE_DTYPES = {torch.bfloat16: BFloat16, torch.float16: Float16}
+_MMA_KIND = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 # the op's tensors: (q, k_cache, v_cache, page_table, seq_lens) + outputs from T_OUT (out,
 # part_o, part_ml, merges) + ``tma_args`` from T_TMA
@@ -96,10 +106,7 @@ class Sm90DecodeConfig:
     @property
     def slice_tokens(self) -> int:
         """Tokens a ring slot: 64 (a 32 KB slot at D = 128), 128 where the ranges are aligned
-        to it (the per-slice waits and reductions spread over twice the rows), 32 for
-        one-token pages (a box a token)."""
-        if self.page == 1:
-            return 32
+        to it (the per-slice waits and reductions spread over twice the rows)."""
         return 128 if self.align % 128 == 0 and self.head_dim <= 128 else 64
 
     @property
@@ -117,24 +124,18 @@ class Sm90DecodeConfig:
 
     @property
     def rows_per_warp(self) -> int:
+        """Tokens of a slice each consumer warp takes: 8 (one mma column block) or 16."""
         return self.slice_tokens // CONSUMER_WARPS
 
     @property
-    def passes(self) -> int:
-        return self.rows_per_warp // ROWS_AT_ONCE
+    def halves(self) -> int:
+        """64-dimension column blocks of a row: one 128-byte swizzled box each."""
+        return self.head_dim // SWIZZLE_DIMS
 
     @property
-    def chunks(self) -> int:
-        """16-byte chunks of a lane's part of a K row."""
-        return self.head_dim // ROW_LANES * self.es // 16
-
-    @property
-    def parts_per_128b(self) -> int:
-        return max(1, 128 // (self.head_dim // ROW_LANES * self.es))
-
-    @property
-    def pv_dims(self) -> int:
-        return self.head_dim // WARP_SIZE
+    def v_offset(self) -> int:
+        """Elements from a slot's start to its V rows."""
+        return self.slice_tokens * self.head_dim
 
     @property
     def tx_bytes(self) -> int:
@@ -145,11 +146,11 @@ class Sm90DecodeConfig:
     def slot_bytes(self) -> int:
         return -(-self.tx_bytes // 1024) * 1024
 
-    # epilogue buffer: probabilities (warps, rows, G), (m, l) (warps, G, 2), poison flags
-    # (warps,), partial outputs (warps, G, D); fp32
+    # epilogue buffer, fp32: (m, l) (warps, G, 2), poison flags (warps,), partial outputs
+    # (warps, G, D), the merge word
     @property
     def off_ml(self) -> int:
-        return CONSUMER_WARPS * self.rows_per_warp * self.group
+        return 0
 
     @property
     def off_flag(self) -> int:
@@ -183,13 +184,14 @@ def sm90_decode_config(
     scale,
 ) -> Sm90DecodeConfig | None:
     """The Hopper tile's config, or None where its shapes do not fit it (the portable tile
-    runs): a 16-bit cache, head dim a multiple of 64 up to 256, a power-of-two page of at most
-    256 tokens, ranges aligned to the slice, G * D / 8 q values a lane."""
-    if dtype not in _CUTE_DTYPES or head_dim % 64 or head_dim > 256:
+    runs): a 16-bit cache, head dim a multiple of 64 up to 256, a power-of-two page of 8 to 256
+    tokens (a TMA box of at least one 8-row swizzle atom), ranges aligned to the slice, at most
+    16 query heads a KV head and o's accumulators within a lane's registers."""
+    if dtype not in _CUTE_DTYPES or head_dim % SWIZZLE_DIMS or head_dim > 256:
         return None
-    if page < 1 or page & (page - 1) or page > 256:
+    if page < 8 or page & (page - 1) or page > 256:
         return None
-    if group * head_dim // ROW_LANES > MAX_Q_REGS:
+    if group > MMA_ROWS or head_dim // 8 * (2 if group <= 8 else 4) > MAX_O_REGS:
         return None
     cfg = Sm90DecodeConfig(
         group,
@@ -220,15 +222,21 @@ def _page_view(m: cute.Tensor) -> cute.Tensor:
 
 
 def _box_layout(cfg: Sm90DecodeConfig):
-    return cute.make_layout((cfg.box_rows, cfg.head_dim), stride=(cfg.head_dim, 1))
+    """One box in shared memory: ``box_rows`` rows of 64 dimensions, 128-byte swizzled (16-byte
+    chunk ``j`` of row ``t`` at chunk ``j ^ (t % 8)``; the consumers' loads assume it)."""
+    ab = _CUTE_DTYPES[cfg.dtype]
+    tile = (cfg.box_rows, 8, SWIZZLE_DIMS)
+    lay = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, ab, 1)
+    return cute.slice_(lay, (None, None, 0))
 
 
 def tma_args(cfg: Sm90DecodeConfig, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor) -> tuple:
     """Host side (inside the launch): ``(atom_k, tma_k, atom_v, tma_v)``."""
     load = cpasync.CopyBulkTensorTileG2SOp()
-    tile = (cfg.box_rows, cfg.head_dim)
-    atom_k, tma_k = cpasync.make_tiled_tma_atom(load, _page_view(mK), _box_layout(cfg), tile)
-    atom_v, tma_v = cpasync.make_tiled_tma_atom(load, _page_view(mV), _box_layout(cfg), tile)
+    box = _box_layout(cfg)
+    tile = (cfg.box_rows, SWIZZLE_DIMS)
+    atom_k, tma_k = cpasync.make_tiled_tma_atom(load, _page_view(mK), box, tile)
+    atom_v, tma_v = cpasync.make_tiled_tma_atom(load, _page_view(mV), box, tile)
     return atom_k, tma_k, atom_v, tma_v
 
 
@@ -245,12 +253,6 @@ def slices_of(cfg: cutlass.Constexpr, t0: Int32, t1: Int32) -> Int32:
     """Ring slices of tokens [t0, t1): the producer's count (``device_slices``) and the
     consumers' are this one formula."""
     return (t1 - t0 + cfg.slice_tokens - 1) // cfg.slice_tokens
-
-
-def _slot_ptr(cfg: Sm90DecodeConfig, ring, idx: Int32, slot: int):
-    """Typed pointer to ring slot ``idx`` (1024-byte aligned)."""
-    ab = _CUTE_DTYPES[cfg.dtype]
-    return cute.recast_ptr(ring + idx * slot, dtype=ab).align(1024)
 
 
 @cute.jit
@@ -295,38 +297,36 @@ def _slice_boxes(cfg: cutlass.Constexpr, tensors, coord0, h, base, word, idx, ba
         pg = mPT[coord0, pos // cfg.page]
         if pg < 0 or pg >= num_pages:
             pg = num_pages
-    ptr = _slot_ptr(cfg, ring, idx, slot)
-    rows = cute.make_layout(
-        (cfg.box_rows, cfg.head_dim, cfg.boxes),
-        stride=(cfg.head_dim, 1, cfg.box_rows * cfg.head_dim),
-    )
-    sK = cute.make_tensor(ptr, rows)
-    sV = cute.make_tensor(ptr + cfg.slice_tokens * cfg.head_dim, rows)
-    _copy_boxes(cfg, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar)
-
-
-@cute.jit
-def _copy_boxes(cfg: cutlass.Constexpr, atom_k, tma_k, atom_v, tma_v, sK, sV, h, pg, base, bar):
-    """The slice's K and V boxes (lane r holds box r's page, ``pages`` where it reads none)."""
+    slot_ptr = ring + idx * slot
     blk = (base % cfg.page) // cfg.box_rows  # box index inside its page
     for r in cutlass.range_constexpr(cfg.boxes):
         p_r = cute.arch.shuffle_sync(pg, r)
         if cutlass.const_expr(cfg.boxes > 1):
             blk = ((base + r * cfg.box_rows) % cfg.page) // cfg.box_rows
-        _copy_box(cfg, atom_k, tma_k, sK, h, p_r, blk, r, bar)
-        _copy_box(cfg, atom_v, tma_v, sV, h, p_r, blk, r, bar)
+        for hf in cutlass.range(
+            cfg.halves, unroll=1
+        ):  # unrolled, the producer's 40 registers spill
+            off = _elem_offset(cfg, hf, r * cfg.box_rows) * cfg.es
+            _copy_box(cfg, atom_k, tma_k, slot_ptr + off, h, p_r, blk, hf, bar)
+            v_off = cfg.v_offset * cfg.es + off
+            _copy_box(cfg, atom_v, tma_v, slot_ptr + v_off, h, p_r, blk, hf, bar)
+
+
+def _elem_offset(cfg: Sm90DecodeConfig, half: int, row: int) -> int:
+    """Element offset of row ``row``'s ``half``-th 64-dimension block in a slot's K (or V)
+    rows: the blocks are (slice tokens, 64) swizzled tiles, one after the other."""
+    return half * cfg.slice_tokens * SWIZZLE_DIMS + row * SWIZZLE_DIMS
 
 
 @cute.jit
-def _copy_box(cfg: cutlass.Constexpr, atom, tma, s, h: Int32, page: Int32, blk, r: int, bar):
-    """TMA rows ``[blk * R, (blk + 1) * R)`` of KV head ``h`` of ``page`` into box ``r``."""
-    g = cute.local_tile(tma[None, None, h, page], (cfg.box_rows, cfg.head_dim), (blk, 0))
+def _copy_box(cfg: cutlass.Constexpr, atom, tma, dst, h: Int32, page: Int32, blk, half: int, bar):
+    """TMA rows ``[blk * R, (blk + 1) * R)``, dimensions ``[64 half, 64 (half + 1))`` of KV head
+    ``h`` of ``page`` to ``dst`` (a byte pointer into the ring, 1024-byte aligned)."""
+    box = _box_layout(cfg)
+    s = cute.make_tensor(cute.recast_ptr(dst, box.inner, dtype=_CUTE_DTYPES[cfg.dtype]), box.outer)
+    g = cute.local_tile(tma[None, None, h, page], (cfg.box_rows, SWIZZLE_DIMS), (blk, half))
     ts, tg = cpasync.tma_partition(
-        atom,
-        0,
-        cute.make_layout(1),
-        cute.group_modes(s[None, None, r], 0, 2),
-        cute.group_modes(g, 0, 2),
+        atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
     )
     cute.copy(atom, tg, ts, tma_bar_ptr=bar)
 
@@ -353,13 +353,12 @@ def compute(
     mK, mPT, mLen = tensors[1], tensors[3], tensors[4]
     mOut, mPO, mPML, mCnt = (tensors[T_OUT + i] for i in range(4))
     g_n, d, rw = cfg.group, cfg.head_dim, cfg.rows_per_warp
-    nch, pv = cfg.chunks, cfg.pv_dims
-    ab = _CUTE_DTYPES[cfg.dtype]
+    kind = _MMA_KIND[cfg.dtype]
+    two = g_n > 8  # the mma's rows 8..15 hold query heads too
     warp = cute.arch.make_warp_uniform(ctid // WARP_SIZE)
     lane = ctid % WARP_SIZE
-    grp = lane // ROW_LANES
-    part = lane % ROW_LANES
-    rot = part // cfg.parts_per_128b
+    r = lane // 4  # the mma fragments' row (query head) and K's token within an 8-block
+    c = lane % 4
     b = coord0
     # the sequence's length, clamped to the page table (the producer read it)
     h, s, t0, t1, ranges = tile_span(cfg, mLen.shape[0], coord1, word)
@@ -370,36 +369,35 @@ def compute(
     pid = Int32(0)
     bad = Boolean(False)
 
-    # q of this lane's dimensions (its chunks in rotated order), in log2 units, from global
-    # memory (16-byte loads: q is row-major, its rows 16-byte aligned); the producer acquired
-    # its events before handing the task over. Its latency overlaps the first slice's wait.
+    # q as the A fragments of the scores' mma (rows: query heads, k: dimensions), two 16-bit
+    # elements a register, from global memory (the producer acquired its events before handing
+    # the task over; the latency overlaps the first slice's wait). Rows past G hold zeros.
     mQ = tensors[0]
+    hq = g_n * cfg.kv_heads
     gQ = cute.make_tensor(
-        mQ.iterator,
-        cute.make_layout(
-            (mQ.shape[0], g_n * cfg.kv_heads, d // 8, 8),
-            stride=(g_n * cfg.kv_heads * d, d, 8, 1),
-        ),
+        cute.recast_ptr(mQ.iterator, dtype=Int32),
+        cute.make_layout((mQ.shape[0], hq, d // 2), stride=(hq * d // 2, d // 2, 1)),
     )
-    q = cute.make_rmem_tensor((g_n, nch * 8), Float32)
-    for g in cutlass.range_constexpr(g_n):
-        for c in cutlass.range_constexpr(nch):
-            qv = cute.make_rmem_tensor((8,), ab)
-            cute.autovec_copy(gQ[b, h * g_n + g, part * nch + (c + rot) % nch, None], qv)
-            for e in cutlass.range_constexpr(8):
-                q[g, c * 8 + e] = qv[e].to(Float32) * cfg.scale_log2
+    qa = cute.make_rmem_tensor((d // 16, 4), Int32)
+    for ks in cutlass.range_constexpr(d // 16):
+        for j in cutlass.range_constexpr(4):
+            row = r + 8 * (j % 2)
+            qv = Int32(0)
+            if cutlass.const_expr(j % 2 == 0 or two):
+                qv = gQ[b, h * g_n + cute.min(row, g_n - 1), ks * 8 + 4 * (j // 2) + c]
+                if row >= g_n:
+                    qv = Int32(0)
+            qa[ks, j] = qv
 
-    m = cute.make_rmem_tensor((g_n,), Float32)
-    lsum = cute.make_rmem_tensor((g_n,), Float32)  # this lane's row group's share of l
-    o = cute.make_rmem_tensor((g_n, pv), Float32)
+    # online softmax state of this lane's rows r (and r + 8): its columns' share of l
+    m = cute.make_rmem_tensor((2,), Float32)
+    lsum = cute.make_rmem_tensor((2,), Float32)
+    o = cute.make_rmem_tensor((d // 8, 4), Float32)  # o's column block j: the mma's D layout
     m.fill(-math.inf)
     lsum.fill(0.0)
     o.fill(0.0)
 
     epi = cute.recast_ptr(epi_ptr, dtype=Float32)
-    sP = cute.make_tensor(
-        epi, cute.make_layout((CONSUMER_WARPS, rw, g_n), stride=(rw * g_n, g_n, 1))
-    )
     sML = cute.make_tensor(
         epi + cfg.off_ml, cute.make_layout((CONSUMER_WARPS, g_n, 2), stride=(g_n * 2, 2, 1))
     )
@@ -410,6 +408,8 @@ def compute(
     # the previous ring tile's store has read the staging buffer
     cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
 
+    blocks = rw // 8  # 8-token column blocks of the scores a warp takes per slice
+    zero = Float32(0.0)
     for kt in cutlass.range(n, unroll=1):
         if pid < 0 or pid >= num_pages:
             bad = Boolean(True)
@@ -418,84 +418,96 @@ def compute(
         if ctid < cfg.boxes and pos < t1:
             pid = mPT[b, pos // cfg.page]
         idx = consumer_wait(full, count + kt, stages, wait)
-        ptr = _slot_ptr(cfg, ring, idx, slot)
-        sK = cute.make_tensor(
-            ptr, cute.make_layout((cfg.slice_tokens, d // 8, 8), stride=(d, 8, 1))
-        )
-        sV = cute.make_tensor(
-            ptr + cfg.slice_tokens * d,
-            cute.make_layout((cfg.slice_tokens, WARP_SIZE, pv), stride=(d, pv, 1)),
-        )
-        sc = cute.make_rmem_tensor((cfg.passes, g_n), Float32)
-        for ps in cutlass.range_constexpr(cfg.passes):
-            row = warp * rw + ps * ROWS_AT_ONCE + grp
-            acc = cute.make_rmem_tensor((g_n,), Float32)
+        base = ring + idx * slot
+        # scores: S (heads x 8 tokens) = q K^T a block, K's B fragments by ldmatrix (matrix
+        # rows: the block's 8 tokens, 16 bytes of dimensions each; the swizzle puts them on
+        # distinct banks)
+        sc = cute.make_rmem_tensor((blocks, 4), Float32)
+        for tb in cutlass.range_constexpr(blocks):
+            row0 = warp * rw + tb * 8  # a multiple of 8: token row0 + t sits in swizzle row t
+            row_k = base + (row0 + lane % 8) * SWIZZLE_DIMS * cfg.es
+            acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
-            for c in cutlass.range_constexpr(nch):
-                kv = cute.make_rmem_tensor((8,), ab)
-                cute.autovec_copy(sK[row, part * nch + (c + rot) % nch, None], kv)
-                for e in cutlass.range_constexpr(8):
-                    kf = kv[e].to(Float32)
-                    for g in cutlass.range_constexpr(g_n):
-                        acc[g] = acc[g] + q[g, c * 8 + e] * kf
-            live = t0 + kt * cfg.slice_tokens + row < t1
-            for g in cutlass.range_constexpr(g_n):
-                a = acc[g]
-                for sh in cutlass.range_constexpr(3):
-                    a = a + cute.arch.shuffle_sync_bfly(a, 1 << sh)
-                if not live:
-                    a = Float32(-math.inf)
-                sc[ps, g] = a
-        for g in cutlass.range_constexpr(g_n):
-            mx = sc[0, g]
-            for ps in cutlass.range_constexpr(1, cfg.passes):
-                mx = cute.arch.fmax(mx, sc[ps, g])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 8))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 16))
-            m_new = cute.arch.fmax(m[g], mx)
+            for kq in cutlass.range_constexpr(d // 32):
+                off = _elem_offset(cfg, kq // 2, 0) * cfg.es
+                chunk = (kq % 2) * 4 + lane // 8
+                kb = ldmatrix_x4(row_k + off + ((chunk ^ (lane % 8)) * 16))
+                for k2 in cutlass.range_constexpr(2):
+                    ks = 2 * kq + k2
+                    a_ = (qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3])
+                    c_ = (acc[0], acc[1], acc[2] if two else zero, acc[3] if two else zero)
+                    d_ = mma_16816(kind, a_, (kb[2 * k2], kb[2 * k2 + 1]), c_)
+                    for i in cutlass.range_constexpr(4):
+                        acc[i] = d_[i]
+            for i in cutlass.range_constexpr(4):
+                tok = t0 + kt * cfg.slice_tokens + row0 + 2 * c + i % 2
+                sv = acc[i] * cfg.scale_log2
+                if tok >= t1:
+                    sv = Float32(-math.inf)
+                sc[tb, i] = sv
+        # online softmax of rows r (i = 0, 1) and r + 8 (i = 2, 3): the quad's 4 lanes hold a
+        # row's 8 tokens of a block
+        for half in cutlass.range_constexpr(2 if two else 1):
+            mx = sc[0, 2 * half]
+            for tb in cutlass.range_constexpr(blocks):
+                for i in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+            m_new = cute.arch.fmax(m[half], mx)
             m_use = m_new
-            if m_new == Float32(-math.inf):  # no live row yet: keep everything at zero
+            if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
                 m_use = Float32(0.0)
-            rescale = cute.math.exp2(m[g] - m_use, fastmath=True)
+            rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
             psum = Float32(0.0)
-            for ps in cutlass.range_constexpr(cfg.passes):
-                p = cute.math.exp2(sc[ps, g] - m_use, fastmath=True)
-                psum = psum + p
-                sc[ps, g] = p
-            lsum[g] = lsum[g] * rescale + psum
-            for i in cutlass.range_constexpr(pv):
-                o[g, i] = o[g, i] * rescale
-            m[g] = m_new
-        if part == 0:
-            for ps in cutlass.range_constexpr(cfg.passes):
-                for g in cutlass.range_constexpr(g_n):
-                    sP[warp, ps * ROWS_AT_ONCE + grp, g] = sc[ps, g]
-        cute.arch.sync_warp()
-        for j in cutlass.range_constexpr(rw):
-            vv = cute.make_rmem_tensor((pv,), ab)
-            cute.autovec_copy(sV[warp * rw + j, lane, None], vv)
-            pj = cute.make_rmem_tensor((g_n,), Float32)
-            cute.autovec_copy(sP[warp, j, None], pj)
-            for i in cutlass.range_constexpr(pv):
-                vf = vv[i].to(Float32)
-                for g in cutlass.range_constexpr(g_n):
-                    o[g, i] = o[g, i] + pj[g] * vf
-        cute.arch.sync_warp()  # every lane is done with the slot and with sP
+            for tb in cutlass.range_constexpr(blocks):
+                for i in cutlass.range_constexpr(2):
+                    p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
+                    psum = psum + p
+                    sc[tb, 2 * half + i] = p
+            lsum[half] = lsum[half] * rescale + psum
+            for j in cutlass.range_constexpr(d // 8):
+                for i in cutlass.range_constexpr(2):
+                    o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
+            m[half] = m_new
+        # o += P V: P (heads x 8 tokens) is the scores' D layout, packed: the A fragment; V's
+        # B fragment (tokens 2c, 2c + 1 of dimension r of a column block) by 16-bit loads
+        for tb in cutlass.range_constexpr(blocks):
+            row0 = warp * rw + tb * 8
+            pa0 = pack2(kind, sc[tb, 0], sc[tb, 1])
+            pa1 = Int32(0)
+            if cutlass.const_expr(two):
+                pa1 = pack2(kind, sc[tb, 2], sc[tb, 3])
+            row_v = base + (cfg.v_offset + (row0 + lane % 8) * SWIZZLE_DIMS) * cfg.es
+            for jq in cutlass.range_constexpr(d // 32):
+                off = _elem_offset(cfg, jq // 2, 0) * cfg.es
+                chunk = (jq % 2) * 4 + lane // 8
+                vb = ldmatrix_x4(row_v + off + ((chunk ^ (lane % 8)) * 16), trans=True)
+                for m4 in cutlass.range_constexpr(4):
+                    j = 4 * jq + m4
+                    c_ = (o[j, 0], o[j, 1], o[j, 2] if two else zero, o[j, 3] if two else zero)
+                    d_ = mma_1688(kind, (pa0, pa1), (vb[m4],), c_)
+                    for i in cutlass.range_constexpr(4 if two else 2):
+                        o[j, i] = d_[i]
+        cute.arch.sync_warp()  # every lane is done with the slot
         consumer_release(empty, count + kt, stages, lane)
 
     # merge the warps
     if pid < 0 or pid >= num_pages:
         bad = Boolean(True)
     bad = cute.arch.vote_any_sync(bad)
-    for g in cutlass.range_constexpr(g_n):
-        tot = lsum[g]
-        tot = tot + cute.arch.shuffle_sync_bfly(tot, 8)
-        tot = tot + cute.arch.shuffle_sync_bfly(tot, 16)
-        if lane == 0:
-            sML[warp, g, 0] = m[g]
-            sML[warp, g, 1] = tot
-        for i in cutlass.range_constexpr(pv):
-            sO[warp, g, lane * pv + i] = o[g, i]
+    for half in cutlass.range_constexpr(2 if two else 1):
+        row = r + 8 * half
+        tot = lsum[half]
+        tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
+        tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)
+        if row < g_n:
+            if c == 0:
+                sML[warp, row, 0] = m[half]
+                sML[warp, row, 1] = tot
+            for j in cutlass.range_constexpr(d // 8):
+                for i in cutlass.range_constexpr(2):
+                    sO[warp, row, j * 8 + 2 * c + i] = o[j, 2 * half + i]
     if lane == 0:
         flag = Float32(0.0)
         if bad:

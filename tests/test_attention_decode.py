@@ -122,15 +122,23 @@ def test_decode_attention_compiles_for_hopper(tmp_path):
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
     assert "shfl.sync.bfly" in ptx and "ex2.approx" in ptx
-    # the Hopper tile: K / V / q by TMA into the ring, 16-byte shared loads, no local memory
-    assert "cp.async.bulk.tensor" in ptx and "ld.shared.v4" in ptx
+    # the Hopper tile: K / V by TMA into the ring, scores and P V on the tensor cores, no
+    # local memory
+    assert "cp.async.bulk.tensor" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32" in ptx
     assert ".local" not in ptx
 
 
-@pytest.mark.parametrize("hq,hkv,page,align", [(32, 4, 1, 32), (16, 16, 64, 512), (8, 1, 256, 256)])
-def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, align):
-    """One-token pages (32-token slices, 32 boxes), pages wider than a slice, G = 8 and 1."""
-    g = _graph(hq, hkv, 128, page, 4096 // page, align, torch.bfloat16)
+@pytest.mark.parametrize(
+    "hq,hkv,page,align,d",
+    [(32, 4, 8, 64, 128), (16, 16, 64, 512, 128), (8, 1, 256, 256, 128), (32, 2, 16, 64, 128)]
+    + [(8, 2, 16, 64, 64), (8, 2, 32, 128, 256)],
+)
+def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, align, d):
+    """8-token pages (8 boxes a slice), pages wider than a slice, G = 8, 1 and 16, head dims
+    64 and 256."""
+    g = _graph(hq, hkv, d, page, 4096 // page, align, torch.bfloat16)
     assert g.nodes[0].op.ring_tile() is not None
     compile_offline(g, "dynamic", options=f"--keep-ptx --dump-dir={tmp_path}")
 
@@ -142,16 +150,17 @@ def test_hopper_tile_config():
     cfg = sm90_decode_config(torch.bfloat16, 4, 128, 16, *policy, 8192, 128**-0.5)
     assert (cfg.slice_tokens, cfg.box_rows, cfg.boxes, cfg.slices) == (64, 16, 4, 128)
     assert cfg.tx_bytes == cfg.slot_bytes == 2 * 64 * 128 * 2  # K and V rows of a slice
-    assert sm90_decode_config(torch.bfloat16, 4, 128, 1, *policy, 8192, 1.0).slice_tokens == 32
     wide = sm90_decode_config(torch.bfloat16, 4, 128, 16, 8, 16, 264, 128, 8192, 1.0)
-    assert (wide.slice_tokens, wide.boxes, wide.passes) == (128, 8, 4)
+    assert (wide.slice_tokens, wide.boxes, wide.rows_per_warp, wide.halves) == (128, 8, 16, 2)
     # shapes the tile does not take fall back to the portable tile
     for args, align in [
         ((torch.float32, 4, 128, 16), 64),  # a 32-bit cache
         ((torch.bfloat16, 4, 96, 16), 64),  # head dim not a multiple of 64
         ((torch.bfloat16, 4, 128, 12), 64),  # page not a power of two
         ((torch.bfloat16, 4, 128, 16), 96),  # ranges not a multiple of the slice
-        ((torch.bfloat16, 16, 128, 16), 64),  # G * D / 8 q values past the registers
+        ((torch.bfloat16, 4, 128, 4), 64),  # a page below one 8-row swizzle atom
+        ((torch.bfloat16, 32, 64, 16), 64),  # more query heads than the mma's 16 rows
+        ((torch.bfloat16, 16, 256, 16), 64),  # o's accumulators past the registers
     ]:
         assert sm90_decode_config(*args, 8, 16, 264, align, 8192, 1.0) is None, args
 
@@ -176,6 +185,30 @@ def test_decode_attention_on_the_gpu(scheduler, align):
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (lens, err)
         assert torch.equal(c(**a), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "hq,hkv,d,page,align",
+    [(16, 2, 128, 64, 64), (32, 2, 128, 8, 64), (8, 8, 128, 256, 256), (8, 2, 64, 16, 64)]
+    + [(16, 4, 256, 32, 128), (12, 4, 128, 16, 64)],
+)
+def test_decode_attention_tile_shapes_on_the_gpu(hq, hkv, d, page, align):
+    """The tensor-core tile's other shapes: G = 8, 16, 1 and 3 query heads a KV head, head
+    dims 64 and 256, pages of 8 to 256 tokens, 128-token slices."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    max_pages = 8192 // page
+    g = _graph(hq, hkv, d, page, max_pages, align, torch.bfloat16, max_b=8)
+    assert g.nodes[0].op.ring_tile() is not None  # the Hopper tile, not the portable one
+    c = g.compile("cute", scheduler="static", watchdog=True, poison_outputs=True)
+    gen = torch.Generator().manual_seed(2)
+    for lens in ([1], [7, 129, 4097], [8192], [300] * 8):
+        a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
+        out = c(**a)
+        ref = decode_attention_reference(**a)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (lens, err)
 
 
 def test_the_merge_count_is_the_ops_own():
