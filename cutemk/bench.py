@@ -230,9 +230,9 @@ class Results:
 def bar_chart(
     res: Results, path: Path | str | None = None, key: str = "median_us", log: bool = True
 ) -> Path | None:
-    """Grouped bars of ``key`` per case (groups) and impl (bars), saved as a small PNG; the
-    default path is the JSON's with ``.png``. Returns None where matplotlib is missing, so a
-    benchmark never fails for want of a chart. Log scale by default: cases span decode
+    """Grouped bars of ``key`` per case (groups) and impl (bars, and the rows' ``floor_us`` as
+    a bar named floor), saved as a small PNG; the default path is the JSON's with ``.png``.
+    Returns None where matplotlib is missing, so a benchmark never fails for want of a chart. Log scale by default: cases span decode
     (microseconds) to prefill (milliseconds)."""
     try:
         import matplotlib
@@ -245,6 +245,10 @@ def bar_chart(
     cases = list(dict.fromkeys(r["case"] for r in res.rows))
     impls = list(dict.fromkeys(r["impl"] for r in res.rows))
     value = {(r["case"], r["impl"]): r.get(key) for r in res.rows}
+    floors = {r["case"]: r["floor_us"] for r in res.rows if r.get("floor_us")}
+    if key == "median_us" and floors:  # the floor as a bar of its own, beside the impls
+        impls.append("floor")
+        value.update({(c, "floor"): f for c, f in floors.items()})
     width = 0.8 / max(1, len(impls))
     fig, ax = plt.subplots(figsize=(8, 4), dpi=80)
     for j, impl in enumerate(impls):
