@@ -22,6 +22,20 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 _KIND = {"bf16": "bf16", "f16": "f16"}
 
 
+def _asm(ret, operands, text: str, constraints: str, loc, ip, side_effects: bool = False):
+    return llvm.inline_asm(
+        ret,
+        operands,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
 def _mma(shape: str, kind: str, a, b, c, loc, ip):
     na, nb = len(a), len(b)
     regs = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
@@ -29,17 +43,14 @@ def _mma(shape: str, kind: str, a, b, c, loc, ip):
     ka = ",".join(f"${4 + i}" for i in range(na))
     kb = ",".join(f"${4 + na + i}" for i in range(nb))
     kc = ",".join(f"${4 + na + nb + i}" for i in range(4))
-    res = llvm.inline_asm(
+    res = _asm(
         llvm.StructType.get_literal([T.f32()] * 4),
         regs + accs,
         f"mma.sync.aligned.{shape}.row.col.f32.{_KIND[kind]}.{_KIND[kind]}.f32 "
         f"{{$0,$1,$2,$3}}, {{{ka}}}, {{{kb}}}, {{{kc}}};",
         "=f,=f,=f,=f," + ",".join(["r"] * (na + nb)) + ",0,1,2,3",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -60,16 +71,13 @@ def mma_1688(kind: str, a, b, c, *, loc=None, ip=None):
 @dsl_user_op
 def pack2(kind: str, lo, hi, *, loc=None, ip=None) -> Int32:
     """Two fp32 values rounded to 16 bits, ``lo`` in the low half (an A / B register)."""
-    r = llvm.inline_asm(
+    r = _asm(
         T.i32(),
         [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
         f"cvt.rn.{_KIND[kind]}x2.f32 $0, $1, $2;",  # the first source goes to the upper half
         "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
     )
     return Int32(r)
 
@@ -83,15 +91,14 @@ def ldmatrix_x4(ptr, trans: bool = False, *, loc=None, ip=None):
     rows ``2 (l % 4) ..`` of column ``l // 4``: a B fragment of the matrix as it is stored."""
     addr = llvm.ptrtoint(T.i32(), ptr.llvm_ptr, loc=loc, ip=ip)
     t = ".trans" if trans else ""
-    res = llvm.inline_asm(
+    # a side effect: the load must stay after the ring wait that makes the data visible
+    res = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [addr],
         f"ldmatrix.sync.aligned.m8n8.x4{t}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
         "=r,=r,=r,=r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
+        loc,
+        ip,
+        side_effects=True,
     )
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
