@@ -4,8 +4,8 @@ One compiled graph serves every token count up to its declared maximum, but one 
 not suit every token count: at decode sizes a layer is a weight stream that must reach all 132
 SMs (split along K where the tiles are too few), while small tiles waste bandwidth on re-reads
 of the weights at prefill sizes. So a module keeps a few regimes, each one graph compiled
-lazily on first use. The MLP's: ``gemv`` for T <= 16, ``decode`` for T <= 128 and ``prefill``
-above, tile shapes in :data:`MLP_TILES` (read through :func:`mlp_tiles`) and K splits in
+lazily on first use. The MLP's: ``gemv1`` for one token, ``gemv`` for T <= 16, ``decode`` for
+T <= 128 and ``prefill`` above, tile shapes in :data:`MLP_TILES` (read through :func:`mlp_tiles`) and K splits in
 :data:`MLP_SPLIT_K`; the MoE block's in :data:`MOE_REGIME_LIMITS` / :data:`MOE_TILES`; the
 decoder layer's in :data:`DECODER_REGIME_LIMITS`. These tables are the places to tune them, and
 :func:`mlp_regime_graph` / :func:`moe_regime_graph` build a regime's graph without weights (for
@@ -24,9 +24,16 @@ from .symbolic import sym
 DECODE_MAX_TOKENS = 128
 """Largest token count the decode regimes serve; larger ones go to the prefill graph."""
 
-REGIME_LIMITS: dict[str, int | None] = {"gemv": 16, "decode": DECODE_MAX_TOKENS, "prefill": None}
+REGIME_LIMITS: dict[str, int | None] = {
+    "gemv1": 1,
+    "gemv": 16,
+    "decode": DECODE_MAX_TOKENS,
+    "prefill": None,
+}
 """Regimes in order with the most tokens each serves. 'gemv' is 'decode' compiled for at most
-16 rows: its A loads are 16 rows, not 64 (out-of-bounds rows still cost the copy engine)."""
+16 rows: its A loads are 16 rows, not 64 (out-of-bounds rows still cost the copy engine).
+'gemv1' is one row, whose gate/up streams faster split along K (``cutemk.layers.linear``)
+while 2-16 rows run it unsplit in one wave of tiles."""
 
 Tiles = tuple[tuple[int, int], tuple[int, int]]
 
@@ -38,17 +45,20 @@ MLP_TILES: dict[tuple[str, str], Tiles] = {
     # (64x32 reached 1.5 TB/s, 64x256 3.4 TB/s), so decode uses 64-row tiles about 128 to 256
     # weight rows wide; prefill uses 128-row tiles, which read each weight tile once per 128
     # tokens.
+    ("cute", "gemv1"): ((64, 128), (64, 64)),
     ("cute", "gemv"): ((64, 128), (64, 64)),
     ("cute", "decode"): ((128, 64), (128, 256)),
     ("cute", "prefill"): ((128, 128), (128, 256)),
     # The interpreter runs torch references on the CPU: small tiles exercise many events
     # (and races, deadlocks) at test sizes; speed does not matter there.
+    ("interpret", "gemv1"): ((16, 32), (16, 32)),
     ("interpret", "gemv"): ((16, 32), (16, 32)),
     ("interpret", "decode"): ((16, 32), (16, 32)),
     ("interpret", "prefill"): ((16, 32), (16, 32)),
 }
 
 MLP_SPLIT_K: dict[tuple[str, str], int | None | tuple[int | None, int | None]] = {
+    ("cute", "gemv1"): None,
     ("cute", "gemv"): None,
     ("cute", "decode"): (1, None),
 }

@@ -49,7 +49,7 @@ def test_mlp_and_graph_warmup():
         max_tokens=20,
         backend="interpret",
     )
-    assert len(mk.warmup(mlp, progress=False).steps) == len(mlp.regimes()) == 2
+    assert len(mk.warmup(mlp, progress=False).steps) == len(mlp.regimes()) == 3
     graph = mk.Graph("one_gemm")
     x = graph.input("x", (mk.sym("T", max=64), 16))
     graph.output(graph.call(ops.gemm, x, graph.weight("w", (16, 16))), "y")
