@@ -22,6 +22,7 @@ from .binding import bind, env_key, fresh_, poison_
 from .codegen.lower import (
     ABORT,
     DBG_EVENT,
+    DBG_EXPECTED,
     DBG_KIND,
     DBG_SEEN,
     DBG_SM,
@@ -30,8 +31,10 @@ from .codegen.lower import (
     EPOCH,
     KIND_BARRIER_WAIT,
     KIND_EVENT_WAIT,
+    KIND_RANK_BARRIER,
     KIND_REMOTE_WAIT,
     MAX_EPOCH_COUNT,
+    PEER_ABORT,
     STATE_SIZE,
     LoweredPlan,
     lower,
@@ -422,7 +425,7 @@ class CuteGraph:
         dbg = b.torch_dev["debug"].cpu().tolist()
         counters = b.torch_dev["ev_counter"].cpu().numpy()
         epoch = int(state[EPOCH])  # the last CTA out stored the failed launch's epoch
-        msg = _diagnose(b.plan, dbg, counters, epoch)
+        msg = _diagnose(b.plan, dbg, counters, epoch, int(state[ABORT]))
         if self.spec.distributed:
             # the other ranks' counters are at other epochs now: resetting this rank alone
             # would let its waits pass on stale peer counts
@@ -608,9 +611,22 @@ def _compile(spec: KernelSpec, args: tuple):
     return fn
 
 
-def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int) -> str:
-    """Name the event a stuck task waits on, from the watchdog record and the live counters."""
+def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int, abort: int = 1) -> str:
+    """Name the event a stuck task waits on, from the watchdog record and the live counters
+    (``abort``: the state's abort word, ``PEER_ABORT`` where another rank's watchdog fired)."""
     lines = []
+    if abort == PEER_ABORT and dbg[DBG_KIND] < 0:
+        return (
+            f"megakernel watchdog: another rank aborted launch {epoch} (that rank's error names "
+            "the cause); this rank's launch stopped with it"
+        )
+    if dbg[DBG_KIND] == KIND_RANK_BARRIER:
+        return (
+            f"megakernel watchdog: the rank barrier closing launch {epoch} timed out: "
+            f"{dbg[DBG_SEEN] - dbg[DBG_EXPECTED] + dbg[DBG_EXPECTED] // max(epoch, 1)} of "
+            f"{dbg[DBG_EXPECTED] // max(epoch, 1)} ranks arrived (a rank that never launched "
+            "this plan, or launched another)"
+        )
     if dbg[DBG_KIND] in (KIND_EVENT_WAIT, KIND_REMOTE_WAIT) and 0 <= dbg[DBG_TASK] < plan.num_tasks:
         e = dbg[DBG_EVENT]
         count = plan.event_count[e]

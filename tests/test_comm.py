@@ -162,6 +162,23 @@ def test_distributed_megakernels_compile_with_system_scope_events(scheduler):
     assert "wgmma.mma_async" in ptx  # the GEMM tiles are the Hopper ones
 
 
+def test_distributed_watchdog_bounds_the_rank_barrier_and_tells_the_peers():
+    """With the watchdog, an aborted launch sets the peers' abort word (a system-scope CAS)
+    and the rank barrier's wait is bounded (a second ``%globaltimer`` deadline loop)."""
+    from cutemk.runtime import compile_offline
+
+    g = gemm_rs_graph(mk.sym("T", max=8192), 512, 4096, 8, torch.bfloat16)
+    ptx = {}
+    for watchdog in (False, True):
+        with tempfile.TemporaryDirectory() as d:
+            compile_offline(g, "static", watchdog=watchdog, options=f"--keep-ptx --dump-dir={d}")
+            ptx[watchdog] = Path(
+                sorted(glob.glob(f"{d}/*.ptx"), key=os.path.getmtime)[-1]
+            ).read_text()
+    assert "atom.global.sys.release.cas" in ptx[True]
+    assert "atom.global.sys.release.cas" not in ptx[False]
+
+
 # -- GPU: the world-size-1 path of the runtime -------------------------------------------
 @pytest.mark.gpu
 @requires_cuda

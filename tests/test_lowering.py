@@ -282,6 +282,22 @@ def test_watchdog_diagnosis_names_the_event():
     assert "first stuck task synthetic_dag0[2] waits on event vertex[1]" in msg
 
 
+def test_watchdog_diagnosis_of_the_rank_barrier_and_a_peer_abort():
+    """Distributed launches: the rank barrier's deadline (4 ranks, launch 3: 8 earlier arrivals
+    plus 2 of this one) and an abort another rank set in this rank's state."""
+    from cutemk.codegen.lower import DEBUG_SIZE, KIND_RANK_BARRIER, PEER_ABORT
+    from cutemk.runtime import _diagnose
+
+    plan = instantiate(ops.dag_graph([[], [0]], N, M), {"N": 2, "M": 2})
+    counters = np.zeros(plan.num_events, dtype=np.int32)
+    dbg = [-1, 6, 12, 10, 3, KIND_RANK_BARRIER] + [0] * (DEBUG_SIZE - 6)
+    msg = _diagnose(plan, dbg, counters, epoch=3)
+    assert "rank barrier closing launch 3 timed out: 2 of 4 ranks arrived" in msg
+    unset = [-1] * DEBUG_SIZE
+    msg = _diagnose(plan, unset, counters, epoch=3, abort=PEER_ABORT)
+    assert "another rank aborted launch 3" in msg
+
+
 def test_one_kernel_key_for_same_structure_different_dags():
     from cutemk.runtime import kernel_spec
 

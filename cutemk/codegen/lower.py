@@ -37,6 +37,10 @@ DEBUG_SIZE = 8
 # debug[] slots written by a watchdog timeout
 DBG_TASK, DBG_EVENT, DBG_EXPECTED, DBG_SEEN, DBG_SM, DBG_KIND = range(6)
 KIND_EVENT_WAIT, KIND_QUEUE_IDLE, KIND_REMOTE_WAIT, KIND_BARRIER_WAIT = 1, 2, 3, 4
+KIND_RANK_BARRIER = 5
+PEER_ABORT = 2
+"""``state[ABORT]`` as another rank sets it: that rank's watchdog fired in this launch (a rank's
+own watchdog sets 1)."""
 MAX_EPOCH_COUNT = 2**31 - 1
 
 

@@ -35,7 +35,9 @@ serves every token count.
 - Watchdog (compile-time flag): waits give up after ``timeout_ns``; the first CTA to give up
   records (task, event, expected, seen, SM) in ``debug`` and raises ``state[ABORT]``; producers
   stop at their next task (still completing the ring slots they armed) and send the consumers
-  a stop record. The host turns that into an error naming the event.
+  a stop record. The host turns that into an error naming the event. Distributed, the last CTA
+  of an aborted launch raises every peer's ``state[ABORT]`` too (``PEER_ABORT``), and the rank
+  barrier that closes a launch gives up after ``timeout_ns`` (a rank that never arrives).
 """
 
 from __future__ import annotations
@@ -346,7 +348,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         if sCtl[2] != 0:
             if cutlass.const_expr(self.spec.distributed):
                 if tidx == 0:
-                    self._rank_barrier(mDev, mPeers, epoch)
+                    self._rank_barrier(mDev, dev, mPeers, epoch, timeout_ns)
             wrap = epoch >= max_epoch
             if wrap:
                 for k in cutlass.range_constexpr(2, len(DEVICE_STATE)):  # past state, debug

@@ -24,7 +24,9 @@ from .lower import (
     DBG_TASK,
     KIND_BARRIER_WAIT,
     KIND_EVENT_WAIT,
+    KIND_RANK_BARRIER,
     KIND_REMOTE_WAIT,
+    PEER_ABORT,
 )
 from .layout import D, P
 
@@ -157,15 +159,46 @@ class EventWaits:
         return ok
 
     @cute.jit
-    def _rank_barrier(self, mDev, mPeers, epoch: Int32):
+    def _rank_barrier(self, mDev, dev, mPeers, epoch: Int32, timeout_ns: Int64):
         """Last CTA out, one thread: tell every rank this one has finished launch ``epoch``,
         then wait until all have. No rank starts its next launch (which rewrites buffers the
         others read or write remotely) before every rank is done with this one; and no counter
-        is remote-read across a reset, since distributed launches never wrap on the device."""
+        is remote-read across a reset, since distributed launches never wrap on the device.
+
+        With the watchdog, a launch that aborted here aborts every rank's (``PEER_ABORT`` in
+        their state, before the barrier: their abortable waits stop at once and their host
+        reports it), and the barrier gives up after ``timeout_ns`` (a rank that never arrives:
+        it aborted before launching, or runs another plan) and records it."""
         world = cute.size(mPeers)
         state_off = mDev[2 * D["state"]]
+        own_abort = mDev.iterator + (state_off + ABORT)
+        if cutlass.const_expr(self.spec.watchdog):
+            if cute.arch.load(own_abort, Int32, sem="relaxed", scope="gpu") != 0:
+                for p in range(world):
+                    addr = mPeers[p] + Int64(state_off + ABORT) * 4
+                    ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+                    cute.arch.atomic_cas(
+                        ptr, cmp=Int32(0), val=Int32(PEER_ABORT), sem="release", scope="sys"
+                    )
         for p in range(world):
             addr = mPeers[p] + Int64(state_off + BARRIER) * 4
             ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
             notify_event(ptr, Int32(1), "sys")
-        wait_event(mDev.iterator + (state_off + BARRIER), world * epoch, "sys")
+        barrier = mDev.iterator + (state_off + BARRIER)
+        if cutlass.const_expr(self.spec.watchdog):
+            # an aborted launch does not wait for the others: its graph is broken on every rank
+            timed_out, seen = wait_event_or_abort(
+                barrier, world * epoch, timeout_ns, own_abort, "sys"
+            )
+            if timed_out and cute.arch.load(own_abort, Int32, sem="relaxed", scope="gpu") == 0:
+                self._abort(
+                    dev[D["state"]],
+                    dev[D["debug"]],
+                    Int32(-1),
+                    Int32(BARRIER),
+                    world * epoch,
+                    seen,
+                    Int32(KIND_RANK_BARRIER),
+                )
+        else:
+            wait_event(barrier, world * epoch, "sys")
