@@ -101,7 +101,11 @@ class _KeyedModule(nn.Module):
 
     def regimes(self) -> tuple[str, ...]:
         """The regimes this module can run: those starting below ``max_tokens``."""
-        return tuple(r for r, _ in self.regime_starts())
+        held = self.__dict__.get("_regimes_held")  # (max_tokens, regimes): asked every call
+        if held is None or held[0] != self.max_tokens:
+            held = (self.max_tokens, tuple(r for r, _ in self.regime_starts()))
+            self.__dict__["_regimes_held"] = held
+        return held[1]
 
     def regime_starts(self) -> list[tuple[str, int]]:
         """(regime, its smallest token count) of each regime this module runs."""
@@ -111,8 +115,8 @@ class _KeyedModule(nn.Module):
         """The backend for weights like ``like`` (default: this module's)."""
         if self.backend is not None:
             return self.backend
-        cuda = torch.cuda.is_available() and (self.w_down if like is None else like).is_cuda
-        return "cute" if cuda else "interpret"
+        # a CUDA tensor means CUDA is available (no ``torch.cuda.is_available()`` per call)
+        return "cute" if (self.w_down if like is None else like).is_cuda else "interpret"
 
 
 class MegaMLP(_KeyedModule):
@@ -216,7 +220,11 @@ class MegaMLP(_KeyedModule):
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
-        y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, torch_ops.key_of(self))
+        if torch_ops.direct(x2):
+            y = self._launch(x2, self.w_gate_up, self.w_down)
+        else:
+            key = torch_ops.key_of(self)
+            y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)
         return y.reshape(x.shape)
 
     def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
@@ -459,8 +467,11 @@ class MegaMoE(_KeyedModule):
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
-        key = torch_ops.key_of(self)
-        y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
+        if torch_ops.direct(x2):
+            y = self._launch(x2, self.w_router, self.w_gate_up, self.w_down)
+        else:
+            key = torch_ops.key_of(self)
+            y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
         return y.reshape(x.shape)
 
     def _launch(self, x2, w_router, w_gate_up, w_down):
@@ -648,9 +659,12 @@ class MegaDecoderLayer(_KeyedModule):
         if x.shape[0] > self.max_batch:
             raise ShapeError(f"batch {x.shape[0]} is more than max_batch={self.max_batch}")
         weights = [getattr(self, n) for n in self._names]
+        x = x.detach()
+        if torch_ops.direct(x):
+            return self._launch(x, positions, k_cache, v_cache, page_table, seq_lens, weights)
         key = torch_ops.key_of(self)
         return torch.ops.cutemk.mega_decoder_layer(
-            x.detach(), positions, k_cache, v_cache, page_table, seq_lens, weights, key
+            x, positions, k_cache, v_cache, page_table, seq_lens, weights, key
         )
 
     def _launch(self, x, positions, k_cache, v_cache, page_table, seq_lens, weights):

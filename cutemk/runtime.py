@@ -63,12 +63,6 @@ compile_count = 0
 """Megakernels compiled by this process (tests assert it stays flat across token counts)."""
 
 
-def _cute_tensor(t: torch.Tensor):
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
 def _off_graph(fn, *args):
     """Run ``fn`` (which allocates and fills the persistent device state of a plan) on a
     thread of its own, on a stream of its own, and wait for it there.
@@ -104,13 +98,63 @@ class _Buffers:
 
     plan: Plan
     lowered: LoweredPlan
-    kernel_args: tuple  # cute tensors: packed program, packed device state, profile records
+    kernel_args: tuple  # after the value tensors: program, state, profile, peers, task counts
     torch_dev: dict[str, torch.Tensor]  # the same buffers (and views of the state) for the host
     intermediates: dict[str, torch.Tensor]
-    cute_intermediates: dict[str, Any]
     max_epoch: int  # the kernel wraps its counters to epoch 0 after this many launches
     launches: int = 0  # distributed: counted on the host (counters never wrap on the device)
     captured: bool = False  # a CUDA graph captured a launch of this state
+
+
+class _Call:
+    """What a call with given leaf shapes launches: its plan's buffers, the kernel's tensor list
+    with the per-call slots (leaves, new outputs) left empty, and what each leaf must look like
+    for a later call to reuse it without binding again."""
+
+    __slots__ = ("buffers", "checks", "device", "leaf_slots", "outputs", "template")
+
+    @classmethod
+    def build(cls, g: CuteGraph, b: _Buffers, leaves: tuple) -> _Call:
+        c = cls()
+        c.buffers = b
+        c.device = leaves[0].device
+        leaf_index = {v.name: i for i, v in enumerate(g.graph.leaves)}
+        position = {v.name: k for k, v in enumerate(g.graph.values)}
+        c.template = [None] * len(g.graph.values)
+        c.leaf_slots = []
+        for k, v in enumerate(g.graph.values):
+            if v.name in leaf_index:
+                c.leaf_slots.append((k, leaf_index[v.name]))
+            elif v.alias_of is not None:
+                c.leaf_slots.append((k, leaf_index[v.alias_of.name]))
+            elif v.name in b.intermediates:
+                c.template[k] = b.intermediates[v.name]
+        c.template += [g._peer_tables[name] for name in g.symmetric]
+        c.outputs = [
+            (position[v.name], None, None, leaf_index[v.alias_of.name])
+            if v.alias_of is not None
+            else (position[v.name], tuple(b.plan.shapes[v.name]), v.dtype, None)
+            for v in g.graph.outputs
+        ]
+        # dtype, row-major strides (what bind's canonical view has), device index
+        c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
+        return c
+
+    def matches(self, args: tuple) -> bool:
+        """``args`` (same shapes as this call's leaves) can launch as this call did."""
+        if len(args) != len(self.checks):
+            return False
+        for t, (dtype, stride, dev) in zip(args, self.checks):
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != dtype
+                or t.stride() != stride
+                or t.get_device() != dev
+                or t.requires_grad
+                or t.data_ptr() % 16
+            ):
+                return False
+        return True
 
 
 class CuteGraph:
@@ -162,8 +206,8 @@ class CuteGraph:
         self._broken = ""  # set when a distributed launch aborted: the ranks' epochs disagree
         self._buffers: dict[tuple, _Buffers] = {}
         self._retired: list[_Buffers] = []  # replaced by load_plan; a captured graph reads them
-        self._weight_cache: dict[tuple, Any] = {}
         self._scratch_bufs: dict[str, torch.Tensor] = {}
+        self._calls: dict[tuple, _Call] = {}  # by the leaves' shapes: see __call__
         self._fn = None
         self.last_env: dict[str, int] | None = None
 
@@ -196,6 +240,7 @@ class CuteGraph:
         if old is not None and old.captured:
             self._retired.append(old)
         self._buffers[key] = self._build_buffers(plan)
+        self._calls.clear()  # they hold the plans they were bound to
 
     def _build_buffers(self, plan: Plan) -> _Buffers:
         if self.spec.distributed:  # collective setup: stays on the caller's thread
@@ -248,14 +293,14 @@ class CuteGraph:
                 shape = plan.shapes[v.name]
                 numel = int(np.prod(shape))
                 inter[v.name] = self._scratch(v)[:numel].view(shape)
+        max_epoch = low.max_launches()
         return _Buffers(
             plan,
             low,
-            (_cute_tensor(prog), _cute_tensor(devbuf), _cute_tensor(prof), _cute_tensor(peers)),
+            (prog, devbuf, prof, peers, plan.num_tasks, low.num_init),
             {**views, "prog": prog, "devbuf": devbuf, "prof": prof, "peers": peers},
             inter,
-            {k: _cute_tensor(v) for k, v in inter.items()},
-            low.max_launches(),
+            max_epoch,
         )
 
     def _check_same_plan_everywhere(self, plan: Plan) -> None:
@@ -295,7 +340,7 @@ class CuteGraph:
             numel = max(int(np.prod([upper(d) for d in v.shape])), 1)
             if v.name in self.symmetric:  # reached by other ranks: symmetric memory
                 buf, ptrs = self.comm.symmetric_empty(numel, v.dtype)
-                self._peer_tables[v.name] = _cute_tensor(self.comm.peer_table(ptrs))
+                self._peer_tables[v.name] = self.comm.peer_table(ptrs)
                 fresh_(buf, v)
                 torch.cuda.synchronize()
                 self.comm.barrier()  # no peer writes into it before the poison has landed
@@ -306,20 +351,27 @@ class CuteGraph:
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):
-        capturing = torch.cuda.is_current_stream_capturing()
-        if self.spec.watchdog and capturing:
-            raise CuteMKError(
-                "watchdog=True reads the kernel's state back after every launch, "
-                "so it cannot be captured in a CUDA graph; compile without it"
-            )
-        if self.spec.distributed and capturing:
-            raise CuteMKError(
-                "a distributed megakernel cannot be captured in a CUDA graph yet: other ranks "
-                "read its event counters, so they never wrap on the device, and the host resets "
-                "them (collectively) only between launches it sees"
-            )
-        if self._broken:
-            raise CuteMKError(self._broken)
+        """Launch on the leaves (positional in declaration order, or by name).
+
+        The first call with given leaf shapes binds them in full (:func:`~cutemk.binding.bind`:
+        every check with its message) and keeps what it worked out, keyed by the shapes; a
+        later call with the same shapes only verifies dtype, strides, device, alignment and
+        autograd of each tensor against it (anything else takes the full path again, which
+        raises the error or binds anew). The compiled kernel takes torch tensors directly
+        (TVM-FFI), so a call converts nothing in Python."""
+        call = None
+        if not kwargs:
+            try:
+                call = self._calls.get(tuple(t.shape for t in args))
+            except AttributeError:  # not a tensor: the full path names the argument
+                pass
+        if call is None or not call.matches(args):
+            call, args = self._bind_call(args, kwargs)
+        return self._run(call, args)
+
+    def _bind_call(self, args: tuple, kwargs: dict) -> tuple[_Call, tuple]:
+        """Full binding of one call: the leaves in declaration order (canonical views) and the
+        launch they make, kept for later calls with the same shapes."""
         env, leaves = bind(self.graph, args, kwargs, device_type="cuda")
         if self.spec.distributed:
             env.update(self.comm.env())
@@ -330,70 +382,63 @@ class CuteGraph:
                     f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor"
                 )
         b = self._bufs(env)
-        b.captured = b.captured or capturing
         self.last_env = env
-        device = next(iter(leaves.values())).device
-        outs = {}
-        for v in self.graph.outputs:
-            if v.alias_of is not None:  # an input updated in place: the caller's tensor
-                outs[v.name] = leaves[v.alias_of.name]
+        leaf_list = tuple(leaves.values())
+        call = _Call.build(self, b, leaf_list)
+        if len(self._calls) >= 256:
+            self._calls.clear()
+        self._calls[tuple(t.shape for t in leaf_list)] = call
+        return call, leaf_list
+
+    def _run(self, call: _Call, leaves: tuple):
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            if self.spec.watchdog:
+                raise CuteMKError(
+                    "watchdog=True reads the kernel's state back after every launch, "
+                    "so it cannot be captured in a CUDA graph; compile without it"
+                )
+            if self.spec.distributed:
+                raise CuteMKError(
+                    "a distributed megakernel cannot be captured in a CUDA graph yet: other "
+                    "ranks read its event counters, so they never wrap on the device, and the "
+                    "host resets them (collectively) only between launches it sees"
+                )
+            call.buffers.captured = True
+        if self._broken:
+            raise CuteMKError(self._broken)
+        b = call.buffers
+        self.last_env = b.plan.env
+        tensors = list(call.template)
+        for pos, i in call.leaf_slots:
+            tensors[pos] = leaves[i]
+        outs = []
+        for pos, shape, dtype, leaf in call.outputs:
+            if leaf is not None:  # an input updated in place: the caller's tensor
+                outs.append(leaves[leaf])
                 continue
-            t = torch.empty(b.plan.shapes[v.name], dtype=v.dtype, device=device)
-            outs[v.name] = poison_(t) if self.poison_outputs else t
-        tensors = []
-        for v in self.graph.values:
-            if v.kind == "weight":
-                tensors.append(self._weight_tensor(leaves[v.name]))
-            elif v.name in leaves:
-                tensors.append(_cute_tensor(leaves[v.name]))
-            elif v.alias_of is not None:
-                tensors.append(_cute_tensor(leaves[v.alias_of.name]))
-            elif v.name in outs:
-                tensors.append(_cute_tensor(outs[v.name]))
-            else:
-                tensors.append(b.cute_intermediates[v.name])
-        tensors += [self._peer_tables[name] for name in self.symmetric]
+            t = torch.empty(shape, dtype=dtype, device=call.device)
+            if self.poison_outputs:
+                poison_(t)
+            tensors[pos] = t
+            outs.append(t)
         if b.plan.num_tasks:
             if self.spec.profile:
                 b.torch_dev["prof"].zero_()  # skipped tasks keep no earlier launch's times
-            self._launch(b, tuple(tensors))
+            self._launch(b, tensors)
             if self.spec.watchdog:
                 self._check(b)
-        res = tuple(outs[v.name] for v in self.graph.outputs)
-        return res[0] if len(res) == 1 else res
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _weight_tensor(self, t: torch.Tensor):
-        """The cute view of a weight, reused while the same memory comes back with the same
-        layout (weights are passed at every call; converting costs host time per launch). The
-        view keeps its weight alive, so the cache is small and holds weights only."""
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        ct = self._weight_cache.get(key)
-        if ct is None:
-            if len(self._weight_cache) >= 64:
-                self._weight_cache.clear()
-            ct = self._weight_cache[key] = _cute_tensor(t)
-        return ct
-
-    def _launch(self, b: _Buffers, tensors: tuple) -> None:
-        import cuda.bindings.driver as cuda
-        from cutlass import Int32, Int64
-
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        args = (
-            tensors,
-            *b.kernel_args,
-            Int32(b.plan.num_tasks),
-            Int32(b.lowered.num_init),
-            Int32(MAX_EPOCH_COUNT if self.spec.distributed else b.max_epoch),
-            Int64(self.timeout_ns),
-            Int32(self.num_sms),
-            stream,
-        )
+    def _launch(self, b: _Buffers, tensors: list) -> None:
         if self._fn is None:
-            self._fn = _COMPILED.get(self.spec) or _compile(self.spec, args)
+            self._fn = _COMPILED.get(self.spec) or _compile(self.spec)
         if self.spec.distributed:
             self._count_launch(b)
-        self._fn(*args)
+        # the stream is the caller's current torch stream (TVM-FFI's environment stream, set
+        # from the first torch tensor argument)
+        epochs = MAX_EPOCH_COUNT if self.spec.distributed else b.max_epoch
+        self._fn(tensors, *b.kernel_args, epochs, self.timeout_ns, self.num_sms)
 
     def _count_launch(self, b: _Buffers) -> None:
         """Distributed counters are read by other ranks, so the kernel never wraps them; before
@@ -553,62 +598,68 @@ def compile_offline(
     profile: bool = False,
     options: str = "",
 ):
-    """Compile ``graph``'s megakernel with fake tensors, no GPU needed (CI compile checks).
+    """Compile ``graph``'s megakernel as the runtime does, no GPU needed (CI compile checks).
 
     ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``).
     """
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
     graph.validate()
     dynamic = resolve_scheduler(scheduler).mode is SchedulingMode.DYNAMIC
-    spec = kernel_spec(graph, dynamic, watchdog, profile)
-    dtypes = {
-        torch.float32: cutlass.Float32,
-        torch.bfloat16: cutlass.BFloat16,
-        torch.float16: cutlass.Float16,
-        torch.int32: cutlass.Int32,
-        torch.int64: cutlass.Int64,
-    }
+    return _compile_now(kernel_spec(graph, dynamic, watchdog, profile), options)
 
-    def fake(dtype, ndim):
+
+def _compile(spec: KernelSpec):
+    """The process's kernel for ``spec`` (compiled on first use; ``CUTE_DSL_CACHE_DIR`` keeps
+    compiled kernels on disk between processes)."""
+    global compile_count
+    with _LOCK:
+        fn = _COMPILED.get(spec)
+        if fn is None:
+            fn = _COMPILED[spec] = _compile_now(spec)
+            compile_count += 1
+    return fn
+
+
+_CUTE_DTYPES = {
+    "torch.float32": "Float32",
+    "torch.bfloat16": "BFloat16",
+    "torch.float16": "Float16",
+    "torch.int32": "Int32",
+    "torch.int64": "Int64",
+}
+
+
+def _compile_now(spec: KernelSpec, options: str = ""):
+    """Compile the megakernel of ``spec`` from fake arguments (no data, no GPU), with TVM-FFI's
+    calling convention: the result takes torch tensors and Python ints, checks each tensor's
+    dtype, rank, innermost stride, alignment and device in C, and launches on the caller's
+    current torch stream. Every extent and outer stride is dynamic, so one kernel serves every
+    token count."""
+    import cutlass
+    from cutlass import cute
+    from cutlass import Int32, Int64
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    def fake(dtype: str, ndim: int):
         shape = tuple(cute.sym_int() for _ in range(ndim))
-        return make_fake_compact_tensor(
-            dtypes[dtype], shape, stride_order=tuple(range(ndim - 1, -1, -1)), assumed_align=16
-        )
+        stride = tuple(cute.sym_int(64) for _ in range(ndim - 1)) + (1,)
+        element = getattr(cutlass, _CUTE_DTYPES[dtype])
+        return make_fake_tensor(element, shape, stride, assumed_align=16)
 
-    tensors = tuple(fake(v.dtype, len(v.shape)) for v in graph.values)
-    tensors += tuple(fake(torch.int64, 1) for _ in symmetric_values(graph))
     return cute.compile(
         Megakernel(spec).launch,
-        tensors,
-        fake(torch.int32, 1),
-        fake(torch.int32, 1),
-        fake(torch.int64, 1),
-        fake(torch.int64, 1),
+        tuple(fake(dtype, ndim) for dtype, ndim in spec.values),
+        fake("torch.int32", 1),
+        fake("torch.int32", 1),
+        fake("torch.int64", 1),
+        fake("torch.int64", 1),
         Int32(1),
         Int32(1),
         Int32(1),
         Int64(1),
         Int32(132),
-        make_fake_stream(),
-        options=options,
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=f"--enable-tvm-ffi {options}".strip(),
     )
-
-
-def _compile(spec: KernelSpec, args: tuple):
-    global compile_count
-    import cutlass.cute as cute
-
-    with _LOCK:
-        fn = _COMPILED.get(spec)
-        if fn is None:
-            fn = cute.compile(Megakernel(spec).launch, *args)
-            _COMPILED[spec] = fn
-            compile_count += 1
-    return fn
 
 
 def _diagnose(plan: Plan, dbg: list[int], counters: np.ndarray, epoch: int, abort: int = 1) -> str:

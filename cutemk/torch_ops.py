@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 _runners: dict[str, weakref.WeakSet] = {}
 
@@ -37,6 +38,19 @@ def op_key(module: Any) -> str:
     if module.__dict__.get("profile"):  # profiled kernels are others: never share a runner
         key += " profiled"
     return key
+
+
+def direct(x: torch.Tensor) -> bool:
+    """Whether a module call on activations ``x`` may launch without going through its custom
+    op: outside ``torch.compile`` tracing, with no torch dispatch mode active (a fake-tensor or
+    meta trace must see the op), and ``x`` a plain tensor (not a subclass). The op's Python
+    dispatch costs tens of microseconds of host time an eager call; the op does the same
+    launch."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and _current_dispatch_mode() is None
+    )
 
 
 def _runner(key: str) -> Any:

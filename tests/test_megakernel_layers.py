@@ -116,3 +116,40 @@ def test_profile_trace(tmp_path):
     doc = json.loads(c.export_trace(tmp_path / "mlp.trace.json").read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(recs) and len({e["tid"] for e in spans}) > 1
+
+
+@pytest.mark.gpu
+def test_repeated_calls_bind_every_tensor_anew():
+    """A call with the shapes of an earlier one reuses that call's binding (the fast eager
+    path): every leaf and output is still the caller's tensor of this call, a tensor that
+    differs in anything but its shape is bound (and rejected) in full, and a 1-row view whose
+    size-1 dim has an odd stride is re-viewed as before."""
+    from cutemk.errors import DTypeError, LayoutError
+
+    torch.manual_seed(3)
+    h, i = 256, 192
+    g = mlp_graph(mk.sym("T", max=64), h, i, torch.bfloat16, 64, 64)
+    c = g.compile("cute", scheduler="static", poison_outputs=True)
+    w_gu = (torch.randn(2 * i, h, device="cuda") / h**0.5).bfloat16()
+    w_down = (torch.randn(h, i, device="cuda") / i**0.5).bfloat16()
+    outs = []
+    for t in (8, 8, 3, 8, 3):
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        y = c(x, w_gu, w_down)
+        ref = mlp_reference(x, w_gu, w_down)
+        assert y.shape == (t, h) and not torch.isnan(y).any()
+        torch.testing.assert_close(y.float(), ref, rtol=3e-2, atol=3e-2)
+        outs.append(y)
+    assert len({o.data_ptr() for o in outs}) == len(outs)  # a fresh output every call
+    x = torch.randn(8, h, device="cuda").bfloat16()
+    with pytest.raises(DTypeError):
+        c(x.float(), w_gu, w_down)
+    with pytest.raises(LayoutError):
+        c(torch.randn(h, 8, device="cuda").bfloat16().T, w_gu, w_down)
+    with pytest.raises(LayoutError):
+        c(torch.randn(8 * h + 1, device="cuda").bfloat16()[1:].view(8, h), w_gu, w_down)
+    row = torch.randn(h, 1, device="cuda").bfloat16().T  # (1, h), strides (1, 1)
+    c(torch.randn(1, h, device="cuda").bfloat16(), w_gu, w_down)  # binds shape (1, h)
+    torch.testing.assert_close(
+        c(row, w_gu, w_down).float(), mlp_reference(row, w_gu, w_down), rtol=3e-2, atol=3e-2
+    )
