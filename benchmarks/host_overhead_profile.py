@@ -36,6 +36,57 @@ def _profile(label: str, fn, calls: int) -> None:
     stats.sort_stats("cumulative").print_stats(25)
 
 
+def _host_us(fn, calls: int) -> float:
+    """Host microseconds a call, no profiler: back to back, no sync inside the timed loop."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = 1e6 * (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return us
+
+
+def breakdown(mlp, x, calls: int) -> None:
+    """Host time of each step of an eager call, each timed alone in a loop."""
+    from cutemk import torch_ops
+    from cutemk.nn import _token_rows
+
+    graph = mlp.compiled(mlp.regime(x.shape[0]), like=mlp.w_down)
+    w_gu, w_down = mlp.w_gate_up, mlp.w_down
+    graph(x, w_gu, w_down)
+    call = graph._calls[(x.shape, w_gu.shape, w_down.shape)]
+    b = call.buffers
+    tensors = list(call.template)
+    for pos, i in call.leaf_slots:
+        tensors[pos] = (x, w_gu, w_down)[i]
+    out_pos, shape, dtype, _ = call.outputs[0]
+    tensors[out_pos] = torch.empty(shape, dtype=dtype, device="cuda")
+    fn = graph._fn
+    tail = (*b.kernel_args, b.max_epoch, graph.timeout_ns, graph.num_sms)
+    steps = {
+        "module call (MegaMLP.forward)": lambda: mlp(x),
+        "  _token_rows": lambda: _token_rows(mlp, x),
+        "  torch_ops.direct": lambda: torch_ops.direct(x),
+        "  module.compiled(regime)": lambda: mlp.compiled(mlp.regime(8), like=w_down),
+        "  torch.no_grad enter/exit": lambda: torch.no_grad().__enter__(),
+        "graph call (CuteGraph.__call__)": lambda: graph(x, w_gu, w_down),
+        "  _Call.matches": lambda: call.matches((x, w_gu, w_down)),
+        "  torch.empty (the output)": lambda: torch.empty(shape, dtype=dtype, device="cuda"),
+        "  is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "  compiled kernel call (TVM-FFI + launch)": lambda: fn(tensors, *tail),
+        "torch.add (one torch kernel)": lambda: torch.add(x, x),
+    }
+    raw = getattr(fn, "_tvm_ffi_function", None)
+    if raw is not None:
+        steps["  the same, TVM-FFI function without its wrapper"] = lambda: raw(tensors, *tail)
+    print(f"== host time of each step ({len(tensors)} tensors in the kernel's tuple)")
+    for name, step in steps.items():
+        print(f"{name:45s} {_host_us(step, calls):7.2f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=300)
@@ -50,6 +101,7 @@ def main() -> None:
 
     mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
     x = torch.randn(8, h, device="cuda", generator=gen).bfloat16()
+    breakdown(mlp, x, args.calls)
     _profile("MegaMLP eager call", lambda: mlp(x), args.calls)
     graph = mlp.compiled(mlp.regime(8), like=mlp.w_down)
     _profile("compiled graph call", lambda: graph(x, mlp.w_gate_up, mlp.w_down), args.calls)

@@ -225,7 +225,7 @@ class MegaMLP(_KeyedModule):
         else:
             key = torch_ops.key_of(self)
             y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)
-        return y.reshape(x.shape)
+        return y if x.dim() == 2 else y.reshape(x.shape)
 
     def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
         """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""
@@ -277,7 +277,7 @@ def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             f"{name} input has dtype {x.dtype} but its weights are {w.dtype}; cast the input or "
             "the module (.to(dtype))"
         )
-    if x.device != w.device:
+    if x.get_device() != w.get_device():
         raise DeviceError(f"{name} input is on {x.device} but its weights are on {w.device}")
     tokens = x.numel() // module.hidden
     if tokens == 0:
@@ -287,6 +287,8 @@ def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             f"{name} got {tokens} tokens (input shape {tuple(x.shape)}), more than "
             f"max_tokens={module.max_tokens}; build it with a larger max_tokens or split the batch"
         )
+    if x.dim() == 2 and not x.requires_grad and x.is_contiguous():
+        return x  # already rows (the common case: no view to make per call)
     return x.detach().reshape(tokens, module.hidden).contiguous()
 
 
@@ -472,7 +474,7 @@ class MegaMoE(_KeyedModule):
         else:
             key = torch_ops.key_of(self)
             y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
-        return y.reshape(x.shape)
+        return y if x.dim() == 2 else y.reshape(x.shape)
 
     def _launch(self, x2, w_router, w_gate_up, w_down):
         """The megakernel call behind ``torch.ops.cutemk.mega_moe`` (real tensors)."""

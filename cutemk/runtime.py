@@ -141,13 +141,13 @@ class _Call:
         return c
 
     def matches(self, args: tuple) -> bool:
-        """``args`` (same shapes as this call's leaves) can launch as this call did."""
+        """``args`` (same shapes as this call's leaves) can launch as this call did (an
+        argument that is no tensor raises AttributeError)."""
         if len(args) != len(self.checks):
             return False
         for t, (dtype, stride, dev) in zip(args, self.checks):
             if (
-                not isinstance(t, torch.Tensor)
-                or t.dtype != dtype
+                t.dtype != dtype
                 or t.stride() != stride
                 or t.get_device() != dev
                 or t.requires_grad
@@ -363,9 +363,11 @@ class CuteGraph:
         if not kwargs:
             try:
                 call = self._calls.get(tuple(t.shape for t in args))
+                if call is not None and not call.matches(args):
+                    call = None
             except AttributeError:  # not a tensor: the full path names the argument
-                pass
-        if call is None or not call.matches(args):
+                call = None
+        if call is None:
             call, args = self._bind_call(args, kwargs)
         return self._run(call, args)
 
@@ -391,8 +393,7 @@ class CuteGraph:
         return call, leaf_list
 
     def _run(self, call: _Call, leaves: tuple):
-        capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
+        if torch._C._cuda_isCurrentStreamCapturing():  # what torch.cuda's wrapper asks
             if self.spec.watchdog:
                 raise CuteMKError(
                     "watchdog=True reads the kernel's state back after every launch, "
@@ -432,7 +433,10 @@ class CuteGraph:
 
     def _launch(self, b: _Buffers, tensors: list) -> None:
         if self._fn is None:
-            self._fn = _COMPILED.get(self.spec) or _compile(self.spec)
+            fn = _COMPILED.get(self.spec) or _compile(self.spec)
+            # the TVM-FFI function itself, without the DSL's keyword-argument wrapper: every
+            # argument here is positional (a microsecond a call)
+            self._fn = getattr(fn, "_tvm_ffi_function", None) or fn
         if self.spec.distributed:
             self._count_launch(b)
         # the stream is the caller's current torch stream (TVM-FFI's environment stream, set
