@@ -2,29 +2,24 @@
 a small ``MegaMLP`` (the module path: custom op, regime, plan lookup, launch) and of the
 compiled graph it runs (the launch path alone).
 
-Run: python benchmarks/host_overhead_profile.py [--calls N]   (GPU). Prints the wall time per
-call and the top functions by own and by cumulative time; the kernel is tiny and the launch
-asynchronous, so what shows is Python and argument marshalling.
+Run: python benchmarks/host_overhead_profile.py [--calls N]   (GPU). Prints the host time of each
+step of a call, then per path the host time a call and the top functions by own and by
+cumulative time; the kernel is tiny and the launch asynchronous, so what shows is Python and
+argument marshalling.
 """
 
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 
+from cutemk.bench import host_us
+
 
 def _profile(label: str, fn, calls: int) -> None:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    per_call = 1e6 * (time.perf_counter() - t0) / calls
-    print(f"== {label}: {per_call:.1f} us a call (wall, back to back, no profiler)")
+    per_call = host_us(fn, calls)
+    print(f"== {label}: {per_call:.1f} us of host time a call (no profiler)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -34,19 +29,6 @@ def _profile(label: str, fn, calls: int) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(25)
-
-
-def _host_us(fn, calls: int) -> float:
-    """Host microseconds a call, no profiler: back to back, no sync inside the timed loop."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = 1e6 * (time.perf_counter() - t0) / calls
-    torch.cuda.synchronize()
-    return us
 
 
 def breakdown(mlp, x, calls: int) -> None:
@@ -84,7 +66,7 @@ def breakdown(mlp, x, calls: int) -> None:
         steps["  the same, TVM-FFI function without its wrapper"] = lambda: raw(tensors, *tail)
     print(f"== host time of each step ({len(tensors)} tensors in the kernel's tuple)")
     for name, step in steps.items():
-        print(f"{name:45s} {_host_us(step, calls):7.2f} us")
+        print(f"{name:45s} {host_us(step, calls):7.2f} us")
 
 
 def main() -> None:

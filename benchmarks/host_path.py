@@ -9,7 +9,7 @@ Sections (``--sections``, all by default):
   ``--repeat`` runs, with the task count. ``static_ms`` / ``dynamic_ms`` is what the first
   call at a new count pays before its launch (the target: at most 50 ms at T=4096).
 - ``eager`` (GPU): host time of one eager call (no CUDA graph) of a small ``MegaMLP`` (the
-  kernel is tiny, so the call is host-bound): wall time of back-to-back calls per call,
+  kernel is tiny): host time of back-to-back calls in chunks (``cutemk.bench.host_us``),
   against one torch kernel launch (``torch.add``) timed the same way, and the module's
   CUDA-graph replay for reference (target: at most 15 us).
 - ``warmup`` (GPU): a fresh process builds both modules at real size and runs
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from cutemk.bench import Results, plan_stages
+from cutemk.bench import Results, host_us, plan_stages
 from cutemk.regimes import (
     MOE_REGIME_LIMITS,
     REGIME_LIMITS,
@@ -101,20 +101,6 @@ def plan_section(res: Results, tokens: list[int], repeat: int) -> None:
             print(f"plan {model} T={t} ({regime}): {static:.1f} ms static, {dynamic:.1f} dynamic")
 
 
-def _host_us(fn, calls: int) -> float:
-    """Host microseconds a call: back-to-back calls, the GPU never the bottleneck (the calls'
-    kernels are tiny), one sync at the end."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return 1e6 * host / calls
-
-
 def eager_section(res: Results, calls: int) -> None:
     from cutemk.bench import graphed, time_us
     from cutemk.nn import MegaMLP
@@ -128,8 +114,8 @@ def eager_section(res: Results, calls: int) -> None:
     mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
     x = torch.randn(8, h, device="cuda", generator=gen).bfloat16()
     a = torch.randn(8, h, device="cuda", generator=gen)
-    mk_us = _host_us(lambda: mlp(x), calls)
-    torch_us = _host_us(lambda: torch.add(a, a), calls)
+    mk_us = host_us(lambda: mlp(x), calls)
+    torch_us = host_us(lambda: torch.add(a, a), calls)
     replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)
     case = f"eager MegaMLP h={h} i={i} T=8"
     res.add(case, "cutemk_eager_host", mk_us, target_us=15.0)

@@ -88,6 +88,25 @@ def time_us(fn: Callable[[], Any], warmup: int = 10, rep: int = 100, cold_l2: bo
     return statistics.median(samples)
 
 
+def host_us(fn: Callable[[], Any], calls: int = 1000, chunk: int = 100) -> float:
+    """Host microseconds a call of ``fn`` (eager: what the CPU spends issuing it): chunks of
+    back-to-back calls, timed on the host, with a sync between chunks outside the timed part.
+    Chunks stay short because a launch queue that fills up (an eager launch the GPU takes
+    longer to run than the host to issue) makes the loop wait for the GPU and time it instead."""
+    for _ in range(10):
+        fn()
+    rounds = max(calls // chunk, 1)
+    total = 0.0
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            fn()
+        total += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * total / (rounds * chunk)
+
+
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` captured in a CUDA graph (after a warm-up call on a side stream, which also
     compiles and autotunes outside the capture); returns the replay. Replays carry no host
