@@ -208,6 +208,7 @@ class CuteGraph:
         self._retired: list[_Buffers] = []  # replaced by load_plan; a captured graph reads them
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self._calls: dict[tuple, _Call] = {}  # by the leaves' shapes: see __call__
+        self._leaf_names = tuple(v.name for v in graph.leaves)
         self._fn = None
         self.last_env: dict[str, int] | None = None
 
@@ -360,6 +361,11 @@ class CuteGraph:
         raises the error or binds anew). The compiled kernel takes torch tensors directly
         (TVM-FFI), so a call converts nothing in Python."""
         call = None
+        if kwargs and not args and len(kwargs) == len(self._leaf_names):
+            try:  # every leaf by name: the same call in declaration order
+                args, kwargs = tuple(kwargs[n] for n in self._leaf_names), {}
+            except KeyError:  # a wrong name: the full path says which
+                pass
         if not kwargs:
             try:
                 call = self._calls.get(tuple(t.shape for t in args))

@@ -141,6 +141,11 @@ def test_repeated_calls_bind_every_tensor_anew():
         torch.testing.assert_close(y.float(), ref, rtol=3e-2, atol=3e-2)
         outs.append(y)
     assert len({o.data_ptr() for o in outs}) == len(outs)  # a fresh output every call
+    x = torch.randn(3, h, device="cuda").bfloat16()
+    by_name = dict(zip([v.name for v in g.leaves], (x, w_gu, w_down)))
+    torch.testing.assert_close(
+        c(**by_name).float(), mlp_reference(x, w_gu, w_down), rtol=3e-2, atol=3e-2
+    )
     x = torch.randn(8, h, device="cuda").bfloat16()
     with pytest.raises(DTypeError):
         c(x.float(), w_gu, w_down)
