@@ -1,5 +1,6 @@
-"""Compile time of the Qwen3-MoE megakernel in a fresh process: run twice to see the on-disk
-CuTe DSL cache (CUTE_DSL_CACHE_DIR, set by cutemk.arch) at work.
+"""Time to the first launch of a small Qwen3-MoE megakernel in a fresh process: run twice to see
+the on-disk kernel cache (``cutemk.runtime.kernel_cache_dir``) at work: the first process
+compiles and stores the kernel, the second loads it.
 
 Run: python benchmarks/compile_cache_probe.py   (GPU)
 """
@@ -25,5 +26,6 @@ c(torch.randn(5, 128, device="cuda"), **w)
 torch.cuda.synchronize()
 print(
     f"first launch (trace + compile or cache load): {time.perf_counter() - t0:.2f} s, "
-    f"compiles this process: {runtime.compile_count}"
+    f"compiled by this process: {runtime.compile_count}, loaded from the cache: "
+    f"{runtime.cache_loads}"
 )

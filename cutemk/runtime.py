@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -618,15 +620,108 @@ def compile_offline(
 
 
 def _compile(spec: KernelSpec):
-    """The process's kernel for ``spec`` (compiled on first use; ``CUTE_DSL_CACHE_DIR`` keeps
-    compiled kernels on disk between processes)."""
-    global compile_count
+    """The process's kernel for ``spec``: from this process's cache, else from the on-disk
+    kernel cache (:func:`kernel_cache_dir`), else compiled now and written there."""
+    global compile_count, cache_loads
     with _LOCK:
         fn = _COMPILED.get(spec)
         if fn is None:
-            fn = _COMPILED[spec] = _compile_now(spec)
-            compile_count += 1
+            path = _cache_path(spec)
+            fn = _load_cached(path) if path is not None else None
+            if fn is None:
+                fn = _compile_now(spec)
+                compile_count += 1
+                if path is not None:
+                    _store_cached(fn, path)
+            else:
+                cache_loads += 1
+            _COMPILED[spec] = fn
     return fn
+
+
+cache_loads = 0
+"""Megakernels this process loaded from the on-disk kernel cache instead of compiling."""
+_LOADED_MODULES: list[Any] = []  # the loaded kernels' modules: they must outlive the functions
+_SOURCE_DIGEST: str | None = None
+
+
+def kernel_cache_dir() -> Path | None:
+    """Where compiled megakernels are kept between processes: ``CUTEMK_CACHE_DIR`` (empty: no
+    cache), else ``cutemk_kernels`` under CuTe DSL's cache directory (``cutemk.arch`` points it
+    at ``~/.cache/cutemk/cute_dsl`` unless ``CUTE_DSL_CACHE_DIR`` is set)."""
+    d = os.environ.get("CUTEMK_CACHE_DIR")
+    if d is None:
+        base = os.environ.get("CUTE_DSL_CACHE_DIR")
+        if not base:
+            return None
+        d = os.path.join(base, "cutemk_kernels")
+    return Path(d) if d else None
+
+
+def _source_digest() -> str:
+    """A digest of the code a kernel is generated from (cutemk, its ops and schedulers) and of
+    the compiler: a kernel on disk from other code is never loaded."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        import cutlass
+        import tvm_ffi
+
+        from . import ops, schedulers
+
+        h = hashlib.sha256(f"{cutlass.__version__} {tvm_ffi.__version__}".encode())
+        for pkg in (
+            Path(__file__).parent,
+            Path(ops.__file__).parent,
+            Path(schedulers.__file__).parent,
+        ):
+            for f in sorted(pkg.rglob("*.py")):
+                h.update(str(f.relative_to(pkg)).encode())
+                h.update(f.read_bytes())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def _cache_path(spec: KernelSpec) -> Path | None:
+    """The cache file of ``spec``'s kernel, or None where there is no cache or the spec has no
+    stable text (an op whose repr shows an object address)."""
+    d = kernel_cache_dir()
+    text = repr(spec)
+    if d is None or " at 0x" in text:
+        return None
+    key = hashlib.sha256(f"{_source_digest()}\n{text}".encode()).hexdigest()[:32]
+    return d / f"megakernel-{key}.o"
+
+
+_EXPORT_NAME = "cutemk_megakernel_launch"
+
+
+def _load_cached(path: Path):
+    """The kernel stored at ``path`` (a TVM-FFI function), or None if there is none or it does
+    not load (it is then compiled again and overwritten)."""
+    if not path.is_file():
+        return None
+    try:
+        from cutlass.runtime import load_module
+
+        module = load_module(str(path), enable_tvm_ffi=True)
+        fn = module[_EXPORT_NAME]
+    except Exception as e:  # noqa: BLE001 (a damaged or foreign file: compile instead)
+        warnings.warn(f"cutemk: ignoring the cached kernel {path} ({e})", stacklevel=3)
+        return None
+    _LOADED_MODULES.append(module)
+    return fn
+
+
+def _store_cached(fn: Any, path: Path) -> None:
+    """Write ``fn``'s host code and cubin to ``path`` (atomically: a reader never sees half a
+    file). A cache that cannot be written costs the next process a compile, nothing else."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.o")
+        fn.export_to_c(str(tmp), function_name=_EXPORT_NAME)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"cutemk: could not write the kernel cache {path} ({e})", stacklevel=3)
 
 
 _CUTE_DTYPES = {
@@ -645,8 +740,7 @@ def _compile_now(spec: KernelSpec, options: str = ""):
     current torch stream. Every extent and outer stride is dynamic, so one kernel serves every
     token count."""
     import cutlass
-    from cutlass import cute
-    from cutlass import Int32, Int64
+    from cutlass import Int32, Int64, cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     def fake(dtype: str, ndim: int):

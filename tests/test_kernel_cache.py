@@ -1,0 +1,106 @@
+"""The on-disk kernel cache: a megakernel compiled once is loaded, not compiled, by the next
+process (the key covers the kernel's spec, cutemk's source and the compiler's version); a
+damaged file is compiled over; an empty ``CUTEMK_CACHE_DIR`` turns the cache off. CPU: compile,
+export and load need no GPU; the GPU test launches a loaded kernel in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cutemk as mk
+from cutemk import runtime
+from cutemk.layers import mlp_graph
+
+
+def _spec(hidden=256):
+    g = mlp_graph(mk.sym("T", max=512), hidden, 192, torch.bfloat16, 64, 64)
+    return runtime.kernel_spec(g, False)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTEMK_CACHE_DIR", str(tmp_path))
+    yield tmp_path
+
+
+def _forget(spec):
+    runtime._COMPILED.pop(spec, None)
+
+
+def test_second_compile_loads_from_disk(cache_dir):
+    spec = _spec()
+    _forget(spec)
+    compiled, loaded = runtime.compile_count, runtime.cache_loads
+    runtime._compile(spec)
+    files = list(cache_dir.glob("megakernel-*.o"))
+    assert len(files) == 1 and runtime.compile_count == compiled + 1
+    _forget(spec)  # as a new process would start
+    fn = runtime._compile(spec)
+    assert runtime.compile_count == compiled + 1 and runtime.cache_loads == loaded + 1
+    assert callable(fn) and type(fn).__name__ == "Function"  # TVM-FFI's, as compiled ones
+    other = _spec(hidden=128)  # another kernel: another file
+    _forget(other)
+    runtime._compile(other)
+    assert len(list(cache_dir.glob("megakernel-*.o"))) == 2
+    _forget(spec)
+    _forget(other)
+
+
+def test_damaged_file_is_compiled_over(cache_dir):
+    spec = _spec()
+    _forget(spec)
+    runtime._compile(spec)
+    (path,) = cache_dir.glob("megakernel-*.o")
+    path.write_bytes(b"not an object file")
+    _forget(spec)
+    compiled = runtime.compile_count
+    with pytest.warns(UserWarning, match="ignoring the cached kernel"):
+        runtime._compile(spec)
+    assert runtime.compile_count == compiled + 1
+    assert path.stat().st_size > 1000  # written again
+    _forget(spec)
+
+
+def test_empty_cache_dir_turns_the_cache_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTEMK_CACHE_DIR", "")
+    assert runtime.kernel_cache_dir() is None
+    monkeypatch.delenv("CUTEMK_CACHE_DIR")
+    monkeypatch.setenv("CUTE_DSL_CACHE_DIR", str(tmp_path))
+    assert runtime.kernel_cache_dir() == tmp_path / "cutemk_kernels"
+
+
+_CHILD = """
+import json, torch
+import cutemk as mk
+from cutemk import runtime
+from cutemk.layers import mlp_graph, mlp_reference
+torch.manual_seed(0)
+g = mlp_graph(mk.sym("T", max=512), 256, 192, torch.bfloat16, 64, 64)
+c = g.compile("cute", scheduler="static", poison_outputs=True)
+x = torch.randn(37, 256, device="cuda").bfloat16()
+wgu = (torch.randn(384, 256, device="cuda") / 16).bfloat16()
+wd = (torch.randn(256, 192, device="cuda") / 14).bfloat16()
+err = ((c(x, wgu, wd).float() - mlp_reference(x, wgu, wd)).norm()
+       / mlp_reference(x, wgu, wd).norm()).item()
+print("RESULT " + json.dumps([runtime.compile_count, runtime.cache_loads, err]))
+"""
+
+
+@pytest.mark.gpu
+def test_a_fresh_process_launches_the_cached_kernel(tmp_path):
+    env = dict(os.environ, CUTEMK_CACHE_DIR=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=False
+        )
+        line = [s for s in out.stdout.splitlines() if s.startswith("RESULT ")]
+        assert out.returncode == 0 and line, out.stderr[-3000:]
+        runs.append(json.loads(line[0][len("RESULT ") :]))
+    (c1, l1, e1), (c2, l2, e2) = runs
+    assert (c1, l1) == (1, 0) and (c2, l2) == (0, 1)
+    assert e1 < 2e-2 and e2 < 2e-2
