@@ -208,6 +208,7 @@ class _WriteIndex:
                     )
                 prev = prev if isinstance(prev, frozenset) else frozenset((prev,))
                 self.cells[cell] = prev | {t}
+        self.flat: list[int] | None = None
         self._memo: dict[Box, frozenset[int]] = {}
 
     @classmethod
@@ -224,20 +225,31 @@ class _WriteIndex:
             bps = [np.unique(boxes[:, d, :]) for d in range(ndim)]
             lo = np.stack([np.searchsorted(bps[d], boxes[:, d, 0]) for d in range(ndim)], 1)
             hi = np.stack([np.searchsorted(bps[d], boxes[:, d, 1]) for d in range(ndim)], 1)
-            if (hi - lo == 1).all():
-                cells = dict(zip(map(tuple, lo.tolist()), tasks.tolist()))
-                if len(cells) == len(tasks):
+            shape = tuple(len(bp) - 1 for bp in bps)
+            size = int(np.prod(shape, dtype=np.int64))
+            if (hi - lo == 1).all() and size <= 4 * len(tasks) + 64:
+                at = np.ravel_multi_index(tuple(lo.T), shape)
+                if len(np.unique(at)) == len(tasks):
+                    # a tiling: the cells as one row-major list of writer ids (-1: none),
+                    # which a range of cells reads a slice at a time
+                    grid = np.full(size, -1, dtype=np.int64)
+                    grid[at] = tasks
                     self = cls.__new__(cls)
                     self.name = value_name
                     self.bps = [bp.tolist() for bp in bps]
-                    self.cells = cells
+                    self.cells = {}
+                    self.flat = grid.tolist()
+                    self._shape = shape
                     self._memo = {}
                     return self
         pairs = [(t, tuple(map(tuple, b))) for t, b in zip(tasks.tolist(), boxes.tolist())]
         return cls(value_name, pairs, overlap)
 
+    def _empty(self) -> bool:
+        return not self.cells and self.flat is None
+
     def query(self, box: Box) -> frozenset[int]:
-        if box_is_empty(box) or not self.cells:
+        if box_is_empty(box) or self._empty():
             return frozenset()
         hit = self._memo.get(box)
         if hit is None:
@@ -254,7 +266,7 @@ class _WriteIndex:
         cell index ranges, empty (lo == hi) where the box is empty or nothing is indexed."""
         n, ndim = boxes.shape[0], boxes.shape[1]
         out = np.zeros((n, ndim, 2), dtype=np.int64)
-        if not self.cells:
+        if self._empty():
             return out
         empty = (boxes[:, :, 1] <= boxes[:, :, 0]).any(axis=1)
         for d, bp in enumerate(self.bps):
@@ -269,6 +281,19 @@ class _WriteIndex:
     def in_cells(self, ranges: tuple[tuple[int, int], ...]) -> frozenset[int]:
         """The tasks writing the cells of the per-dim index ranges ``ranges``."""
         found: set[int] = set()
+        if self.flat is not None:
+            flat, shape = self.flat, self._shape
+            if any(hi <= lo for lo, hi in ranges):
+                return frozenset()
+            lo_last, hi_last = ranges[-1]
+            for outer in itertools.product(*(range(lo, hi) for lo, hi in ranges[:-1])):
+                base = 0
+                for i, n in zip(outer, shape):
+                    base = base * n + i
+                base *= shape[-1]
+                found.update(flat[base + lo_last : base + hi_last])
+            found.discard(-1)
+            return frozenset(found)
         for c in itertools.product(*(range(lo, hi) for lo, hi in ranges)):
             w = self.cells.get(c)
             if isinstance(w, frozenset):
