@@ -222,14 +222,14 @@ class _WriteIndex:
         tasks, boxes = tasks[keep], boxes[keep]
         if len(boxes):
             ndim = boxes.shape[1]
-            bps = [np.unique(boxes[:, d, :]) for d in range(ndim)]
+            bps = [_sorted_unique(boxes[:, d, :]) for d in range(ndim)]
             lo = np.stack([np.searchsorted(bps[d], boxes[:, d, 0]) for d in range(ndim)], 1)
             hi = np.stack([np.searchsorted(bps[d], boxes[:, d, 1]) for d in range(ndim)], 1)
             shape = tuple(len(bp) - 1 for bp in bps)
             size = int(np.prod(shape, dtype=np.int64))
             if (hi - lo == 1).all() and size <= 4 * len(tasks) + 64:
                 at = np.ravel_multi_index(tuple(lo.T), shape)
-                if len(np.unique(at)) == len(tasks):
+                if len(_sorted_unique(at)) == len(tasks):
                     # a tiling: the cells as one row-major list of writer ids (-1: none),
                     # which a range of cells reads a slice at a time
                     grid = np.full(size, -1, dtype=np.int64)
@@ -488,6 +488,18 @@ def dump_file(name: str, payload: Any) -> Path | None:
 
 def _ev(d, env):
     return d if isinstance(d, int) else d.eval(env)
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)`` by sorting: numpy 2's default hashes, several times slower on the
+    integer arrays of a plan."""
+    a = np.sort(a, axis=None)
+    if len(a) < 2:
+        return a
+    keep = np.empty(len(a), dtype=bool)
+    keep[0] = True
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
 
 
 def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
