@@ -13,11 +13,15 @@ on the GPU is a hang. :func:`check_static_schedule` rejects such schedules when 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol, Union, runtime_checkable
 
-from .errors import ScheduleError
+import numpy as np
+
+from . import native
 from .depgraph import DepGraph
+from .errors import ScheduleError
 from .plan import Plan
 from .registry import scheduler_classes
 
@@ -33,6 +37,8 @@ class StaticSchedule:
     # the plan's dependency graph the scheduler built it from, if the same one the check walks
     # (the check then reuses it instead of building it again); None: built by the check
     deps: DepGraph | None = field(default=None, compare=False, repr=False)
+    # the same for the C passes (``cutemk.native.PlanArrays``)
+    native: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_sms(self) -> int:
@@ -77,6 +83,14 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
     queues (when given), and no cross-SM wait cycle exists."""
     if num_sms is not None and sched.num_sms > num_sms:
         raise ScheduleError(f"static schedule has {sched.num_sms} queues for {num_sms} SMs")
+    if sched.deps is None and native.lib() is not None:
+        arrays = sched.native or native.PlanArrays(
+            plan.waits, plan.notifies, plan.num_events, plan.cost
+        )
+        queue_next = _queue_next_array(plan.num_tasks, sched.queues)
+        if queue_next is not None and arrays.orders_all(queue_next):
+            return
+        # a task queued twice, out of range or not at all, or a cycle: the walk below names it
     seen: dict[int, int] = {}
     for sm, q in enumerate(sched.queues):
         for t in q:
@@ -123,6 +137,23 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
     raise ScheduleError(
         "static schedule would deadlock on the GPU: " + _describe_cycle(plan, seen, edges_in, indeg)
     )
+
+
+def _queue_next_array(n: int, queues) -> np.ndarray | None:
+    """Task -> the task queued right behind it on its SM (-1: none), or None unless every task
+    is queued exactly once."""
+    flat = np.fromiter(itertools.chain.from_iterable(queues), dtype=np.int64)
+    if flat.size != n or (n and (flat.min() < 0 or flat.max() >= n)):
+        return None
+    if n and (np.bincount(flat, minlength=n) != 1).any():
+        return None
+    nxt = np.full(n, -1, dtype=np.int32)
+    if n > 1:
+        follows = np.ones(n - 1, dtype=bool)
+        ends = np.cumsum(np.fromiter(map(len, queues), dtype=np.int64)) - 1
+        follows[ends[(ends >= 0) & (ends < n - 1)]] = False
+        nxt[flat[:-1][follows]] = flat[1:][follows]
+    return nxt
 
 
 def _describe_cycle(plan: Plan, sm_of: dict[int, int], edges_in, indeg) -> str:

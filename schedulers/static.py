@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cutemk import native
 from cutemk.costmodel import H200, Hardware
 from cutemk.depgraph import DepGraph
 from cutemk.plan import Plan
@@ -70,6 +71,10 @@ class StaticScheduler:
     def build(self, plan: Plan, num_sms: int) -> StaticSchedule:
         if num_sms < 1:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
+        if native.lib() is not None and not plan.shared_events:
+            sched = self._build_native(plan, num_sms)
+            if sched is not None:
+                return sched
         g = DepGraph.of(plan, mirror_remote=True)
         order = g.topological_order(plan)
         rank = g.upward_rank(order, plan.cost)
@@ -185,3 +190,17 @@ class StaticScheduler:
         # without shared events the mirrored graph is the plain one the check walks
         deps = None if plan.shared_events else g
         return StaticSchedule(tuple(tuple(q) for q in queues), deps)
+
+    def _build_native(self, plan: Plan, num_sms: int) -> StaticSchedule | None:
+        """The same schedule by the C passes (``cutemk.native``); None if the graph has a
+        cycle (the Python passes name it)."""
+        arrays = native.PlanArrays(plan.waits, plan.notifies, plan.num_events, plan.cost)
+        rank = arrays.upward_rank()
+        if rank is None:
+            return None
+        sm_of, placed = arrays.list_schedule(_priority_order(plan, rank), num_sms, self.hw.hop_us)
+        on = sm_of[placed]
+        ordered = placed[np.argsort(on, kind="stable")]
+        bounds = np.cumsum(np.bincount(on, minlength=num_sms))[:-1]
+        queues = tuple(tuple(q.tolist()) for q in np.split(ordered, bounds))
+        return StaticSchedule(queues, native=arrays)

@@ -1,0 +1,142 @@
+"""The static scheduler's whole-graph passes in C (``sched.c``), for plans of many thousand tasks.
+
+Built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``) into
+``~/.cache/cutemk/native`` (or ``$CUTEMK_CACHE_DIR/native``), named by a hash of the source,
+and loaded with ctypes. Where no compiler works, or ``CUTEMK_NATIVE=0``, :func:`lib` is None and
+the callers keep their Python passes, which give the same results (``tests/test_native.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("sched.c")
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+
+_I32P = np.ctypeslib.ndpointer(dtype=np.int32, flags="C_CONTIGUOUS")
+_F64P = np.ctypeslib.ndpointer(dtype=np.float64, flags="C_CONTIGUOUS")
+
+
+def _build_dir() -> Path:
+    d = os.environ.get("CUTEMK_CACHE_DIR")
+    if d == "":  # caches off: a directory of this process's own
+        return Path(tempfile.mkdtemp(prefix="cutemk-native-"))
+    return Path(d) if d else Path.home() / ".cache" / "cutemk" / "native"
+
+
+def _compile(path: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.so")
+    cmd = [cc, "-O2", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", str(_SOURCE)]
+    out = subprocess.run(
+        [*cmd, "-o", str(tmp)], capture_output=True, text=True, timeout=120, check=False
+    )
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-500:]}")
+    os.replace(tmp, path)
+
+
+def lib() -> ctypes.CDLL | None:
+    """The compiled library, built on first use; None where it cannot be (warned once)."""
+    global _LIB, _TRIED
+    if _TRIED:
+        return _LIB
+    with _LOCK:
+        if _TRIED:
+            return _LIB
+        _TRIED = True
+        if os.environ.get("CUTEMK_NATIVE", "1") == "0":
+            return None
+        try:
+            digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+            path = _build_dir() / f"sched-{digest}.so"
+            if not path.is_file():
+                _compile(path)
+            _LIB = _bind(ctypes.CDLL(str(path)))
+        except Exception as e:  # noqa: BLE001 (any failure: the Python passes serve)
+            warnings.warn(
+                f"cutemk: the C scheduler passes are unavailable ({e}); planning large graphs "
+                "for the static scheduler is slower",
+                stacklevel=2,
+            )
+            _LIB = None
+    return _LIB
+
+
+def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
+    i32 = ctypes.c_int32
+    graph = [i32, i32, _I32P, _I32P, _I32P, _I32P]
+    so.cutemk_upward_rank.argtypes = [*graph, _F64P, _F64P]
+    so.cutemk_upward_rank.restype = i32
+    so.cutemk_check_order.argtypes = [*graph, _I32P]
+    so.cutemk_check_order.restype = i32
+    so.cutemk_list_schedule.argtypes = [*graph, _F64P, _I32P, i32, ctypes.c_double, _I32P, _I32P]
+    so.cutemk_list_schedule.restype = i32
+    return so
+
+
+def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-task lists as (ptr, idx) int32 arrays."""
+    n = len(lists)
+    ptr = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, lists), dtype=np.int32, count=n), out=ptr[1:])
+    idx = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(ptr[-1]))
+    return ptr, idx
+
+
+class PlanArrays:
+    """A plan's waits and notifies as CSR arrays, with its event count and task costs."""
+
+    def __init__(self, waits, notifies, num_events: int, cost) -> None:
+        self.n = len(waits)
+        self.e = int(num_events)
+        self.wait_ptr, self.wait_idx = csr(waits)
+        self.ntf_ptr, self.ntf_idx = csr(notifies)
+        self.cost = np.asarray(cost, dtype=np.float64)
+
+    def _graph(self) -> tuple:
+        return (self.n, self.e, self.wait_ptr, self.wait_idx, self.ntf_ptr, self.ntf_idx)
+
+    def upward_rank(self) -> list[float] | None:
+        """Each task's upward rank, or None if the graph has a cycle."""
+        rank = np.zeros(self.n, dtype=np.float64)
+        got = lib().cutemk_upward_rank(*self._graph(), self.cost, rank)
+        if got == -1 and self.n:
+            raise MemoryError("cutemk_upward_rank")
+        return rank.tolist() if got == self.n else None
+
+    def list_schedule(self, by_prio: Sequence[int], num_sms: int, hop: float) -> np.ndarray:
+        """Each task's SM and the order tasks were placed in: ``(sm_of, placed)``."""
+        sm_of = np.full(self.n, -1, dtype=np.int32)
+        placed = np.zeros(self.n, dtype=np.int32)
+        order = np.ascontiguousarray(by_prio, dtype=np.int32)
+        rc = lib().cutemk_list_schedule(
+            *self._graph(), self.cost, order, int(num_sms), float(hop), sm_of, placed
+        )
+        if rc:
+            raise RuntimeError("the C list scheduler could not place every task")
+        return sm_of, placed
+
+    def orders_all(self, queue_next: np.ndarray) -> bool:
+        """Whether dependencies and queue order together are acyclic (the static check)."""
+        got = lib().cutemk_check_order(*self._graph(), np.ascontiguousarray(queue_next, np.int32))
+        if got == -1 and self.n:
+            raise MemoryError("cutemk_check_order")
+        return got == self.n

@@ -1,0 +1,104 @@
+"""The C passes of the static scheduler (``cutemk.native``) give the Python passes' results:
+the same queues (task for task) on random DAGs, layer graphs and plans with repeated or dead
+events; a cyclic plan still fails with the Python pass's message; the deadlock check rejects
+what the Python check rejects. CPU only; skipped where no C compiler builds the library."""
+
+import random
+
+import pytest
+import torch
+from cutemk.schedulers import StaticScheduler
+
+import cutemk as mk
+from cutemk import native, ops
+from cutemk.errors import GraphError, ScheduleError
+from cutemk.layers import MoeConfig, mlp_graph, moe_graph
+from cutemk.plan import instantiate
+from cutemk.regimes import moe_regime_graph
+from cutemk.scheduling import StaticSchedule, check_static_schedule
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C compiler built cutemk.native")
+
+
+def _python_queues(plan, num_sms, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(native, "lib", lambda: None)
+        return StaticScheduler().build(plan, num_sms).queues
+
+
+def _dag_plan(rng, n):
+    deps = []
+    for t in range(n):
+        k = rng.randint(0, min(6, t))
+        deps.append(sorted(rng.sample(range(max(0, t - 30), t), min(k, t - max(0, t - 30)))))
+    g = ops.dag_graph(deps, mk.sym("N", max=1 << 16), mk.sym("M", max=1 << 20))
+    return instantiate(g, {"N": n, "M": max(1, sum(map(len, deps)))})
+
+
+def _plans():
+    rng = random.Random(7)
+    T = mk.sym("T", max=1024)
+    yield from (_dag_plan(rng, n) for n in (1, 2, 50, 400))
+    yield instantiate(moe_graph(T, MoeConfig(128, 64, 8, 2)), {"T": 77})
+    yield instantiate(mlp_graph(T, 64, 48, block_m=8, block_n=16), {"T": 40})
+    g = moe_regime_graph(
+        hidden=2048,
+        intermediate=768,
+        num_experts=128,
+        top_k=8,
+        norm_topk_prob=True,
+        regime="prefill",
+        dtype=torch.bfloat16,
+        max_tokens=4096,
+    )
+    yield instantiate(g, {"T": 1000})
+
+
+@pytest.mark.parametrize("num_sms", [1, 7, 132])
+def test_same_queues_as_the_python_passes(num_sms, monkeypatch):
+    for plan in _plans():
+        sched = StaticScheduler().build(plan, num_sms)
+        assert sched.native is not None  # the C path ran
+        assert sched.queues == _python_queues(plan, num_sms, monkeypatch)
+        check_static_schedule(plan, sched, num_sms)
+
+
+def test_repeated_and_dead_events(monkeypatch):
+    """Lists holding an event twice, events nobody notifies or nobody waits on: dropped as
+    the Python dependency graph drops them."""
+    plan = instantiate(mlp_graph(mk.sym("T", max=256), 64, 48, block_m=8, block_n=16), {"T": 40})
+    last = plan.num_tasks - 1
+    plan.waits[last].append(plan.waits[last][0])  # a repeat
+    plan.notifies[0].append(plan.notifies[0][0])
+    dead_wait = plan.new_event("nobody notifies", 1)
+    plan.waits[3].append(dead_wait)
+    dead_notify = plan.new_event("nobody waits", 1)
+    plan.notifies[5].append(dead_notify)
+    for num_sms in (1, 4, 132):
+        assert StaticScheduler().build(plan, num_sms).queues == _python_queues(
+            plan, num_sms, monkeypatch
+        )
+
+
+def test_cycle_is_named_by_the_python_pass():
+    plan = instantiate(mlp_graph(mk.sym("T", max=256), 64, 48, block_m=8, block_n=16), {"T": 8})
+    first, last = 0, plan.num_tasks - 1
+    back = plan.new_event("back edge", 1)
+    plan.notifies[last].append(back)
+    plan.waits[first].append(back)
+    with pytest.raises(GraphError, match="cycle"):
+        StaticScheduler().build(plan, 4)
+
+
+def test_check_rejects_what_the_python_check_rejects():
+    plan = instantiate(mlp_graph(mk.sym("T", max=256), 64, 48, block_m=8, block_n=16), {"T": 8})
+    ids = tuple(range(plan.num_tasks))
+    with pytest.raises(ScheduleError, match="queued behind"):
+        check_static_schedule(plan, StaticSchedule((tuple(reversed(ids)),)))
+    with pytest.raises(ScheduleError, match="in no queue"):
+        check_static_schedule(plan, StaticSchedule((ids[:-1],)))
+    with pytest.raises(ScheduleError, match="queued twice"):
+        check_static_schedule(plan, StaticSchedule((ids, ids[:1])))
+    with pytest.raises(ScheduleError, match="outside"):
+        check_static_schedule(plan, StaticSchedule(((*ids, 10**6),)))
+    check_static_schedule(plan, StaticSchedule((ids,)))  # one SM in task order: valid
