@@ -15,11 +15,11 @@ complete when its counter reaches ``count * epoch``, so nothing is reset between
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .. import native
 from ..errors import GraphError
 from ..plan import Plan
 from ..scheduling import StaticSchedule
@@ -150,10 +150,8 @@ class LoweredPlan:
         return MAX_EPOCH_COUNT // worst - 1
 
 
-def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    ptr = np.zeros(len(lists) + 1, dtype=np.int32)
-    np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)), out=ptr[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(ptr[-1]))
+def _csr(lists) -> tuple[np.ndarray, np.ndarray]:
+    ptr, flat = native.csr(lists)
     return ptr, _nonempty(flat)
 
 
@@ -194,7 +192,9 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     n = plan.num_tasks
     ev_count_all = np.asarray(plan.event_count, dtype=np.int64)
     n_ev = len(ev_count_all)
-    wait_ptr, wait_flat = _csr(plan.waits)
+    # the scheduler's C passes built the same arrays from the same plan moments ago
+    pre = schedule.native if schedule is not None else None
+    wait_ptr, wait_flat = (pre.wait_ptr, _nonempty(pre.wait_idx)) if pre else _csr(plan.waits)
     n_w = int(wait_ptr[-1])
     wait_flat = wait_flat[:n_w].astype(np.int64)
     wait_task = np.repeat(np.arange(n, dtype=np.int64), np.diff(wait_ptr))
@@ -207,7 +207,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
     keep = has_cons.copy()
     if plan.shared_events:
         keep[np.fromiter(plan.shared_events, dtype=np.int64)] = True
-    note_ptr, note_flat = _csr(plan.notifies)
+    note_ptr, note_flat = (pre.ntf_ptr, _nonempty(pre.ntf_idx)) if pre else _csr(plan.notifies)
     note_flat = note_flat[: int(note_ptr[-1])].astype(np.int64)
     note_task = np.repeat(np.arange(n, dtype=np.int64), np.diff(note_ptr))
     kept = keep[note_flat] if len(note_flat) else np.zeros(0, dtype=bool)
@@ -231,7 +231,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         queues = list(schedule.queues) + [()] * (grid - schedule.num_sms)
     else:
         queues = [()] * grid
-    queue_ptr, queue_tasks = _csr([list(q) for q in queues])
+    queue_ptr, queue_tasks = _csr(queues)
     queue_rec = rec[queue_tasks] if n else rec
     # each event's consumers (events of count 0 have none): a consumer that waits on one event
     # only is stored as -(c + 1): completing that event readies it, with no pending-count atomic
