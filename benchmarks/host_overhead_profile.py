@@ -14,7 +14,7 @@ import pstats
 
 import torch
 
-from cutemk.bench import host_us
+from cutemk.bench import host_us, small_mlp
 
 
 def _profile(label: str, fn, calls: int) -> None:
@@ -73,21 +73,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=300)
     args = p.parse_args()
-    from cutemk.nn import MegaMLP
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h, i = 256, 512
-
-    def rnd(*shape):
-        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
-
-    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
-    x = torch.randn(8, h, device="cuda", generator=gen).bfloat16()
+    mlp, x = small_mlp()
     breakdown(mlp, x, args.calls)
     _profile("MegaMLP eager call", lambda: mlp(x), args.calls)
     graph = mlp.compiled(mlp.regime(8), like=mlp.w_down)
     _profile("compiled graph call", lambda: graph(x, mlp.w_gate_up, mlp.w_down), args.calls)
-    a = torch.randn(8, h, device="cuda")
+    a = torch.randn_like(x, dtype=torch.float32)
     _profile("torch.add", lambda: torch.add(a, a), args.calls)
 
 

@@ -102,18 +102,11 @@ def plan_section(res: Results, tokens: list[int], repeat: int) -> None:
 
 
 def eager_section(res: Results, calls: int) -> None:
-    from cutemk.bench import graphed, time_us
-    from cutemk.nn import MegaMLP
+    from cutemk.bench import graphed, small_mlp, time_us
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h, i = 256, 512
-
-    def rnd(*shape):
-        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
-
-    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
-    x = torch.randn(8, h, device="cuda", generator=gen).bfloat16()
-    a = torch.randn(8, h, device="cuda", generator=gen)
+    mlp, x = small_mlp()
+    h, i = mlp.hidden, mlp.intermediate
+    a = torch.randn_like(x, dtype=torch.float32)
     mk_us = host_us(lambda: mlp(x), calls)
     torch_us = host_us(lambda: torch.add(a, a), calls)
     replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)

@@ -107,6 +107,22 @@ def host_us(fn: Callable[[], Any], calls: int = 1000, chunk: int = 100) -> float
     return 1e6 * total / (rounds * chunk)
 
 
+def small_mlp(seed: int = 0, tokens: int = 8) -> tuple[Any, torch.Tensor]:
+    """``(MegaMLP, x)``: the small bf16 MLP (H=256, I=512, at most 64 tokens) and input of
+    ``tokens`` rows whose eager call the host-path benchmarks time: its kernel is tiny, so a
+    call is the host's cost."""
+    from .nn import MegaMLP
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    h, i = 256, 512
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
+
+    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
+    return mlp, torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
+
+
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` captured in a CUDA graph (after a warm-up call on a side stream, which also
     compiles and autotunes outside the capture); returns the replay. Replays carry no host
