@@ -148,3 +148,26 @@ def test_decoder_layer_under_fullgraph_compile(compile_backend):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(kc2, kc, rtol=0, atol=0)
     torch.testing.assert_close(vc2, vc, rtol=0, atol=0)
+
+
+def test_eager_calls_skip_the_custom_op_and_traces_keep_it(monkeypatch):
+    """An eager call launches without the custom op's dispatch; under a fake-tensor trace (and
+    under ``torch.compile``, above) the op runs its fake implementation, so a trace sees the op
+    and nothing launches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    m = _mlp("interpret")
+    x = torch.randn(5, 64)
+    assert torch_ops.direct(x)
+    through_op, launches = [], []
+    runner, launch = torch_ops._runner, type(m)._launch
+    monkeypatch.setattr(torch_ops, "_runner", lambda key: through_op.append(key) or runner(key))
+    monkeypatch.setattr(type(m), "_launch", lambda *a: launches.append(1) or launch(*a))
+    eager = m(x)
+    assert launches == [1] and not through_op  # launched directly
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # the weights stay real
+        fx = mode.from_tensor(x)
+        assert not torch_ops.direct(fx)
+        out = m(fx)
+    assert launches == [1] and out.shape == x.shape  # the fake implementation, no launch
+    torch.testing.assert_close(eager, m(x))
