@@ -648,7 +648,8 @@ _SOURCE_DIGEST: str | None = None
 def kernel_cache_dir() -> Path | None:
     """Where compiled megakernels are kept between processes: ``CUTEMK_CACHE_DIR`` (empty: no
     cache), else ``cutemk_kernels`` under CuTe DSL's cache directory (``cutemk.arch`` points it
-    at ``~/.cache/cutemk/cute_dsl`` unless ``CUTE_DSL_CACHE_DIR`` is set)."""
+    at ``~/.cache/cutemk/cute_dsl`` unless ``CUTE_DSL_CACHE_DIR`` is set). It keeps the
+    ``CUTEMK_CACHE_MAX_KERNELS`` (default 256) most recently used kernels."""
     d = os.environ.get("CUTEMK_CACHE_DIR")
     if d is None:
         base = os.environ.get("CUTE_DSL_CACHE_DIR")
@@ -709,6 +710,10 @@ def _load_cached(path: Path):
         warnings.warn(f"cutemk: ignoring the cached kernel {path} ({e})", stacklevel=3)
         return None
     _LOADED_MODULES.append(module)
+    try:
+        os.utime(path)  # recently used: the last to be evicted
+    except OSError:
+        pass
     return fn
 
 
@@ -720,8 +725,17 @@ def _store_cached(fn: Any, path: Path) -> None:
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.o")
         fn.export_to_c(str(tmp), function_name=_EXPORT_NAME)
         os.replace(tmp, path)
+        _evict(path.parent, int(os.environ.get("CUTEMK_CACHE_MAX_KERNELS", "256")))
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"cutemk: could not write the kernel cache {path} ({e})", stacklevel=3)
+
+
+def _evict(d: Path, keep: int) -> None:
+    """Keep the ``keep`` most recently used kernels in ``d`` (a load marks a file used): every
+    change to cutemk's source makes new keys, so the directory would otherwise only grow."""
+    files = sorted(d.glob("megakernel-*.o"), key=lambda f: f.stat().st_mtime, reverse=True)
+    for f in files[max(keep, 1) :]:
+        f.unlink(missing_ok=True)
 
 
 _CUTE_DTYPES = {

@@ -65,6 +65,22 @@ def test_damaged_file_is_compiled_over(cache_dir):
     _forget(spec)
 
 
+def test_least_recently_used_kernels_are_evicted(cache_dir, monkeypatch):
+    monkeypatch.setenv("CUTEMK_CACHE_MAX_KERNELS", "2")
+    specs = [_spec(hidden=h) for h in (64, 128, 256)]
+    for s in specs:
+        _forget(s)
+    runtime._compile(specs[0])
+    runtime._compile(specs[1])
+    (first,) = [f for f in cache_dir.glob("megakernel-*.o") if f == runtime._cache_path(specs[0])]
+    os.utime(first, (1, 1))  # long unused
+    runtime._compile(specs[2])
+    left = set(cache_dir.glob("megakernel-*.o"))
+    assert left == {runtime._cache_path(specs[1]), runtime._cache_path(specs[2])}
+    for s in specs:
+        _forget(s)
+
+
 def test_empty_cache_dir_turns_the_cache_off(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTEMK_CACHE_DIR", "")
     assert runtime.kernel_cache_dir() is None
