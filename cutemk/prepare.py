@@ -85,13 +85,15 @@ def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> Warmu
     with torch.no_grad():
         for regime, t in starts:
             t0 = time.perf_counter()
+            before = _kernel_counts()
             if hasattr(module, "warm_inputs"):  # a step of the module's own kind of input
                 module(*module.warm_inputs(t))
             else:
                 module(torch.zeros(t, module.hidden, dtype=w.dtype, device=w.device))
             if w.is_cuda:
                 torch.cuda.synchronize(w.device)
-            report.steps.append((f"{regime}: compile + launch at T={t}", time.perf_counter() - t0))
+            how = _kernel_step(before, _kernel_counts())
+            report.steps.append((f"{regime}: {how}launch at T={t}", time.perf_counter() - t0))
             if bar is not None:
                 bar.update(1)
         for t in tokens:
@@ -103,6 +105,20 @@ def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> Warmu
     if bar is not None:
         bar.close()
     return report
+
+
+def _kernel_counts() -> tuple[int, int]:
+    """(kernels compiled, kernels loaded from the on-disk cache) by this process so far."""
+    runtime = sys.modules.get("cutemk.runtime")  # not imported: no kernel was made
+    return (runtime.compile_count, runtime.cache_loads) if runtime else (0, 0)
+
+
+def _kernel_step(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """How a step got its kernel: loaded from the on-disk cache, else compiled (or, for the
+    interpreter, its graph built)."""
+    if after[1] > before[1] and after[0] == before[0]:
+        return "load cached kernel + "
+    return "compile + "
 
 
 def _warm_graph(compiled: Any, tokens: list[int], progress: bool | None) -> WarmupReport:

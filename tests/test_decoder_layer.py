@@ -198,10 +198,11 @@ def test_mega_decoder_layer_from_hf():
     fresh = mega_of(19)
     assert not fresh._compiled
     report = mk.warmup(fresh, progress=False)
-    assert [name for name, _ in report.steps] == [
-        "gemv: compile + launch at T=1",
-        "batch: compile + launch at T=17",
-    ]
+    names = [name for name, _ in report.steps]
+    assert len(names) == 2, names
+    for name, want in zip(names, ("gemv: {} + launch at T=1", "batch: {} + launch at T=17")):
+        # a kernel an earlier process compiled comes from the on-disk cache
+        assert name in (want.format("compile"), want.format("load cached kernel")), name
     assert sorted(k[1] for k in fresh._compiled) == ["batch", "gemv"]
     with pytest.raises(ValueError, match="page count"):
         mk.warmup(fresh, tokens=[4], progress=False)
