@@ -549,6 +549,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
         reads_of = None
         if arrays is None:
             reads_of = [node_regions(cons, "reads", plan.tasks[t].coord, env) for t in tasks]
+        columns: list[np.ndarray] = []  # array path: per producer, each tile's event (-1: none)
         for p_idx, args in by_producer.items():
             prod = graph.nodes[p_idx]
             groups: dict[frozenset[int], int] = {}
@@ -592,9 +593,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                     for ix, r in zip(idxs, rngs):
                         sources |= ix.in_cells(tuple(map(tuple, r[i].tolist())))
                     eid_of[u] = event_of(None, sources)
-                for t, eid in zip(tasks, eid_of[inverse.reshape(-1)].tolist()):
-                    if eid >= 0:
-                        plan.waits[t].append(eid)
+                columns.append(eid_of[inverse.reshape(-1)])
                 continue
             # tiles that read the same boxes share their event: the producer set (a frozenset
             # that can hold thousands of tiles) is built and hashed once per distinct read
@@ -606,6 +605,22 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                     eid = by_boxes[key] = event_of(reads)
                 if eid >= 0:
                     plan.waits[t].append(eid)
+        if columns:
+            _add_waits(plan.waits, tasks, np.stack(columns, axis=1))
+
+
+def _add_waits(waits: list[list[int]], tasks: range, events: np.ndarray) -> None:
+    """Append to each task's waits its row of ``events`` (tasks x producers, -1: none), in
+    producer order: one list per task made in C where no earlier wait is there (explicit
+    events come first)."""
+    rows = events.tolist()
+    if (events < 0).any():
+        rows = [[e for e in r if e >= 0] for r in rows]
+    if any(waits[t] for t in tasks):
+        for t, r in zip(tasks, rows):
+            waits[t] += r
+    else:
+        waits[tasks.start : tasks.stop] = rows
 
 
 def _explicit_events(graph: Graph, plan: Plan) -> None:
