@@ -277,7 +277,8 @@ def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             f"{name} input has dtype {x.dtype} but its weights are {w.dtype}; cast the input or "
             "the module (.to(dtype))"
         )
-    if x.get_device() != w.get_device():
+    xd = x.get_device()  # an index: cheaper than comparing devices (-1 off CUDA)
+    if xd != w.get_device() or (xd < 0 and x.device != w.device):
         raise DeviceError(f"{name} input is on {x.device} but its weights are on {w.device}")
     tokens = x.numel() // module.hidden
     if tokens == 0:

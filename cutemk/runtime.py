@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -659,37 +660,69 @@ def kernel_cache_dir() -> Path | None:
     return Path(d) if d else None
 
 
+_SOURCE_ROOTS: tuple[Path, ...] = ()
+
+
 def _source_digest() -> str:
-    """A digest of the code a kernel is generated from (cutemk, its ops and schedulers) and of
-    the compiler: a kernel on disk from other code is never loaded."""
-    global _SOURCE_DIGEST
+    """A digest of the code a kernel is generated from (cutemk, its ops and schedulers), of the
+    compiler and of the host platform: a kernel on disk from other code is never loaded."""
+    global _SOURCE_DIGEST, _SOURCE_ROOTS
     if _SOURCE_DIGEST is None:
+        import platform
+
         import cutlass
         import tvm_ffi
 
         from . import ops, schedulers
 
-        h = hashlib.sha256(f"{cutlass.__version__} {tvm_ffi.__version__}".encode())
-        for pkg in (
-            Path(__file__).parent,
-            Path(ops.__file__).parent,
-            Path(schedulers.__file__).parent,
-        ):
+        h = hashlib.sha256(
+            f"{cutlass.__version__} {tvm_ffi.__version__} {platform.machine()}".encode()
+        )
+        roots = (Path(__file__).parent, Path(ops.__file__).parent, Path(schedulers.__file__).parent)
+        for pkg in roots:
             for f in sorted(pkg.rglob("*.py")):
                 h.update(str(f.relative_to(pkg)).encode())
                 h.update(f.read_bytes())
+        _SOURCE_ROOTS = tuple(r.resolve() for r in roots)
         _SOURCE_DIGEST = h.hexdigest()
     return _SOURCE_DIGEST
 
 
+def _outside_sources(spec: KernelSpec) -> str | None:
+    """The source of every module outside cutemk that defines a class of ``spec``'s ops (a
+    user's own op and its bases), for the cache key: editing such an op makes a new key. None
+    where a class has no source file (defined interactively): such kernels are not cached."""
+    _source_digest()
+    files: dict[Path, None] = {}
+    for op in spec.ops:
+        for cls in type(op).__mro__:
+            if cls is object:
+                continue
+            module = sys.modules.get(cls.__module__)
+            path = getattr(module, "__file__", None)
+            if path is None:
+                return None
+            path = Path(path).resolve()
+            if not any(path.is_relative_to(root) for root in _SOURCE_ROOTS):
+                files[path] = None
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(str(path).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def _cache_path(spec: KernelSpec) -> Path | None:
     """The cache file of ``spec``'s kernel, or None where there is no cache or the spec has no
-    stable text (an op whose repr shows an object address)."""
+    stable text (an op whose repr shows an object address, or whose class has no source)."""
     d = kernel_cache_dir()
     text = repr(spec)
     if d is None or " at 0x" in text:
         return None
-    key = hashlib.sha256(f"{_source_digest()}\n{text}".encode()).hexdigest()[:32]
+    outside = _outside_sources(spec)
+    if outside is None:
+        return None
+    key = hashlib.sha256(f"{_source_digest()}\n{outside}\n{text}".encode()).hexdigest()[:32]
     return d / f"megakernel-{key}.o"
 
 
@@ -722,7 +755,8 @@ def _store_cached(fn: Any, path: Path) -> None:
     file). A cache that cannot be written costs the next process a compile, nothing else."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.o")
+        # a name the eviction's pattern does not match while it is being written
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         fn.export_to_c(str(tmp), function_name=_EXPORT_NAME)
         os.replace(tmp, path)
         _evict(path.parent, int(os.environ.get("CUTEMK_CACHE_MAX_KERNELS", "256")))
@@ -733,8 +767,13 @@ def _store_cached(fn: Any, path: Path) -> None:
 def _evict(d: Path, keep: int) -> None:
     """Keep the ``keep`` most recently used kernels in ``d`` (a load marks a file used): every
     change to cutemk's source makes new keys, so the directory would otherwise only grow."""
-    files = sorted(d.glob("megakernel-*.o"), key=lambda f: f.stat().st_mtime, reverse=True)
-    for f in files[max(keep, 1) :]:
+    used = []
+    for f in d.glob("megakernel-*.o"):
+        try:
+            used.append((f.stat().st_mtime, f))
+        except FileNotFoundError:  # another process evicted it meanwhile
+            pass
+    for _, f in sorted(used, reverse=True)[max(keep, 1) :]:
         f.unlink(missing_ok=True)
 
 

@@ -88,7 +88,7 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
             plan.waits, plan.notifies, plan.num_events, plan.cost
         )
         queue_next = _queue_next_array(plan.num_tasks, sched.queues)
-        if queue_next is not None and arrays.orders_all(queue_next):
+        if queue_next is not None and arrays.valid and arrays.orders_all(queue_next):
             return
         # a task queued twice, out of range or not at all, or a cycle: the walk below names it
     seen: dict[int, int] = {}

@@ -193,8 +193,10 @@ class StaticScheduler:
 
     def _build_native(self, plan: Plan, num_sms: int) -> StaticSchedule | None:
         """The same schedule by the C passes (``cutemk.native``); None if the graph has a
-        cycle (the Python passes name it)."""
+        cycle or ids out of range (the Python passes name them)."""
         arrays = native.PlanArrays(plan.waits, plan.notifies, plan.num_events, plan.cost)
+        if not arrays.valid:
+            return None
         rank = arrays.upward_rank()
         if rank is None:
             return None

@@ -120,3 +120,30 @@ def test_a_fresh_process_launches_the_cached_kernel(tmp_path):
     (c1, l1, e1), (c2, l2, e2) = runs
     assert (c1, l1) == (1, 0) and (c2, l2) == (0, 1)
     assert e1 < 2e-2 and e2 < 2e-2
+
+
+def test_key_covers_the_source_of_ops_defined_outside_cutemk(tmp_path, monkeypatch):
+    """A user's op (and its bases) outside cutemk: its module's source is part of the key, so
+    editing its device code never loads the old kernel; a class without a source file (defined
+    interactively) makes the kernel uncacheable."""
+    import importlib.util
+    import types
+
+    from cutemk.ops.add import AddTile
+
+    mod_path = tmp_path / "my_ops.py"
+    mod_path.write_text("from cutemk.ops.add import AddTile\nclass MyAdd(AddTile):\n    pass\n")
+    spec_ = importlib.util.spec_from_file_location("my_ops_for_cache_test", mod_path)
+    mod = importlib.util.module_from_spec(spec_)
+    monkeypatch.setitem(sys.modules, "my_ops_for_cache_test", mod)
+    spec_.loader.exec_module(mod)
+    own = types.SimpleNamespace(ops=_spec().ops)
+    users = types.SimpleNamespace(ops=(*_spec().ops, mod.MyAdd.__new__(mod.MyAdd)))
+    assert runtime._outside_sources(own) == runtime._outside_sources(types.SimpleNamespace(ops=()))
+    before = runtime._outside_sources(users)
+    mod_path.write_text(mod_path.read_text() + "# the device code changed\n")
+    assert runtime._outside_sources(users) != before
+    nowhere = types.ModuleType("defined_nowhere")  # no __file__
+    monkeypatch.setitem(sys.modules, "defined_nowhere", nowhere)
+    loose = type("Loose", (AddTile,), {"__module__": "defined_nowhere"})
+    assert runtime._outside_sources(types.SimpleNamespace(ops=(loose.__new__(loose),))) is None

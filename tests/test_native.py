@@ -102,3 +102,17 @@ def test_check_rejects_what_the_python_check_rejects():
     with pytest.raises(ScheduleError, match="outside"):
         check_static_schedule(plan, StaticSchedule(((*ids, 10**6),)))
     check_static_schedule(plan, StaticSchedule((ids,)))  # one SM in task order: valid
+
+
+def test_ids_out_of_range_take_the_python_passes():
+    """A plan edited by hand with an event id past the plan's events: the C passes are not
+    handed it (they index unchecked); the Python pass raises as it always did."""
+    plan = instantiate(mlp_graph(mk.sym("T", max=256), 64, 48, block_m=8, block_n=16), {"T": 8})
+    plan.waits[1].append(plan.num_events + 5)
+    arrays = native.PlanArrays(plan.waits, plan.notifies, plan.num_events, plan.cost)
+    assert not arrays.valid
+    with pytest.raises(IndexError):
+        StaticScheduler().build(plan, 4)
+    plan.waits[1].pop()
+    plan.cost = plan.cost[:-1]  # one cost short
+    assert not native.PlanArrays(plan.waits, plan.notifies, plan.num_events, plan.cost).valid

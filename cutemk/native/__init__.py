@@ -1,8 +1,8 @@
 """The static scheduler's whole-graph passes in C (``sched.c``), for plans of many thousand tasks.
 
 Built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``) into
-``~/.cache/cutemk/native`` (or ``$CUTEMK_CACHE_DIR/native``), named by a hash of the source,
-and loaded with ctypes. Where no compiler works, or ``CUTEMK_NATIVE=0``, :func:`lib` is None and
+``~/.cache/cutemk/native`` (or ``$CUTEMK_CACHE_DIR/native``), named by a hash of the source and
+the machine, and loaded with ctypes. Where no compiler works, or ``CUTEMK_NATIVE=0``, :func:`lib` is None and
 the callers keep their Python passes, which give the same results (``tests/test_native.py``).
 """
 
@@ -12,8 +12,10 @@ import ctypes
 import hashlib
 import itertools
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -35,7 +37,7 @@ def _build_dir() -> Path:
     d = os.environ.get("CUTEMK_CACHE_DIR")
     if d == "":  # caches off: a directory of this process's own
         return Path(tempfile.mkdtemp(prefix="cutemk-native-"))
-    return Path(d) if d else Path.home() / ".cache" / "cutemk" / "native"
+    return (Path(d) if d else Path.home() / ".cache" / "cutemk") / "native"
 
 
 def _compile(path: Path) -> None:
@@ -58,26 +60,31 @@ def lib() -> ctypes.CDLL | None:
     global _LIB, _TRIED
     if _TRIED:
         return _LIB
-    with _LOCK:
+    with _LOCK:  # another thread asking meanwhile waits for this build
         if _TRIED:
             return _LIB
-        _TRIED = True
-        if os.environ.get("CUTEMK_NATIVE", "1") == "0":
-            return None
         try:
-            digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-            path = _build_dir() / f"sched-{digest}.so"
-            if not path.is_file():
-                _compile(path)
-            _LIB = _bind(ctypes.CDLL(str(path)))
-        except Exception as e:  # noqa: BLE001 (any failure: the Python passes serve)
-            warnings.warn(
-                f"cutemk: the C scheduler passes are unavailable ({e}); planning large graphs "
-                "for the static scheduler is slower",
-                stacklevel=2,
-            )
-            _LIB = None
+            _LIB = _load() if os.environ.get("CUTEMK_NATIVE", "1") != "0" else None
+        finally:
+            _TRIED = True
     return _LIB
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        key = _SOURCE.read_bytes() + f"{sys.platform} {platform.machine()}".encode()
+        digest = hashlib.sha256(key).hexdigest()[:16]
+        path = _build_dir() / f"sched-{digest}.so"
+        if not path.is_file():
+            _compile(path)
+        return _bind(ctypes.CDLL(str(path)))
+    except Exception as e:  # noqa: BLE001 (any failure: the Python passes serve)
+        warnings.warn(
+            f"cutemk: the C scheduler passes are unavailable ({e}); planning large graphs "
+            "for the static scheduler is slower",
+            stacklevel=3,
+        )
+        return None
 
 
 def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
@@ -102,7 +109,10 @@ def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class PlanArrays:
-    """A plan's waits and notifies as CSR arrays, with its event count and task costs."""
+    """A plan's waits and notifies as CSR arrays, with its event count and task costs.
+    ``valid``: every event id in range and one cost a task (the C passes index by them
+    unchecked; a plan that fails this, e.g. one edited by hand, takes the Python passes, which
+    raise)."""
 
     def __init__(self, waits, notifies, num_events: int, cost) -> None:
         self.n = len(waits)
@@ -110,6 +120,14 @@ class PlanArrays:
         self.wait_ptr, self.wait_idx = csr(waits)
         self.ntf_ptr, self.ntf_idx = csr(notifies)
         self.cost = np.asarray(cost, dtype=np.float64)
+        self.valid = (
+            len(notifies) == self.n
+            and self.cost.shape == (self.n,)
+            and all(
+                not len(a) or (int(a.min()) >= 0 and int(a.max()) < self.e)
+                for a in (self.wait_idx, self.ntf_idx)
+            )
+        )
 
     def _graph(self) -> tuple:
         return (self.n, self.e, self.wait_ptr, self.wait_idx, self.ntf_ptr, self.ntf_idx)
