@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import native
 from .errors import GraphError
 from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
@@ -209,6 +210,7 @@ class _WriteIndex:
                 prev = prev if isinstance(prev, frozenset) else frozenset((prev,))
                 self.cells[cell] = prev | {t}
         self.flat: list[int] | None = None
+        self.grid: np.ndarray | None = None
         self._memo: dict[Box, frozenset[int]] = {}
 
     @classmethod
@@ -239,6 +241,7 @@ class _WriteIndex:
                     self.bps = [bp.tolist() for bp in bps]
                     self.cells = {}
                     self.flat = grid.tolist()
+                    self.grid = grid.astype(np.int32)
                     self._shape = shape
                     self._memo = {}
                     return self
@@ -552,11 +555,13 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
         columns: list[np.ndarray] = []  # array path: per producer, each tile's event (-1: none)
         for p_idx, args in by_producer.items():
             prod = graph.nodes[p_idx]
-            groups: dict[frozenset[int], int] = {}
+            # keyed by the producer tiles: a frozenset (per-tile path) or a sorted tuple (array
+            # path); one pair takes one path, so the two never meet in one dict
+            groups: dict[frozenset[int] | tuple[int, ...], int] = {}
 
             def event_of(
                 reads: dict[str, list[Box]] | None,
-                sources: frozenset[int] = frozenset(),
+                sources: frozenset[int] | tuple[int, ...] = frozenset(),
                 args=args,
                 prod=prod,
                 groups=groups,
@@ -587,12 +592,14 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                 keys = np.concatenate([r.reshape(len(tasks), -1) for r in rngs], axis=1)
                 _, first, inverse = _unique_rows(keys)
                 eid_of = np.full(len(first), -1, dtype=np.int64)
-                for u in np.argsort(first, kind="stable").tolist():
-                    i = int(first[u])
-                    sources: frozenset[int] = frozenset()
-                    for ix, r in zip(idxs, rngs):
-                        sources |= ix.in_cells(tuple(map(tuple, r[i].tolist())))
-                    eid_of[u] = event_of(None, sources)
+                by_first = np.argsort(first, kind="stable")
+                per_arg = [_sources(ix, r[first[by_first]]) for ix, r in zip(idxs, rngs)]
+                for j, u in enumerate(by_first.tolist()):
+                    if len(per_arg) == 1:
+                        src = per_arg[0][j]
+                    else:
+                        src = tuple(sorted(set().union(*(s[j] for s in per_arg))))
+                    eid_of[u] = event_of(None, src)
                 columns.append(eid_of[inverse.reshape(-1)])
                 continue
             # tiles that read the same boxes share their event: the producer set (a frozenset
@@ -607,6 +614,14 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                     plan.waits[t].append(eid)
         if columns:
             _add_waits(plan.waits, tasks, np.stack(columns, axis=1))
+
+
+def _sources(index: _WriteIndex, ranges: np.ndarray) -> list[tuple[int, ...]]:
+    """Per box of cells (boxes x dims x [lo, hi)), the sorted tasks writing its cells: in C
+    over a tiling's grid where ``cutemk.native`` is built, else cell by cell."""
+    if index.grid is not None and len(ranges) and native.lib() is not None:
+        return native.cell_sources(index._shape, index.grid, ranges)
+    return [tuple(sorted(index.in_cells(tuple(map(tuple, r))))) for r in ranges.tolist()]
 
 
 def _add_waits(waits: list[list[int]], tasks: range, events: np.ndarray) -> None:

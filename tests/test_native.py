@@ -116,3 +116,25 @@ def test_ids_out_of_range_take_the_python_passes():
     plan.waits[1].pop()
     plan.cost = plan.cost[:-1]  # one cost short
     assert not native.PlanArrays(plan.waits, plan.notifies, plan.num_events, plan.cost).valid
+
+
+def test_cell_sources_match_the_cell_walk():
+    """The writers of boxes of cells of a tiling, in C, against the Python walk over cells:
+    1 to 3 dims, holes in the grid, empty and single-cell boxes."""
+    import numpy as np
+
+    from cutemk.plan import _WriteIndex
+
+    rng = np.random.default_rng(3)
+    for ndim in (1, 2, 3):
+        shape = tuple(int(x) for x in rng.integers(1, 7, size=ndim))
+        size = int(np.prod(shape))
+        grid = np.where(rng.random(size) < 0.2, -1, rng.permutation(size) + 100).astype(np.int32)
+        ix = _WriteIndex("v", [])
+        ix.flat, ix.grid, ix._shape = grid.tolist(), grid, shape
+        lo = np.stack([rng.integers(0, n, 40) for n in shape], axis=1)
+        hi = np.stack([rng.integers(0, n + 1, 40) for n in shape], axis=1)
+        ranges = np.stack([lo, hi], axis=2)
+        got = native.cell_sources(shape, grid, ranges)
+        want = [tuple(sorted(ix.in_cells(tuple(map(tuple, r))))) for r in ranges.tolist()]
+        assert got == want

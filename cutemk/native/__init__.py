@@ -96,7 +96,28 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.cutemk_check_order.restype = i32
     so.cutemk_list_schedule.argtypes = [*graph, _F64P, _I32P, i32, ctypes.c_double, _I32P, _I32P]
     so.cutemk_list_schedule.restype = i32
+    i64p = np.ctypeslib.ndpointer(dtype=np.int64, flags="C_CONTIGUOUS")
+    so.cutemk_cell_sources.argtypes = [i32, i64p, _I32P, i32, i64p, _I32P, _I32P, ctypes.c_int64]
+    so.cutemk_cell_sources.restype = ctypes.c_int64
     return so
+
+
+def cell_sources(shape: Sequence[int], grid: np.ndarray, ranges: np.ndarray) -> list[tuple]:
+    """Per box of cells (``ranges``: boxes x dims x [lo, hi)), the sorted writer ids the
+    tiling's ``grid`` (cells row-major, -1: no writer) holds in it."""
+    ranges = np.ascontiguousarray(ranges, dtype=np.int64)
+    n = len(ranges)
+    sizes = np.clip(ranges[:, :, 1] - ranges[:, :, 0], 0, None).prod(axis=1)
+    cap = max(int(sizes.sum()), 1)
+    ptr = np.zeros(n + 1, dtype=np.int32)
+    out = np.empty(cap, dtype=np.int32)
+    got = lib().cutemk_cell_sources(
+        len(shape), np.asarray(shape, dtype=np.int64), grid, n, ranges, ptr, out, cap
+    )
+    if got < 0:
+        raise RuntimeError("cutemk_cell_sources: bad ranges")
+    flat, at = out[:got].tolist(), ptr.tolist()
+    return [tuple(flat[at[i] : at[i + 1]]) for i in range(n)]
 
 
 def csr(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -289,3 +289,51 @@ done:
     free(heap); free(sm_free); free(start); graph_free(&g);
     return rc;
 }
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The tasks writing the cells of each of n_ranges boxes of cells (ranges: n_ranges x ndim x
+ * [lo, hi), half-open cell indices) of a tiling's write index (grid: the cells row-major, the
+ * writer's task id or -1, dims shape[ndim]): per box its writers, sorted, each once, as CSR
+ * (out_ptr[n_ranges + 1], out_idx, room for cap entries: the boxes' cells are enough).
+ * Returns the entries written, or -1 when cap is too small or ndim is not 1 to 8. */
+int64_t cutemk_cell_sources(int32_t ndim, const int64_t *shape, const int32_t *grid,
+                            int32_t n_ranges, const int64_t *ranges, int32_t *out_ptr,
+                            int32_t *out_idx, int64_t cap) {
+    int64_t k = 0;
+    int64_t idx[8];
+    if (ndim < 1 || ndim > 8) return -1;
+    for (int32_t u = 0; u < n_ranges; u++) {
+        const int64_t *r = ranges + (int64_t)u * ndim * 2;
+        out_ptr[u] = (int32_t)k;
+        int64_t start = k, empty = 0;
+        for (int32_t d = 0; d < ndim; d++) {
+            if (r[2 * d + 1] <= r[2 * d]) empty = 1;
+            idx[d] = r[2 * d];
+        }
+        if (!empty) {
+            for (;;) {
+                int64_t flat = 0;
+                for (int32_t d = 0; d < ndim; d++) flat = flat * shape[d] + idx[d];
+                int32_t w = grid[flat];
+                if (w >= 0) {
+                    if (k >= cap) return -1;
+                    out_idx[k++] = w;
+                }
+                int32_t d = ndim - 1;
+                while (d >= 0 && ++idx[d] >= r[2 * d + 1]) { idx[d] = r[2 * d]; d--; }
+                if (d < 0) break;
+            }
+        }
+        qsort(out_idx + start, (size_t)(k - start), sizeof(int32_t), cmp_i32);
+        int64_t m = start;
+        for (int64_t j = start; j < k; j++)
+            if (j == start || out_idx[j] != out_idx[m - 1]) out_idx[m++] = out_idx[j];
+        k = m;
+    }
+    out_ptr[n_ranges] = (int32_t)k;
+    return k;
+}
