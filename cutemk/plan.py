@@ -16,9 +16,10 @@ import contextlib
 import gc
 import itertools
 import json
+import operator
 import os
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -54,11 +55,51 @@ class Task(NamedTuple):
         return f"{self.node.name}{list(self.coord)}"
 
 
+class Tasks(Sequence[Task]):
+    """A plan's tasks, each made when asked for from its node's task range and coordinates (a
+    plan of ten thousand tasks builds no object for each up front)."""
+
+    __slots__ = ("_coords", "_lists", "_n", "_nodes", "_starts")
+
+    def __init__(self, nodes: Sequence[Node], node_tasks: Sequence[range], coords) -> None:
+        self._nodes = list(nodes)
+        self._starts = [r.start for r in node_tasks]
+        self._n = node_tasks[-1].stop if node_tasks else 0
+        self._coords = coords
+        self._lists: list[list[Coord] | None] = [None] * len(self._nodes)
+
+    def _coords_of(self, k: int) -> list[Coord]:
+        lst = self._lists[k]
+        if lst is None:
+            lst = self._lists[k] = list(map(tuple, self._coords[k].tolist()))
+        return lst
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, t):
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(self._n))]
+        t = operator.index(t)
+        if t < 0:
+            t += self._n
+        if not 0 <= t < self._n:
+            raise IndexError(f"task {t} out of range (the plan has {self._n})")
+        k = bisect_right(self._starts, t) - 1
+        return Task(t, self._nodes[k], self._coords_of(k)[t - self._starts[k]])
+
+    def __iter__(self) -> Iterator[Task]:
+        for k, node in enumerate(self._nodes):
+            start = self._starts[k]
+            for i, c in enumerate(self._coords_of(k)):
+                yield Task(start + i, node, c)
+
+
 @dataclass
 class Plan:
     graph: Graph
     env: dict[str, int]
-    tasks: list[Task]
+    tasks: Sequence[Task]
     node_tasks: list[range]
     shapes: dict[str, tuple[int, ...]]
     event_count: list[int] = field(default_factory=list)
@@ -418,27 +459,19 @@ def instantiate(graph: Graph, env: Bindings) -> Plan:
 def _instantiate(graph: Graph, env: Bindings) -> Plan:
     env = dict(env)
     shapes = {v.name: v.spec.concrete(env) for v in graph.values}
-    tasks: list[Task] = []
     node_tasks: list[range] = []
     coords: list[np.ndarray] = []
+    n = 0
     for node in graph.nodes:
         grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in node.op.grid()))
-        start = len(tasks)
         coords.append(_grid_coords(grid))
-        count = len(coords[-1])
-        tasks.extend(
-            map(
-                Task,
-                range(start, start + count),
-                itertools.repeat(node, count),
-                itertools.product(*(range(n) for n in grid)),
-            )
-        )
-        node_tasks.append(range(start, len(tasks)))
+        node_tasks.append(range(n, n + len(coords[-1])))
+        n += len(coords[-1])
+    tasks = Tasks(graph.nodes, node_tasks, coords)
     plan = Plan(graph, env, tasks, node_tasks, shapes, coords=coords)
-    plan.waits = [[] for _ in tasks]
-    plan.notifies = [[] for _ in tasks]
-    plan.remote_waits = [[] for _ in tasks]
+    plan.waits = [[] for _ in range(n)]
+    plan.notifies = [[] for _ in range(n)]
+    plan.remote_waits = [[] for _ in range(n)]
     plan.cost = []
     for node in graph.nodes:
         c = None if PER_TILE else node.op.cost_array(env, coords[node.index])

@@ -98,3 +98,21 @@ def test_array_plan_is_faster():
         per_tile = min(_plan(g, env, per_tile=True)[1] for _ in range(3))
         arrays = min(_plan(g, env, per_tile=False)[1] for _ in range(3))
     assert arrays < 0.5 * per_tile, (arrays, per_tile)
+
+
+def test_tasks_are_made_on_access_like_a_list():
+    """``plan.tasks`` makes each task when asked for: indexing (negative too), slices and
+    iteration give the tasks a list of them would, nodes with no tasks included."""
+    from cutemk.plan import Task
+
+    plan = instantiate(moe_graph(mk.sym("T", max=64), MoeConfig(128, 64, 8, 2)), {"T": 3})
+    listed = [
+        Task(t, node, tuple(c))
+        for node, ts in zip(plan.graph.nodes, plan.node_tasks)
+        for t, c in zip(ts, plan.coords_of(node.index).tolist())
+    ]
+    assert list(plan.tasks) == listed and len(plan.tasks) == len(listed)
+    assert [plan.tasks[t] for t in range(len(listed))] == listed
+    assert plan.tasks[-1] == listed[-1] and plan.tasks[2:7] == listed[2:7]
+    with pytest.raises(IndexError):
+        plan.tasks[len(listed)]
