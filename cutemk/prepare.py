@@ -109,8 +109,8 @@ def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> Warmu
 
 def _kernel_counts() -> tuple[int, int]:
     """(kernels compiled, kernels loaded from the on-disk cache) by this process so far."""
-    runtime = sys.modules.get("cutemk.runtime")  # not imported: no kernel was made
-    return (runtime.compile_count, runtime.cache_loads) if runtime else (0, 0)
+    kernels = sys.modules.get("cutemk.kernels")  # not imported: no kernel was made
+    return (kernels.compile_count, kernels.cache_loads) if kernels else (0, 0)
 
 
 def _kernel_step(before: tuple[int, int], after: tuple[int, int]) -> str:

@@ -44,9 +44,8 @@ def direct(x: torch.Tensor) -> bool:
     """Whether a module call on activations ``x`` may launch without going through its custom
     op: outside ``torch.compile`` and ``torch.jit.trace`` tracing, with no torch dispatch mode
     active (a fake-tensor or meta trace must see the op), and ``x`` a plain tensor (not a
-    subclass). The op's Python
-    dispatch costs tens of microseconds of host time an eager call; the op does the same
-    launch."""
+    subclass). The op's Python dispatch costs tens of microseconds of host time an eager call;
+    the op does the same launch."""
     return (
         type(x) is torch.Tensor
         and not torch.compiler.is_compiling()

@@ -1,0 +1,312 @@
+"""The megakernel of a graph: its compile-cache key, its compilation (with fake arguments, no GPU
+needed), and the process's and the disk's caches of compiled kernels.
+
+One megakernel is compiled per :class:`~cutemk.codegen.megakernel.KernelSpec` (graph structure,
+dtypes, scheduler mode, flags, arch); a new token count never compiles a new one. A compiled
+kernel is kept for the process and written to :func:`kernel_cache_dir`, from which the next
+process loads it instead of compiling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .arch import target_arch
+from .codegen.megakernel import KernelSpec, Megakernel, worker_shape
+from .comm import is_distributed, symmetric_values
+from .graph import Graph
+from .plan import dump_file
+from .scheduling import SchedulingMode, resolve_scheduler
+from .tileop import TileOp
+
+_COMPILED: dict[KernelSpec, Any] = {}
+_LOCK = threading.Lock()
+compile_count = 0
+"""Megakernels compiled by this process (tests assert it stays flat across token counts)."""
+
+
+def _loads_before_events(node) -> bool:
+    """Whether a ring op's independent loads may precede its events: no node writes its
+    ``independent_inputs`` (or the op vouches for what they write), and what the tile loads
+    is not decided by data the launch computes."""
+    op = node.op
+    if not op.independent_inputs:
+        return False
+    if op.exists_on_device and not (
+        op.early_exists and all(node.args[a].producer is None for a in op.data_inputs)
+    ):
+        return False
+    producers = {
+        a: node.args[a].producer.op
+        for a in op.independent_inputs
+        if node.args[a].producer is not None
+    }
+    return not producers or op.independent_loads_allowed(producers)
+
+
+def kernel_spec(
+    graph: Graph, dynamic: bool, watchdog: bool = False, profile: bool = False
+) -> KernelSpec:
+    """The compile-cache key of ``graph``'s megakernel."""
+    index = {id(v): i for i, v in enumerate(graph.values)}
+    # peer tables of the symmetric values follow the graph values in the kernel's tensor tuple
+    symmetric = symmetric_values(graph)
+    table = {name: len(graph.values) + k for k, name in enumerate(symmetric)}
+
+    def peer_table(n, a):
+        v = n.args.get(a) or n.results[a]
+        return table[v.name]
+
+    node_tensors = tuple(
+        tuple(index[id(n.args[a])] for a in n.op.inputs)
+        + tuple(index[id(n.results[o])] for o in n.op.outputs)
+        + tuple(peer_table(n, a) for a in n.op.peer_values)
+        for n in graph.nodes
+    )
+    for n in graph.nodes:
+        if n.op.ring_tile() is None and type(n.op).device_tile is TileOp.device_tile:
+            raise NotImplementedError(f"op {n.op.name} has no device function yet")
+    ops_ = tuple(n.op for n in graph.nodes)
+    prefetch = tuple(_loads_before_events(n) for n in graph.nodes)
+    values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
+    values += (("torch.int64", 1),) * len(symmetric)
+    spec = KernelSpec(
+        ops_,
+        node_tensors,
+        values,
+        bool(dynamic),
+        bool(watchdog),
+        bool(profile),
+        target_arch(),
+        is_distributed(graph),
+        prefetch,
+        worker_shape(ops_),
+    )
+    dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
+    return spec
+
+
+def compile_offline(
+    graph: Graph,
+    scheduler: Any = "static",
+    watchdog: bool = False,
+    profile: bool = False,
+    options: str = "",
+):
+    """Compile ``graph``'s megakernel as the runtime does, no GPU needed (CI compile checks).
+
+    ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``).
+    """
+    graph.validate()
+    dynamic = resolve_scheduler(scheduler).mode is SchedulingMode.DYNAMIC
+    return _compile_now(kernel_spec(graph, dynamic, watchdog, profile), options)
+
+
+cache_loads = 0
+"""Megakernels this process loaded from the on-disk kernel cache instead of compiling."""
+
+
+def _compile(spec: KernelSpec):
+    """The process's kernel for ``spec`` as a TVM-FFI function (called positionally with torch
+    tensors and ints): from this process's cache, else from the on-disk kernel cache
+    (:func:`kernel_cache_dir`), else compiled now and written there."""
+    global compile_count, cache_loads
+    with _LOCK:
+        fn = _COMPILED.get(spec)
+        if fn is None:
+            path = _cache_path(spec)
+            fn = _load_cached(path) if path is not None else None
+            if fn is None:
+                compiled = _compile_now(spec)
+                compile_count += 1
+                if path is not None:
+                    _store_cached(compiled, path)
+                # the function without the DSL's keyword-argument wrapper (a microsecond a call)
+                fn = getattr(compiled, "_tvm_ffi_function", None) or compiled
+            else:
+                cache_loads += 1
+            _COMPILED[spec] = fn
+    return fn
+
+
+_LOADED_MODULES: list[Any] = []  # the loaded kernels' modules: they must outlive the functions
+_SOURCE_DIGEST: str | None = None
+
+
+def kernel_cache_dir() -> Path | None:
+    """Where compiled megakernels are kept between processes: ``CUTEMK_CACHE_DIR`` (empty: no
+    cache), else ``cutemk_kernels`` under CuTe DSL's cache directory (``cutemk.arch`` points it
+    at ``~/.cache/cutemk/cute_dsl`` unless ``CUTE_DSL_CACHE_DIR`` is set). It keeps the
+    ``CUTEMK_CACHE_MAX_KERNELS`` (default 256) most recently used kernels."""
+    d = os.environ.get("CUTEMK_CACHE_DIR")
+    if d is None:
+        base = os.environ.get("CUTE_DSL_CACHE_DIR")
+        if not base:
+            return None
+        d = os.path.join(base, "cutemk_kernels")
+    return Path(d) if d else None
+
+
+_SOURCE_ROOTS: tuple[Path, ...] = ()
+
+
+def _source_digest() -> str:
+    """A digest of the code a kernel is generated from (cutemk, its ops and schedulers), of the
+    compiler and of the host platform: a kernel on disk from other code is never loaded."""
+    global _SOURCE_DIGEST, _SOURCE_ROOTS
+    if _SOURCE_DIGEST is None:
+        import platform
+
+        import cutlass
+        import tvm_ffi
+
+        from . import ops, schedulers
+
+        h = hashlib.sha256(
+            f"{cutlass.__version__} {tvm_ffi.__version__} {platform.machine()}".encode()
+        )
+        roots = (Path(__file__).parent, Path(ops.__file__).parent, Path(schedulers.__file__).parent)
+        for pkg in roots:
+            for f in sorted(pkg.rglob("*.py")):
+                h.update(str(f.relative_to(pkg)).encode())
+                h.update(f.read_bytes())
+        _SOURCE_ROOTS = tuple(r.resolve() for r in roots)
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def _outside_sources(spec: KernelSpec) -> str | None:
+    """The source of every module outside cutemk that defines a class of ``spec``'s ops (a
+    user's own op and its bases), for the cache key: editing such an op makes a new key. None
+    where a class has no source file (defined interactively): such kernels are not cached."""
+    _source_digest()
+    files: dict[Path, None] = {}
+    for op in spec.ops:
+        for cls in type(op).__mro__:
+            if cls is object:
+                continue
+            module = sys.modules.get(cls.__module__)
+            path = getattr(module, "__file__", None)
+            if path is None:
+                return None
+            path = Path(path).resolve()
+            if not any(path.is_relative_to(root) for root in _SOURCE_ROOTS):
+                files[path] = None
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(str(path).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _cache_path(spec: KernelSpec) -> Path | None:
+    """The cache file of ``spec``'s kernel, or None where there is no cache or the spec has no
+    stable text (an op whose repr shows an object address, or whose class has no source)."""
+    d = kernel_cache_dir()
+    text = repr(spec)
+    if d is None or " at 0x" in text:
+        return None
+    outside = _outside_sources(spec)
+    if outside is None:
+        return None
+    key = hashlib.sha256(f"{_source_digest()}\n{outside}\n{text}".encode()).hexdigest()[:32]
+    return d / f"megakernel-{key}.o"
+
+
+_EXPORT_NAME = "cutemk_megakernel_launch"
+
+
+def _load_cached(path: Path):
+    """The kernel stored at ``path`` (a TVM-FFI function), or None if there is none or it does
+    not load (it is then compiled again and overwritten)."""
+    if not path.is_file():
+        return None
+    try:
+        from cutlass.runtime import load_module
+
+        module = load_module(str(path), enable_tvm_ffi=True)
+        fn = module[_EXPORT_NAME]
+    except Exception as e:  # noqa: BLE001 (a damaged or foreign file: compile instead)
+        warnings.warn(f"cutemk: ignoring the cached kernel {path} ({e})", stacklevel=3)
+        return None
+    _LOADED_MODULES.append(module)
+    try:
+        os.utime(path)  # recently used: the last to be evicted
+    except OSError:
+        pass
+    return fn
+
+
+def _store_cached(fn: Any, path: Path) -> None:
+    """Write ``fn``'s host code and cubin to ``path`` (atomically: a reader never sees half a
+    file). A cache that cannot be written costs the next process a compile, nothing else."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # a name the eviction's pattern does not match while it is being written
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fn.export_to_c(str(tmp), function_name=_EXPORT_NAME)
+        os.replace(tmp, path)
+        _evict(path.parent, int(os.environ.get("CUTEMK_CACHE_MAX_KERNELS", "256")))
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"cutemk: could not write the kernel cache {path} ({e})", stacklevel=3)
+
+
+def _evict(d: Path, keep: int) -> None:
+    """Keep the ``keep`` most recently used kernels in ``d`` (a load marks a file used): every
+    change to cutemk's source makes new keys, so the directory would otherwise only grow."""
+    used = []
+    for f in d.glob("megakernel-*.o"):
+        try:
+            used.append((f.stat().st_mtime, f))
+        except FileNotFoundError:  # another process evicted it meanwhile
+            pass
+    for _, f in sorted(used, reverse=True)[max(keep, 1) :]:
+        f.unlink(missing_ok=True)
+
+
+_CUTE_DTYPES = {
+    "torch.float32": "Float32",
+    "torch.bfloat16": "BFloat16",
+    "torch.float16": "Float16",
+    "torch.int32": "Int32",
+    "torch.int64": "Int64",
+}
+
+
+def _compile_now(spec: KernelSpec, options: str = ""):
+    """Compile the megakernel of ``spec`` from fake arguments (no data, no GPU), with TVM-FFI's
+    calling convention: the result takes torch tensors and Python ints, checks each tensor's
+    dtype, rank, innermost stride, alignment and device in C, and launches on the caller's
+    current torch stream. Every extent and outer stride is dynamic, so one kernel serves every
+    token count."""
+    import cutlass
+    from cutlass import Int32, Int64, cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    def fake(dtype: str, ndim: int):
+        shape = tuple(cute.sym_int() for _ in range(ndim))
+        stride = tuple(cute.sym_int(64) for _ in range(ndim - 1)) + (1,)
+        element = getattr(cutlass, _CUTE_DTYPES[dtype])
+        return make_fake_tensor(element, shape, stride, assumed_align=16)
+
+    return cute.compile(
+        Megakernel(spec).launch,
+        tuple(fake(dtype, ndim) for dtype, ndim in spec.values),
+        fake("torch.int32", 1),
+        fake("torch.int32", 1),
+        fake("torch.int64", 1),
+        fake("torch.int64", 1),
+        Int32(1),
+        Int32(1),
+        Int32(1),
+        Int64(1),
+        Int32(132),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=f"--enable-tvm-ffi {options}".strip(),
+    )
