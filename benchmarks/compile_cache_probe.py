@@ -1,5 +1,5 @@
 """Time to the first launch of a small Qwen3-MoE megakernel in a fresh process: run twice to see
-the on-disk kernel cache (``cutemk.runtime.kernel_cache_dir``) at work: the first process
+the on-disk kernel cache (``cutemk.kernels.kernel_cache_dir``) at work: the first process
 compiles and stores the kernel, the second loads it.
 
 Run: python benchmarks/compile_cache_probe.py   (GPU)
