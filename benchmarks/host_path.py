@@ -17,11 +17,13 @@ Sections (``--sections``, all by default):
   planned), twice against one empty on-disk compile cache: cold, then cached (targets: 30 s
   cold and 2 s cached for every T up to 4096; with plans per token count, the counts given).
 
-Not measured here: one CUDA-graph capture replayed at any token count (the token count as
-device data does not exist yet).
+- ``capture`` (GPU): the Qwen3-8B ``MegaMLP`` taking its token count as device data
+  (``forward_live``), captured in one CUDA graph and replayed at ``--capture-tokens`` in random
+  order, each against a graph captured for that count (target: within 10%); the time to
+  compile the live kernels and plan every count they serve.
 
-Run: python benchmarks/host_path.py [--sections plan eager warmup] [--tokens 1 16 128 1024
-4096] [--quick]
+Run: python benchmarks/host_path.py [--sections plan eager capture warmup] [--tokens 1 16 128
+1024 4096] [--quick]
 """
 
 from __future__ import annotations
@@ -117,6 +119,65 @@ def eager_section(res: Results, calls: int) -> None:
     print(f"eager call: {mk_us:.1f} us host (torch.add {torch_us:.1f} us), replay {replay:.1f} us")
 
 
+def capture_section(res: Results, tokens: list[int], seed: int = 0) -> None:
+    """One CUDA graph of the Qwen3-8B MegaMLP taking its token count as device data
+    (``MegaMLP.forward_live``), captured once and replayed at each count in random order,
+    against a graph captured for that count (the module's ordinary call)."""
+    import random
+
+    from cutemk.bench import graphed, time_us
+    from cutemk.nn import MegaMLP
+
+    torch.manual_seed(seed)
+    h, i, dt = MLP["hidden"], MLP["intermediate"], torch.bfloat16
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dt)
+
+    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=MAX_TOKENS)
+    x = torch.randn(MAX_TOKENS, h, device="cuda").to(dt)
+    n = torch.full((1,), MAX_TOKENS, dtype=torch.int32, device="cuda")
+    t0 = time.perf_counter()
+    mlp(x, num_tokens=n)  # every regime's live kernel compiled, every planned count planned
+    torch.cuda.synchronize()
+    prepare_s = time.perf_counter() - t0
+    counts = sum(
+        len(mlp.compiled(r).live(first=f, limit=MAX_TOKENS).counts) for r, f in mlp.regime_starts()
+    )
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mlp(x, num_tokens=n)
+    order = list(tokens)
+    random.Random(seed).shuffle(order)
+    for t in order:
+        n.fill_(t)
+        live_us = time_us(graph.replay)
+        graph.replay()
+        got = y[:t].float()
+        want = mlp(x[:t]).float()  # the launch planned for t
+        planned_us = time_us(graphed(lambda t=t: mlp(x[:t])))
+        diff = (got - want).abs().max().item()
+        case = f"capture-once MegaMLP 8B T={t}"
+        ratio = live_us / planned_us
+        res.add(
+            case,
+            "cutemk_live_replay",
+            live_us,
+            planned_us=round(planned_us, 2),
+            ratio=round(ratio, 3),
+            target_ratio=1.10,
+            max_abs_diff=diff,
+            prepare_s=round(prepare_s, 2),
+            planned_counts=counts,
+        )
+        res.add(case, "cutemk_planned_replay", planned_us)
+        print(
+            f"capture-once T={t}: {live_us:.1f} us replay vs {planned_us:.1f} us planned for "
+            f"T ({ratio:.3f}x), max |diff| {diff:.3g}"
+        )
+    print(f"capture-once prepare: {prepare_s:.1f} s ({counts} counts planned)")
+
+
 _WARMUP_CHILD = """
 import json, sys, time, torch
 t0 = time.perf_counter()
@@ -180,7 +241,7 @@ def warmup_section(res: Results, tokens: list[int]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", nargs="+", default=["plan", "eager", "warmup"])
+    p.add_argument("--sections", nargs="+", default=["plan", "eager", "capture", "warmup"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 1024, 4096])
     p.add_argument(
         "--warm-tokens",
@@ -190,8 +251,15 @@ def main(argv=None) -> int:
         help="token counts the warm-up plans",
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats and calls")
+    p.add_argument(
+        "--capture-tokens",
+        nargs="+",
+        type=int,
+        default=[1, 37, 1000, 4096],
+        help="token counts the capture-once graph replays at",
+    )
     args = p.parse_args(argv)
-    unknown = set(args.sections) - {"plan", "eager", "warmup"}
+    unknown = set(args.sections) - {"plan", "eager", "capture", "warmup"}
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}")
     gpu = torch.cuda.is_available()
@@ -206,6 +274,8 @@ def main(argv=None) -> int:
         plan_section(res, args.tokens, 2 if args.quick else 5)
     if "eager" in args.sections:
         eager_section(res, 200 if args.quick else 2000)
+    if "capture" in args.sections:
+        capture_section(res, args.capture_tokens)
     if "warmup" in args.sections:
         warmup_section(res, args.warm_tokens)
     res.finish()

@@ -20,9 +20,11 @@ from typing import Any
 from .arch import target_arch
 from .codegen.megakernel import KernelSpec, Megakernel, worker_shape
 from .comm import is_distributed, symmetric_values
+from .errors import GraphError
 from .graph import Graph
 from .plan import dump_file
 from .scheduling import SchedulingMode, resolve_scheduler
+from .symbolic import Sym
 from .tileop import TileOp
 
 _COMPILED: dict[KernelSpec, Any] = {}
@@ -50,10 +52,42 @@ def _loads_before_events(node) -> bool:
     return not producers or op.independent_loads_allowed(producers)
 
 
+def live_dims(graph: Graph, tokens: str) -> tuple[tuple[int, int], ...]:
+    """(value index, dim) of every dim of ``graph``'s values that is the token dim ``tokens``:
+    what a kernel that takes the token count as device data binds per launch. Raises
+    GraphError where the graph cannot run so: an op that is not row-wise (``TileOp.rowwise``),
+    or the token dim inside an expression, or other symbolic dims."""
+    bad = [n.op.name for n in graph.nodes if not n.op.rowwise]
+    if bad:
+        raise GraphError(
+            f"{graph.name}: one capture for every token count needs row-wise ops (a tile's "
+            f"output rows depend on its own input rows only); {sorted(set(bad))} are not"
+        )
+    pairs = []
+    for i, v in enumerate(graph.values):
+        for d, e in enumerate(v.shape):
+            if isinstance(e, int):
+                continue
+            if not (isinstance(e, Sym) and e.name == tokens):
+                raise GraphError(
+                    f"{graph.name}: {v.name} has the dim {e}; one capture for every token "
+                    f"count needs every symbolic dim to be {tokens} itself"
+                )
+            pairs.append((i, d))
+    if not pairs:
+        raise GraphError(f"{graph.name}: no value has the token dim {tokens}")
+    return tuple(pairs)
+
+
 def kernel_spec(
-    graph: Graph, dynamic: bool, watchdog: bool = False, profile: bool = False
+    graph: Graph,
+    dynamic: bool,
+    watchdog: bool = False,
+    profile: bool = False,
+    live: str | None = None,
 ) -> KernelSpec:
-    """The compile-cache key of ``graph``'s megakernel."""
+    """The compile-cache key of ``graph``'s megakernel. ``live``: the name of the token dim
+    when the kernel takes the token count as device data (``CuteGraph.live``)."""
     index = {id(v): i for i, v in enumerate(graph.values)}
     # peer tables of the symmetric values follow the graph values in the kernel's tensor tuple
     symmetric = symmetric_values(graph)
@@ -76,6 +110,12 @@ def kernel_spec(
     prefetch = tuple(_loads_before_events(n) for n in graph.nodes)
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)
+    live_pairs = None
+    if live is not None:
+        if symmetric or is_distributed(graph):
+            raise GraphError(f"{graph.name}: a distributed graph cannot take a live token count")
+        live_pairs = live_dims(graph, live)
+        values += (("torch.int32", 1), ("torch.int32", 1))  # the plan table, the live count
     spec = KernelSpec(
         ops_,
         node_tensors,
@@ -87,6 +127,7 @@ def kernel_spec(
         is_distributed(graph),
         prefetch,
         worker_shape(ops_),
+        live_pairs,
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec
@@ -98,14 +139,16 @@ def compile_offline(
     watchdog: bool = False,
     profile: bool = False,
     options: str = "",
+    live: str | None = None,
 ):
     """Compile ``graph``'s megakernel as the runtime does, no GPU needed (CI compile checks).
 
-    ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``).
+    ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``);
+    ``live``: the token dim, for the kernel that takes the token count as device data.
     """
     graph.validate()
     dynamic = resolve_scheduler(scheduler).mode is SchedulingMode.DYNAMIC
-    return _compile_now(kernel_spec(graph, dynamic, watchdog, profile), options)
+    return _compile_now(kernel_spec(graph, dynamic, watchdog, profile, live), options)
 
 
 cache_loads = 0

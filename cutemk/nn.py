@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import torch_ops
-from .errors import DeviceError, DTypeError, ShapeError
+from .errors import CuteMKError, DeviceError, DTypeError, LayoutError, ShapeError
 from .regimes import (  # noqa: F401 (the regime tables are this module's API too)
     DECODE_GATE_UP_WIDTHS,
     DECODE_MAX_TOKENS,
@@ -215,8 +215,13 @@ class MegaMLP(_KeyedModule):
         return fn
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph)."""
+    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph).
+
+        ``num_tokens`` (an int32 CUDA tensor of one element): the token count as device data,
+        for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
+        if num_tokens is not None:
+            return self.forward_live(x, num_tokens)
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
@@ -226,6 +231,46 @@ class MegaMLP(_KeyedModule):
             key = torch_ops.key_of(self)
             y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)
         return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def forward_live(
+        self, x: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The MLP of the first ``num_tokens`` rows of ``x`` ((max_tokens, H) or (..., H)
+        with max_tokens rows), the count read on the GPU: no host work depends on it, so a
+        CUDA graph captured once replays at every count up to ``max_tokens``. Launches every
+        regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`); the one
+        whose range holds the count runs its plan, the others exit at once. Rows of the result
+        at and past the count are not defined. A count outside [0, max_tokens] runs nothing
+        and is raised by :meth:`check_live`."""
+        if self.resolved_backend() != "cute":
+            raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
+            raise LayoutError(
+                f"forward_live takes x with max_tokens={self.max_tokens} rows of "
+                f"{self.hidden}, got {tuple(x.shape)}"
+            )
+        y = torch.empty_like(x2) if out is None else out
+        with torch.no_grad():
+            for regime, first in self.regime_starts():
+                rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
+                live = self.compiled(regime).live(first=first, limit=self.max_tokens)
+                live(x2[:rows], self.w_gate_up, self.w_down, num_tokens=num_tokens, out=(y[:rows],))
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def check_live(self) -> None:
+        """Raise CuteMKError if a :meth:`forward_live` since the last check got a count outside
+        [0, max_tokens] (it ran nothing); waits for the launches."""
+        tallies = [
+            self.compiled(regime).live(first=first, limit=self.max_tokens).take_errors()
+            for regime, first in self.regime_starts()
+        ]
+        bad, last = max(tallies)  # every regime's kernel saw the same counts
+        if bad:
+            raise CuteMKError(
+                f"MegaMLP: {bad} forward_live call(s) got a token count outside "
+                f"[0, {self.max_tokens}] (the last: {last}) and computed nothing"
+            )
 
     def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
         """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""

@@ -209,6 +209,7 @@ class CuteGraph:
         self._retired: list[_Buffers] = []  # replaced by load_plan; a captured graph reads them
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self._calls: dict[tuple, _Call] = {}  # by the leaves' shapes: see __call__
+        self._live: dict[tuple, Any] = {}  # see live()
         self._leaf_names = tuple(v.name for v in graph.leaves)
         self._fn = None
         self.last_env: dict[str, int] | None = None
@@ -250,10 +251,10 @@ class CuteGraph:
                 return self._build_buffers_now(plan)
         return self._used_by_caller(_off_graph(self._build_buffers_now, plan))
 
-    def _build_buffers_now(self, plan: Plan) -> _Buffers:
-        if self.spec.distributed:
-            plan.check_distributed(self.dynamic)
-            self._check_same_plan_everywhere(plan)
+    def _plan_arrays(self, plan: Plan):
+        """``plan``'s static schedule (checked), its lowering, and the kernel's two int32
+        buffers: the packed program and the zeroed device state with its (offset, size)
+        spans."""
         sched = None
         if not self.dynamic:
             sched = self.scheduler.build(plan, self.num_sms)
@@ -272,6 +273,14 @@ class CuteGraph:
             "ring": n,
         }
         dev_np, spans = pack_int32([np.zeros(sizes[k], dtype=np.int32) for k in DEVICE_STATE])
+        return low, prog_np, dev_np, spans
+
+    def _build_buffers_now(self, plan: Plan) -> _Buffers:
+        if self.spec.distributed:
+            plan.check_distributed(self.dynamic)
+            self._check_same_plan_everywhere(plan)
+        low, prog_np, dev_np, spans = self._plan_arrays(plan)
+        n = max(plan.num_tasks, 1)
         prog = torch.from_numpy(prog_np).cuda()
         if self.spec.distributed:  # other ranks poll these counters: symmetric memory
             devbuf, ptrs = self.comm.symmetric_empty(dev_np.size, torch.int32)
@@ -350,6 +359,22 @@ class CuteGraph:
                 buf = fresh_(torch.empty(numel, dtype=v.dtype, device="cuda"), v)
             self._scratch_bufs[v.name] = buf
         return buf
+
+    def live(self, first: int | None = None, counts: Any = None, limit: int | None = None):
+        """The graph taking its token count as device data, for one CUDA-graph capture that
+        replays at every count (:class:`~cutemk.live.LiveGraph`; kept: a second call with the
+        same arguments returns the same object). ``first``: the smallest count it serves
+        (below it the kernel runs nothing: another kernel serves those); ``counts``: the
+        counts to plan (default :func:`~cutemk.live.live_counts`); ``limit``: counts above it
+        are errors (default: the graph's maximum; a caller whose kernels split the counts
+        between them gives its own)."""
+        from .live import LiveGraph
+
+        key = (first, None if counts is None else tuple(counts), limit)
+        lg = self._live.get(key)
+        if lg is None:
+            lg = self._live[key] = LiveGraph(self, first, counts, limit)
+        return lg
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):
@@ -467,7 +492,8 @@ class CuteGraph:
         b.launches = 1
 
     def _reset(self, b: _Buffers) -> None:
-        b.torch_dev["devbuf"][b.torch_dev["state"].storage_offset() :].zero_()
+        devbuf, state = b.torch_dev["devbuf"], b.torch_dev["state"]
+        devbuf[state.storage_offset() - devbuf.storage_offset() :].zero_()
         b.torch_dev["debug"].fill_(-1)
 
     def _check(self, b: _Buffers) -> None:

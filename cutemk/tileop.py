@@ -230,6 +230,13 @@ class TileOp:
         raise ``GraphError`` where they disagree on something the shapes do not show (e.g.
         the number of experts the routing and the expert weights assume)."""
 
+    rowwise: ClassVar[bool] = False
+    """The op's tiles treat the token dim of its tensors as independent rows: an output row
+    depends on the same input row only, and a tile over rows the launch does not need only
+    writes rows nobody reads. Such graphs can take the token count as device data (one CUDA
+    graph capture for every count, ``CuteGraph.live``): a plan serves every count up to its
+    own, the rows past the live count computed from whatever the buffers hold."""
+
     # -- device contract (CuTe DSL; see the module docstring) -------------------------------
     exists_on_device: ClassVar[bool] = False
     """True if :meth:`device_exists` reads data to decide whether a tile exists."""

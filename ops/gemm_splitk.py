@@ -174,6 +174,7 @@ class SplitReduceTile(TileOp):
 
     name: ClassVar[str] = "gemm_split_reduce"
     uniform_cost: ClassVar[bool] = True
+    rowwise: ClassVar[bool] = True
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -419,7 +420,9 @@ class SplitReduceTile(TileOp):
             n = self.n
             ncols = self.part.shape[2]
         nv = n // vec
-        p_split = cute.assume(rows * ncols, divby=vec)
+        # the split ranges' stride is the tensor's own: a buffer allocated for more rows than
+        # the launch binds (a live token count, ``cutemk.live``) is not compact in rows
+        p_split = cute.assume(mP.stride[0], divby=vec)
         p4 = cute.make_tensor(
             mP.iterator,
             cute.make_layout((splits, rows, ncols // vec, vec), stride=(p_split, ncols, vec, 1)),

@@ -60,7 +60,7 @@ from ..device.ring import init_barriers
 from ..errors import GraphError
 from ..tileop import TileOp
 from .dynamic import DynamicQueue
-from .layout import D, DEVICE_STATE, P, PROF_WIDTH, PROGRAM
+from .layout import D, DEVICE_STATE, LH, LIVE_ROW, LR, P, PROF_WIDTH, PROGRAM
 from .lower import (
     DONE,
     EPOCH,
@@ -135,6 +135,10 @@ class KernelSpec:
     distributed: bool = False  # cross-rank waits, sys-scope notifies, a barrier per launch
     prefetch: tuple[bool, ...] = ()  # per node: its independent loads may precede its waits
     worker: WorkerShape = WorkerShape()
+    # one capture for every token count: (graph tensor, dim) pairs that carry the token count,
+    # bound in the kernel to the plan the live count picks (the kernel's last two tensors are
+    # the live-count table, ``layout.LIVE_HEADER``, and the count); None: plans from the host
+    live: tuple[tuple[int, int], ...] | None = None
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -149,6 +153,7 @@ class KernelSpec:
             "distributed": self.distributed,
             "prefetch": list(self.prefetch),
             "worker": dataclasses.asdict(self.worker),
+            "live": None if self.live is None else [list(p) for p in self.live],
         }
 
 
@@ -248,11 +253,6 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         w = self.w
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        # per node: its tensors (inputs + outputs) and its host-built extras; "tensors" below
-        tensors = tuple(
-            self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
-        )
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         sRec = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
@@ -284,7 +284,92 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                 init_barriers(r_full, w.ring_stages, 1)
                 init_barriers(r_empty, w.ring_stages, w.consumer_warps)
         cute.arch.mbarrier_init_fence()
+        shared = (sCtl, sRec, sQueue, sDone, sEpiRec, bar_mem, ring, epi, scratch)
+        args = (mProf, mPeers, timeout_ns, shared)
+        if cutlass.const_expr(self.spec.live is None):
+            self._run(graph_tensors, extras, mProg, mDev, num_tasks, num_init, max_epoch, *args)
+        else:
+            # one capture for every token count: the live count (device data) picks this
+            # launch's plan from the table; the token dims of the graph's tensors (passed at
+            # their maxima) are bound to that plan's count
+            nv = len(graph_tensors)
+            table, count = graph_tensors[nv - 2], graph_tensors[nv - 1]
+            live = count[0]
+            plan = Int32(-1)
+            if live >= 0:
+                if live <= table[LH["max"]]:
+                    plan = table[table[LH["lookup"]] + live]
+            bad = Boolean(live < 0)
+            if live > table[LH["limit"]]:
+                bad = Boolean(True)
+            if bad:
+                if bidx == 0:
+                    if tidx == 0:
+                        cute.arch.atomic_add(
+                            table.iterator + LH["bad"], Int32(1), sem="relaxed", scope="gpu"
+                        )
+                        table[LH["last_bad"]] = live
+            if plan >= 0:
+                row = table[LH["rows"]] + len(LIVE_ROW) * plan
+                tokens = table[row + LR["tokens"]]
+                bound = tuple(self._bind_tokens(graph_tensors[i], i, tokens) for i in range(nv - 2))
+                self._run(
+                    bound,
+                    extras,
+                    cute.make_tensor(
+                        mProg.iterator + table[row + LR["prog_off"]],
+                        cute.make_layout(table[row + LR["prog_len"]]),
+                    ),
+                    cute.make_tensor(
+                        mDev.iterator + table[row + LR["dev_off"]],
+                        cute.make_layout(table[row + LR["dev_len"]]),
+                    ),
+                    table[row + LR["num_tasks"]],
+                    table[row + LR["num_init"]],
+                    table[row + LR["max_epoch"]],
+                    *args,
+                )
 
+    def _bind_tokens(self, t, i: int, tokens):
+        """``t`` (graph tensor ``i``) with its token dims (``KernelSpec.live``) set to ``tokens``;
+        strides stay those of the tensor passed (allocated at the maxima)."""
+        dims = [d for k, d in self.spec.live if k == i]
+        if not dims:
+            return t
+        shape = tuple(tokens if d in dims else t.shape[d] for d in range(cute.rank(t)))
+        return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=t.stride))
+
+    @cute.jit
+    def _run(
+        self,
+        graph_tensors: tuple,
+        extras: tuple,
+        mProg: cute.Tensor,
+        mDev: cute.Tensor,
+        num_tasks: Int32,
+        num_init: Int32,
+        max_epoch: Int32,
+        mProf: cute.Tensor,
+        mPeers: cute.Tensor,
+        timeout_ns: Int64,
+        shared: tuple,
+    ):
+        """One launch of the plan in ``mProg`` / ``mDev``: the roles, then the close."""
+        w = self.w
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        sCtl, sRec, sQueue, sDone, sEpiRec, bar_mem, ring, epi, scratch = shared
+        q_full = bar_mem.iterator
+        q_empty = q_full + w.task_slots
+        r_full = q_empty + w.task_slots
+        r_empty = r_full + max(w.ring_stages, 1)
+        d_full = r_empty + max(w.ring_stages, 1)
+        d_empty = d_full + w.task_slots
+        # per node: its tensors (inputs + outputs) and its host-built extras; "tensors" below
+        tensors = tuple(
+            self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
+        )
         prog = self._views(mProg, len(PROGRAM))
         dev = self._views(mDev, len(DEVICE_STATE))
         state = dev[D["state"]]

@@ -1,0 +1,325 @@
+"""One CUDA-graph capture for every token count: the token count as device data.
+
+A :class:`~cutemk.runtime.CuteGraph` plans each token count on the host and launches that
+plan; a CUDA graph captured at one count replays that count only. :class:`LiveGraph` serves
+a graph of row-wise ops (``TileOp.rowwise``: GEMMs, split-K reduces, RMSNorm, adds) whose
+tensors are allocated at the token dim's maximum, and reads the live count from a device
+tensor at each launch:
+
+- Ahead of time it plans a ladder of counts (:func:`live_counts`: powers of two up to 128,
+  then multiples of 128, and the maximum; each plan's tile grid is the one its counts would
+  get), and packs every plan's program and device state into two buffers, with a table
+  (``codegen.layout.LIVE_HEADER``) mapping each count to the smallest plan that covers it.
+- The kernel (``KernelSpec.live``) reads the count, picks the plan, binds the token dims of
+  its tensors to the plan's count and runs it; a count of 0, or one outside the kernel's
+  range (another regime's kernel serves it), runs nothing. Rows between the live count and
+  the plan's are computed from whatever the buffers hold and land in rows nobody reads.
+- A count below 0 or above the limit (the maximum, or the largest count any kernel of the
+  caller serves) runs nothing and is recorded in the table;
+  :meth:`LiveGraph.check` raises it (eager calls with the watchdog check every launch).
+
+So one capture replays correctly at any count, and a count costs what its plan costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .binding import bind, poison_
+from .codegen.layout import DEVICE_STATE, LH, LIVE_HEADER_WORDS, LIVE_ROW, LR
+from .errors import CuteMKError, GraphError, LayoutError
+from .kernels import _compile, kernel_spec
+from .plan import instantiate
+from .symbolic import Sym, free_syms
+
+__all__ = ["LiveGraph", "live_counts", "pack_live"]
+
+_ALIGN_WORDS = 32  # each plan's program and state start 128-byte aligned in the big buffers
+
+
+def live_counts(first: int, last: int, step: int = 128) -> list[int]:
+    """The token counts a live kernel serving ``[first, last]`` plans: powers of two below
+    ``step``, multiples of ``step``, and ``last``. A count runs the smallest plan at or above
+    it, which has the tile grid the count's own plan would have wherever the row tiles are
+    powers of two up to ``step`` rows."""
+    if not 1 <= first <= last:
+        raise ValueError(f"need 1 <= first <= last, got first={first}, last={last}")
+    out = {last}
+    c = 1
+    while c < step:
+        out.add(c)
+        c *= 2
+    out.update(range(step, last, step))
+    return sorted(c for c in out if first <= c <= last)
+
+
+def pack_live(
+    built: Sequence[tuple],
+    counts: Sequence[int],
+    first: int,
+    max_tokens: int,
+    limit: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[int]]:
+    """The live kernel's three int32 buffers from the planned counts' ``(lowered, program,
+    device state, spans)`` (``CuteGraph._plan_arrays``): the table (``LIVE_HEADER``, the
+    lookup from each count in ``[first, max_tokens]`` to the smallest plan that covers it,
+    a ``LIVE_ROW`` per plan), every program and every device state back to back; and where
+    each plan's program and state start. ``limit`` (default ``max_tokens``): counts above it
+    are errors; counts in ``(max_tokens, limit]`` belong to another kernel."""
+
+    def place(sizes):
+        offs, off = [], 0
+        for n in sizes:
+            offs.append(off)
+            off += -(-n // _ALIGN_WORDS) * _ALIGN_WORDS
+        return offs, max(off, _ALIGN_WORDS)
+
+    prog_off, prog_len = place([b[1].size for b in built])
+    dev_off, dev_len = place([b[2].size for b in built])
+    prog = np.zeros(prog_len, dtype=np.int32)
+    dev = np.zeros(dev_len, dtype=np.int32)
+    lookup = np.full(max_tokens + 1, -1, dtype=np.int32)
+    rows = np.zeros((len(built), len(LIVE_ROW)), dtype=np.int32)
+    lo = first
+    for k, (c, (low, prog_np, dev_np, _)) in enumerate(zip(counts, built)):
+        prog[prog_off[k] : prog_off[k] + prog_np.size] = prog_np
+        dev[dev_off[k] : dev_off[k] + dev_np.size] = dev_np
+        lookup[lo : c + 1] = k
+        lo = c + 1
+        rows[k, LR["prog_off"]], rows[k, LR["prog_len"]] = prog_off[k], prog_np.size
+        rows[k, LR["dev_off"]], rows[k, LR["dev_len"]] = dev_off[k], dev_np.size
+        rows[k, LR["num_tasks"]] = low.num_tasks
+        rows[k, LR["num_init"]] = low.num_init
+        rows[k, LR["max_epoch"]] = low.max_launches()
+        rows[k, LR["tokens"]] = c
+    head = np.zeros(LIVE_HEADER_WORDS, dtype=np.int32)
+    head[LH["max"]] = max_tokens
+    head[LH["limit"]] = max_tokens if limit is None else limit
+    head[LH["lookup"]] = LIVE_HEADER_WORDS
+    head[LH["rows"]] = LIVE_HEADER_WORDS + lookup.size
+    head[LH["num_plans"]] = len(built)
+    table = np.concatenate([head, lookup, rows.ravel()])
+    return table, prog, dev, prog_off, dev_off
+
+
+@dataclass
+class _LivePlan:
+    """One planned count: where its program and state lie in the big buffers, and views of
+    its state for the watchdog's check."""
+
+    tokens: int
+    buffers: Any  # runtime._Buffers with views into the big buffers
+
+
+class LiveGraph:
+    """A compiled graph that takes its token count as device data (build it with
+    :meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`).
+
+    Call it with the leaves allocated at the token dim's maximum and ``num_tokens``, an int32
+    CUDA tensor of one element holding the live count: it launches without any host work that
+    depends on the count, so a CUDA graph captured once replays at every count. Outputs are
+    allocated at the maximum (or passed as ``out``); rows at and past the live count are not
+    defined."""
+
+    def __init__(
+        self,
+        cg: Any,
+        first: int | None = None,
+        counts: Sequence[int] | None = None,
+        limit: int | None = None,
+    ):
+        g = cg.graph
+        syms = sorted(free_syms(*(d for v in g.values for d in v.shape)), key=lambda s: s.name)
+        if len(syms) != 1:
+            raise GraphError(
+                f"{g.name}: a live token count needs exactly one symbolic dim, the graph has "
+                f"{[s.name for s in syms]}"
+            )
+        (sym,) = syms
+        assert isinstance(sym, Sym)
+        if cg.spec.profile:
+            raise CuteMKError("profile=True records one plan's tasks; compile without it")
+        self.cg = cg
+        self.tokens = sym.name
+        self.max_tokens = int(sym.max)
+        self.first = int(sym.min if first is None else first)
+        if not sym.min <= self.first <= self.max_tokens:
+            raise ValueError(
+                f"first={self.first} is outside {self.tokens}'s range "
+                f"[{sym.min}, {self.max_tokens}]"
+            )
+        self.spec = kernel_spec(g, cg.dynamic, cg.spec.watchdog, False, live=sym.name)
+        if counts is None:
+            counts = live_counts(self.first, self.max_tokens)
+        counts = sorted({int(c) for c in counts})
+        if not counts or counts[-1] != self.max_tokens or counts[0] < self.first:
+            raise ValueError(
+                f"counts must lie in [{self.first}, {self.max_tokens}] and end at "
+                f"{self.max_tokens}, got {counts}"
+            )
+        self.counts = counts
+        self.limit = self.max_tokens if limit is None else int(limit)
+        if self.limit < self.max_tokens:
+            raise ValueError(f"limit={limit} is below the graph's maximum {self.max_tokens}")
+        from .runtime import _off_graph
+
+        self.plans = _off_graph(self._build)
+        stream = torch.cuda.current_stream()
+        for t in (self.table, self.prog, self.dev, self.prof, self.peers):
+            t.record_stream(stream)  # built on a stream of its own: freed after our launches
+        self._fn = None
+        self._outputs = [(k, v) for k, v in enumerate(g.values) if v in g.outputs]
+        self._checks: tuple | None = None
+
+    # -- building ------------------------------------------------------------------------------
+    def _build(self) -> list[_LivePlan]:
+        from .runtime import _Buffers
+
+        cg, g = self.cg, self.cg.graph
+        planned = [instantiate(g, {self.tokens: c}) for c in self.counts]
+        built = [cg._plan_arrays(p) for p in planned]
+
+        table, prog, dev, _, dev_off = pack_live(
+            built, self.counts, self.first, self.max_tokens, self.limit
+        )
+        self.table = torch.from_numpy(table).cuda()
+        self.prog = torch.from_numpy(prog).cuda()
+        self.dev = torch.from_numpy(dev).cuda()
+        self.prof = torch.zeros(4, dtype=torch.int64, device="cuda")
+        self.peers = torch.tensor([self.dev.data_ptr()], dtype=torch.int64, device="cuda")
+        plans = []
+        for k, (c, (low, _, dev_np, spans)) in enumerate(zip(self.counts, built)):
+            devbuf = self.dev[dev_off[k] : dev_off[k] + dev_np.size]
+            views = {name: devbuf[o : o + n] for name, (o, n) in zip(DEVICE_STATE, spans)}
+            views["debug"].fill_(-1)
+            torch_dev = {**views, "devbuf": devbuf}
+            b = _Buffers(planned[k], low, (), torch_dev, {}, low.max_launches())
+            plans.append(_LivePlan(c, b))
+        return plans
+
+    def _template(self) -> list:
+        """The kernel's tensor list with the leaves' and outputs' slots empty: intermediates
+        are views of the graph's scratch at the maximum, then the table (the count is
+        appended per call)."""
+        cg, g = self.cg, self.cg.graph
+        env = {self.tokens: self.max_tokens}
+        t: list = []
+        for v in g.values:
+            if v.kind == "intermediate" and v not in g.outputs and v.alias_of is None:
+                shape = v.spec.concrete(env)
+                t.append(cg._scratch(v)[: int(np.prod(shape))].view(shape))
+            else:
+                t.append(None)
+        return t + [self.table]
+
+    # -- calling -------------------------------------------------------------------------------
+    def __call__(
+        self,
+        *leaves: torch.Tensor,
+        num_tokens: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+    ):
+        if not (
+            isinstance(num_tokens, torch.Tensor)
+            and num_tokens.dtype == torch.int32
+            and num_tokens.numel() == 1
+            and num_tokens.is_cuda
+        ):
+            raise TypeError(
+                "num_tokens must be an int32 CUDA tensor of one element (the live token count)"
+            )
+        checks = tuple((t.shape, t.dtype, t.stride(), t.device) for t in leaves)
+        if checks != self._checks or any(t.data_ptr() % 16 or t.requires_grad for t in leaves):
+            self._bind(leaves)
+            self._checks = checks
+        if num_tokens.device != leaves[0].device:
+            raise LayoutError(
+                f"num_tokens is on {num_tokens.device}, the leaves on {leaves[0].device}"
+            )
+        tensors = list(self._template_cache)
+        for k, t in zip(self._leaf_pos, leaves):
+            tensors[k] = t
+        env = {self.tokens: self.max_tokens}
+        outs = []
+        for j, (k, v) in enumerate(self._outputs):
+            shape = v.spec.concrete(env)
+            if out is not None:
+                o = out[j]
+                if tuple(o.shape) != tuple(shape) or o.dtype != v.dtype or not o.is_contiguous():
+                    raise LayoutError(
+                        f"out[{j}] ({v.name}) must be a contiguous {v.dtype} tensor of shape "
+                        f"{tuple(shape)}, got {o.dtype} {tuple(o.shape)}"
+                    )
+            else:
+                o = torch.empty(shape, dtype=v.dtype, device=leaves[0].device)
+                if self.cg.poison_outputs:
+                    poison_(o)
+            tensors[k] = o
+            outs.append(o)
+        tensors.append(num_tokens)
+        if self._fn is None:
+            self._fn = _compile(self.spec)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and self.spec.watchdog:
+            raise CuteMKError(
+                "watchdog=True reads the kernel's state back after every launch, so it "
+                "cannot be captured in a CUDA graph; compile without it"
+            )
+        self._fn(
+            tensors,
+            self.prog,
+            self.dev,
+            self.prof,
+            self.peers,
+            0,
+            0,
+            1,
+            self.cg.timeout_ns,
+            self.cg.num_sms,
+        )
+        if self.spec.watchdog:
+            for p in self.plans:
+                self.cg._check(p.buffers)
+            self.check()
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _bind(self, leaves: tuple) -> None:
+        g = self.cg.graph
+        env, bound = bind(g, leaves, {}, device_type="cuda")
+        if env.get(self.tokens) != self.max_tokens:
+            raise LayoutError(
+                f"{g.name}: a live launch takes its tensors at {self.tokens} = "
+                f"{self.max_tokens} (the maximum), got {self.tokens} = {env.get(self.tokens)}"
+            )
+        for name, t in bound.items():
+            if t.data_ptr() % 16:
+                raise LayoutError(f"{name} must be 16-byte aligned")
+            if t.requires_grad:
+                raise CuteMKError(f"{name} requires grad; cutemk kernels are inference only")
+        names = [v.name for v in g.leaves]
+        pos = {v.name: k for k, v in enumerate(g.values)}
+        self._leaf_pos = [pos[n] for n in names]
+        self._template_cache = self._template()
+
+    def take_errors(self) -> tuple[int, int]:
+        """(launches with a count outside [0, limit] since the last call, the last such count)
+        and zero the tally; reading it waits for the launches."""
+        bad, last = (int(x) for x in self.table[LH["bad"] : LH["last_bad"] + 1].tolist())
+        if bad:
+            self.table[LH["bad"]] = 0
+        return bad, last
+
+    def check(self) -> None:
+        """Raise CuteMKError if a launch since the last check had a live count below 0 or
+        above the limit (such a launch ran nothing); reading it waits for the launches."""
+        bad, last = self.take_errors()
+        if bad:
+            raise CuteMKError(
+                f"{self.cg.graph.name}: {bad} launch(es) got a live token count outside "
+                f"[0, {self.limit}] (the last: {last}) and ran nothing"
+            )
