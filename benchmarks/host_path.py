@@ -8,6 +8,9 @@ Sections (``--sections``, all by default):
   instantiate, static schedule + its deadlock check, lowering (static and dynamic); best of
   ``--repeat`` runs, with the task count. ``static_ms`` / ``dynamic_ms`` is what the first
   call at a new count pays before its launch (the target: at most 50 ms at T=4096).
+- ``first`` (GPU): the first call of each module at real size at T=4096 after a warm call
+  at 4095 (kernel compiled), end to end and synchronized, minus a warm call at 4096: what a
+  new count costs in a server, both schedulers (target: at most 50 ms).
 - ``eager`` (GPU): host time of one eager call (no CUDA graph) of a small ``MegaMLP`` (the
   kernel is tiny): host time of back-to-back calls in chunks (``cutemk.bench.host_us``),
   against one torch kernel launch (``torch.add``) timed the same way, and the module's
@@ -22,8 +25,8 @@ Sections (``--sections``, all by default):
   order, each against a graph captured for that count (target: within 10%); the time to
   compile the live kernels and plan every count they serve.
 
-Run: python benchmarks/host_path.py [--sections plan eager capture warmup] [--tokens 1 16 128
-1024 4096] [--quick]
+Run: python benchmarks/host_path.py [--sections plan first eager capture warmup] [--tokens 1 16
+128 1024 4096] [--quick]
 """
 
 from __future__ import annotations
@@ -117,6 +120,54 @@ def eager_section(res: Results, calls: int) -> None:
     res.add(case, "torch_add_host", torch_us)
     res.add(case, "cutemk_graph_replay", replay)
     print(f"eager call: {mk_us:.1f} us host (torch.add {torch_us:.1f} us), replay {replay:.1f} us")
+
+
+def first_call_section(res: Results, tokens: int = MAX_TOKENS, seed: int = 0) -> None:
+    """What the first call at a new token count costs over a warm call at that count, end to
+    end on the host (plan, device state, launch; synchronized), for both modules at real size
+    and both schedulers; the kernel is compiled and warm at another count first."""
+    from cutemk.nn import MegaMLP, MegaMoE
+
+    torch.manual_seed(seed)
+    dt = torch.bfloat16
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dt)
+
+    e, h, i = MOE["num_experts"], MOE["hidden"], MOE["intermediate"]
+    moe_w = (rnd(e, h), rnd(e, 2 * i, h), rnd(e, h, i))
+    mh, mi = MLP["hidden"], MLP["intermediate"]
+    mlp_w = (rnd(mi, mh), rnd(mi, mh), rnd(mh, mi))
+    for sched in ("static", "dynamic"):
+        mods = {
+            "moe": MegaMoE(*moe_w, top_k=MOE["top_k"], max_tokens=MAX_TOKENS, scheduler=sched),
+            "mlp": MegaMLP(*mlp_w, max_tokens=MAX_TOKENS, scheduler=sched),
+        }
+        for name, m in mods.items():
+            x = torch.randn(tokens, m.hidden, device="cuda").to(dt)
+            m(x[: tokens - 1])  # the regime's kernel compiled, another count planned
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(3):  # first, then warm calls at the new count
+                t0 = time.perf_counter()
+                m(x)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            first_ms, warm_ms = 1e3 * times[0], 1e3 * min(times[1:])
+            res.add(
+                f"first call {name} T={tokens}",
+                sched,
+                1e3 * (first_ms - warm_ms),
+                first_ms=round(first_ms, 2),
+                warm_ms=round(warm_ms, 2),
+                target_ms=50.0,
+            )
+            print(
+                f"first call {name} T={tokens} {sched}: {first_ms:.1f} ms, warm {warm_ms:.2f} "
+                f"ms: +{first_ms - warm_ms:.1f} ms"
+            )
+        del mods
+        torch.cuda.empty_cache()
 
 
 def capture_section(res: Results, tokens: list[int], seed: int = 0) -> None:
@@ -241,7 +292,7 @@ def warmup_section(res: Results, tokens: list[int]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", nargs="+", default=["plan", "eager", "capture", "warmup"])
+    p.add_argument("--sections", nargs="+", default=["plan", "first", "eager", "capture", "warmup"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 1024, 4096])
     p.add_argument(
         "--warm-tokens",
@@ -259,7 +310,7 @@ def main(argv=None) -> int:
         help="token counts the capture-once graph replays at",
     )
     args = p.parse_args(argv)
-    unknown = set(args.sections) - {"plan", "eager", "capture", "warmup"}
+    unknown = set(args.sections) - {"plan", "first", "eager", "capture", "warmup"}
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}")
     gpu = torch.cuda.is_available()
@@ -272,6 +323,8 @@ def main(argv=None) -> int:
     )
     if "plan" in args.sections:
         plan_section(res, args.tokens, 2 if args.quick else 5)
+    if "first" in args.sections:
+        first_call_section(res)
     if "eager" in args.sections:
         eager_section(res, 200 if args.quick else 2000)
     if "capture" in args.sections:
