@@ -16,9 +16,11 @@ Sections (``--sections``, all by default):
   against one torch kernel launch (``torch.add``) timed the same way, and the module's
   CUDA-graph replay for reference (target: at most 15 us).
 - ``warmup`` (GPU): a fresh process builds both modules at real size and runs
-  ``cutemk.warmup`` (every regime's kernel compiled by one launch, the ``--warm-tokens``
-  planned), twice against one empty on-disk compile cache: cold, then cached (targets: 30 s
-  cold and 2 s cached for every T up to 4096; with plans per token count, the counts given).
+  ``cutemk.warmup`` on both (every regime's kernel compiled, in parallel worker processes,
+  then loaded by one launch; the ``--warm-tokens`` planned), twice against one empty on-disk
+  compile cache: cold, then cached (targets: 30 s cold and 2 s cached for every T up to 4096;
+  with plans per token count, the counts given). The rows split the process's time into
+  imports, building the modules (their weights) and the warm-up itself.
 
 - ``capture`` (GPU): the Qwen3-8B ``MegaMLP`` taking its token count as device data
   (``forward_live``), captured in one CUDA graph and replayed at ``--capture-tokens`` in random
@@ -238,6 +240,7 @@ moe, mlp, tokens = json.loads(sys.argv[1])
 t_import = time.perf_counter() - t0
 dt = torch.bfloat16
 e, h, i = moe["num_experts"], moe["hidden"], moe["intermediate"]
+t0 = time.perf_counter()
 mods = {
     "moe": MegaMoE(torch.randn(e, h, device="cuda", dtype=dt),
                    torch.randn(e, 2 * i, h, device="cuda", dtype=dt),
@@ -248,12 +251,13 @@ mods = {
                    torch.randn(mlp["hidden"], mlp["intermediate"], device="cuda", dtype=dt),
                    max_tokens=4096),
 }
-out = {"import_s": t_import}
-for name, m in mods.items():
-    t0 = time.perf_counter()
-    report = cutemk.warmup(m, tokens=tokens, progress=False)
-    out[name + "_s"] = time.perf_counter() - t0
-    out[name + "_steps"] = len(report.steps)
+torch.cuda.synchronize()
+out = {"import_s": t_import, "modules_s": time.perf_counter() - t0}
+t0 = time.perf_counter()
+report = cutemk.warmup(list(mods.values()), tokens=tokens, progress=False)
+out["warmup_s"] = time.perf_counter() - t0
+out["steps"] = len(report.steps)
+out["parallel_compile_s"] = sum(s for n, s in report.steps if "in parallel" in n)
 print("WARMUP " + json.dumps(out))
 """
 

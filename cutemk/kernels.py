@@ -178,6 +178,69 @@ def _compile(spec: KernelSpec):
     return fn
 
 
+def compile_many(specs: Any, workers: int | None = None) -> int:
+    """Compile the kernels of ``specs`` that are neither in this process nor in the on-disk
+    cache, in parallel worker processes that write them to the cache (a later launch loads
+    them); returns how many were compiled so. Compiling is mostly single-threaded host work
+    (tracing, MLIR, ptxas) and the kernels are independent, so a server warming several
+    regimes and layers waits for the slowest compile instead of the sum. Without a disk
+    cache, or with fewer than two kernels to compile, nothing happens here (the launches
+    compile as before). A worker that fails leaves its kernel to be compiled at launch."""
+    import pickle
+    import subprocess
+    import tempfile
+
+    todo = []
+    for spec in dict.fromkeys(specs):
+        if spec in _COMPILED:
+            continue
+        path = _cache_path(spec)
+        if path is not None and not path.is_file():
+            todo.append(spec)
+    if len(todo) < 2:
+        return 0
+    workers = workers or max(1, min(len(todo), (os.cpu_count() or 2) - 1))
+    done = 0
+    for start in range(0, len(todo), workers):
+        batch = todo[start : start + workers]
+        # stderr to files: a pipe nobody reads yet could fill and stall a worker
+        logs = [tempfile.TemporaryFile() for _ in batch]  # noqa: SIM115 (closed below)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", "from cutemk.kernels import _compile_worker as w; w()"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+            for log in logs
+        ]
+        for proc, spec in zip(procs, batch):
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+        for proc, spec, log in zip(procs, batch, logs):
+            code = proc.wait()
+            log.seek(0)
+            err = log.read().decode(errors="replace")
+            log.close()
+            if code == 0 and _cache_path(spec).is_file():
+                done += 1
+            else:
+                warnings.warn(
+                    f"cutemk: a compile worker failed ({err.strip()[-500:]}); the kernel "
+                    "compiles at its first launch instead",
+                    stacklevel=2,
+                )
+    return done
+
+
+def _compile_worker() -> None:
+    """A :func:`compile_many` worker: compiles the pickled spec on stdin into the disk cache."""
+    import pickle
+
+    spec = pickle.loads(sys.stdin.buffer.read())
+    _store_cached(_compile_now(spec), _cache_path(spec))
+
+
 _LOADED_MODULES: list[Any] = []  # the loaded kernels' modules: they must outlive the functions
 _SOURCE_DIGEST: str | None = None
 

@@ -89,6 +89,7 @@ class _KeyedModule(nn.Module):
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
         state.pop("_compiled_held", None)  # compiled kernels are the process's, not the module's
+        state["_fast"] = {}  # nor are the launches it remembers
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -155,6 +156,7 @@ class MegaMLP(_KeyedModule):
         w_gate_up = torch.cat([w_gate.detach(), w_up.detach()]).contiguous()
         self.register_buffer("w_gate_up", w_gate_up)
         self.register_buffer("w_down", w_down.detach().contiguous())
+        self._fast: dict[torch.Size, tuple] = {}  # eager fast path (forward)
         # the custom op's key: everything but the weights that decides the kernels it runs
         self._cutemk_key = (
             f"MegaMLP(h={self.hidden}, i={self.intermediate}, max={max_tokens}, "
@@ -222,11 +224,39 @@ class MegaMLP(_KeyedModule):
         for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
         if num_tokens is not None:
             return self.forward_live(x, num_tokens)
+        hit = self._fast.get(x.shape) if type(x) is torch.Tensor else None
+        if hit is not None:  # rows of a shape an earlier eager call launched (see below)
+            graph, w_gate_up, w_down, dtype, device = hit
+            if (
+                x.dtype is dtype
+                and x.get_device() == device
+                and not x.requires_grad
+                and x.is_contiguous()
+                and w_gate_up is self._buffers["w_gate_up"]
+                and w_down is self._buffers["w_down"]
+                and not self.__dict__.get("profile")
+                and torch_ops.direct(x)
+            ):
+                return graph(_aligned(x), w_gate_up, w_down)
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
         if torch_ops.direct(x2):
             y = self._launch(x2, self.w_gate_up, self.w_down)
+            if x2 is x and y.dim() == 2 and not self.__dict__.get("profile"):
+                # the next eager call with these rows skips the checks above it (they hold for
+                # any x of this shape, dtype, device and layout, with these weights), the
+                # regime lookup and no_grad (the kernel call records no autograd graph)
+                if len(self._fast) >= 64:
+                    self._fast.clear()
+                graph = self.compiled(self.regime(x.shape[0]), like=self.w_down)
+                self._fast[x.shape] = (
+                    graph,
+                    self.w_gate_up,
+                    self.w_down,
+                    x.dtype,
+                    x.get_device(),
+                )
         else:
             key = torch_ops.key_of(self)
             y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)

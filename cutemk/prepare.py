@@ -50,14 +50,46 @@ def _progress(total: int, enabled: bool | None):
     return tqdm(total=total, desc="cutemk warm-up", unit="step")
 
 
-def warmup(obj: Any, tokens: Iterable[int] = (), progress: bool | None = None) -> WarmupReport:
+def warmup(
+    obj: Any,
+    tokens: Iterable[int] = (),
+    progress: bool | None = None,
+    parallel: bool = True,
+) -> WarmupReport:
     """Prepare ``obj`` for serving.
 
     ``obj``: a ``MegaMLP`` / ``MegaMoE`` / ``MegaDecoderLayer`` (every regime's kernel is
     compiled by one launch at its smallest token count, on zeros; a decoder layer's on its
-    ``warm_inputs``) or a graph compiled with one symbolic dim (nothing
-    to launch). ``tokens``: token counts to plan now (each at most the module's or graph's
-    max). ``progress``: a tqdm bar (None: when stderr is a terminal)."""
+    ``warm_inputs``), a graph compiled with one symbolic dim (nothing to launch), or a list of
+    these. ``tokens``: token counts to plan now (each at most the module's or graph's max).
+    ``progress``: a tqdm bar (None: when stderr is a terminal). ``parallel``: first compile
+    every kernel not yet compiled or cached, in worker processes at once, into the on-disk
+    cache (``cutemk.kernels.compile_many``), so the launches load them."""
+    objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    report = WarmupReport()
+    if parallel:
+        from .kernels import compile_many
+
+        t0 = time.perf_counter()
+        n = compile_many([spec for o in objs for spec in _kernel_specs(o)])
+        if n:
+            report.steps.append((f"compile {n} kernels in parallel", time.perf_counter() - t0))
+    for o in objs:
+        report.steps += _warm_one(o, tokens, progress).steps
+    return report
+
+
+def _kernel_specs(obj: Any) -> list:
+    """The kernel specs of what ``obj`` (a module with regimes, or a compiled graph) launches;
+    none for the interpreter."""
+    if hasattr(obj, "regime_starts") and hasattr(obj, "compiled"):
+        graphs = [obj.compiled(regime) for regime, _ in obj.regime_starts()]
+    else:
+        graphs = [obj]
+    return [g.spec for g in graphs if getattr(g, "spec", None) is not None]
+
+
+def _warm_one(obj: Any, tokens: Iterable[int], progress: bool | None) -> WarmupReport:
     tokens = [int(t) for t in tokens]
     if hasattr(obj, "regime_starts") and hasattr(obj, "compiled"):
         return _warm_module(obj, tokens, progress)

@@ -147,3 +147,18 @@ def test_key_covers_the_source_of_ops_defined_outside_cutemk(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "defined_nowhere", nowhere)
     loose = type("Loose", (AddTile,), {"__module__": "defined_nowhere"})
     assert runtime._outside_sources(types.SimpleNamespace(ops=(loose.__new__(loose),))) is None
+
+
+def test_compile_many_compiles_in_worker_processes_into_the_cache(cache_dir):
+    from cutemk.kernels import compile_many
+
+    specs = [_spec(256), _spec(320), _spec(256)]  # a repeat is compiled once
+    for s in specs:
+        _forget(s)
+    assert compile_many(specs, workers=2) == 2
+    assert len(list(cache_dir.glob("megakernel-*.o"))) == 2
+    assert compile_many(specs) == 0  # all on disk now
+    compiled, loaded = runtime.compile_count, runtime.cache_loads
+    for s in specs[:2]:
+        runtime._compile(s)
+    assert runtime.compile_count == compiled and runtime.cache_loads == loaded + 2

@@ -215,3 +215,22 @@ def test_qwen3_mlp_megakernel(scheduler):
     assert runtime.compile_count - before <= 4
     with pytest.raises(mk.ShapeError, match="max_tokens=8192"):
         mega(torch.randn(8193, 1024, device="cuda").bfloat16())
+
+
+def test_eager_fast_path_is_keyed_by_shape_dtype_and_the_weights(hf_mlp):
+    """A second eager call with rows of one shape skips the module's checks; anything that
+    could change the answer (weights replaced, dtype, autograd, a copy) takes the full path."""
+    mlp = MegaMLP.from_hf(hf_mlp, max_tokens=32, backend="interpret")
+    x = torch.randn(5, H)
+    assert rel_err(mlp(x), fp32_reference(hf_mlp, x)) < TOL[torch.float32]
+    assert x.shape in mlp._fast
+    x2 = torch.randn(5, H)
+    assert rel_err(mlp(x2), fp32_reference(hf_mlp, x2)) < TOL[torch.float32]  # fast path
+    assert copy.deepcopy(mlp)._fast == {}  # a copy remembers no launch of the original
+    with pytest.raises(mk.errors.DTypeError):
+        mlp(x.bfloat16())
+    mlp.bfloat16()  # new weight tensors: the remembered launch no longer applies
+    with pytest.raises(mk.errors.DTypeError):
+        mlp(x)
+    y = mlp(x.bfloat16().requires_grad_())
+    assert not y.requires_grad

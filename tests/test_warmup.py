@@ -55,6 +55,10 @@ def test_mlp_and_graph_warmup():
     graph.output(graph.call(ops.gemm, x, graph.weight("w", (16, 16))), "y")
     c = graph.compile("interpret")
     assert len(mk.warmup(c, tokens=[1, 64], progress=False).steps) == 2
+    # a list: every object's steps, in order
+    both = mk.warmup([mlp, c], tokens=[1, 20], progress=False).steps
+    assert len(both) == len(mlp.regimes()) + 2 + 2
+    assert [n for n, _ in both[-2:]] == ["plan T=1", "plan T=20"]
     with pytest.raises(ShapeError):
         mk.warmup(c, tokens=[65], progress=False)
     with pytest.raises(TypeError):
