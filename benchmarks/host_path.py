@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from cutemk.bench import Results, host_us, plan_stages
+from cutemk.bench import Results, host_us, host_us_queued, plan_stages
 from cutemk.regimes import (
     MOE_REGIME_LIMITS,
     REGIME_LIMITS,
@@ -117,11 +117,24 @@ def eager_section(res: Results, calls: int) -> None:
     mk_us = host_us(lambda: mlp(x), calls)
     torch_us = host_us(lambda: torch.add(a, a), calls)
     replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)
+    # the same calls queued behind a busy GPU: the host's own cost, whatever the GPU's pace
+    graph = mlp.compiled(mlp.regime(x.shape[0]))
+    wgu, wd = mlp.w_gate_up, mlp.w_down
+    q_mk = host_us_queued(lambda: mlp(x))
+    q_graph = host_us_queued(lambda: graph(x, wgu, wd))
+    q_torch = host_us_queued(lambda: torch.add(a, a))
     case = f"eager MegaMLP h={h} i={i} T=8"
     res.add(case, "cutemk_eager_host", mk_us, target_us=15.0)
     res.add(case, "torch_add_host", torch_us)
     res.add(case, "cutemk_graph_replay", replay)
+    res.add(case, "cutemk_eager_host_gpu_busy", q_mk, target_us=15.0)
+    res.add(case, "cutemk_graph_call_host_gpu_busy", q_graph)
+    res.add(case, "torch_add_host_gpu_busy", q_torch)
     print(f"eager call: {mk_us:.1f} us host (torch.add {torch_us:.1f} us), replay {replay:.1f} us")
+    print(
+        f"with the GPU busy: module {q_mk:.1f} us, graph call {q_graph:.1f} us, "
+        f"torch.add {q_torch:.1f} us"
+    )
 
 
 def first_call_section(res: Results, tokens: int = MAX_TOKENS, seed: int = 0) -> None:

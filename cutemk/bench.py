@@ -107,6 +107,24 @@ def host_us(fn: Callable[[], Any], calls: int = 1000, chunk: int = 100) -> float
     return 1e6 * total / (rounds * chunk)
 
 
+def host_us_queued(fn: Callable[[], Any], calls: int = 100, rounds: int = 5) -> float:
+    """Host microseconds a call of ``fn`` while the GPU is busy: ``calls`` calls queue behind
+    a ~50 ms sleep kernel, so the host never waits for the GPU to run them (unless a launch
+    itself blocks, which this then shows); the median over ``rounds``."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+    return 1e6 * statistics.median(samples)
+
+
 def small_mlp(seed: int = 0, tokens: int = 8) -> tuple[Any, torch.Tensor]:
     """``(MegaMLP, x)``: the small bf16 MLP (H=256, I=512, at most 64 tokens) and input of
     ``tokens`` rows whose eager call the host-path benchmarks time: its kernel is tiny, so a
