@@ -284,7 +284,8 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                 init_barriers(r_full, w.ring_stages, 1)
                 init_barriers(r_empty, w.ring_stages, w.consumer_warps)
         cute.arch.mbarrier_init_fence()
-        shared = (sCtl, sRec, sQueue, sDone, sEpiRec, bar_mem, ring, epi, scratch)
+        bars = (q_full, q_empty, r_full, r_empty, d_full, d_empty)
+        shared = (sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch)
         args = (mProf, mPeers, timeout_ns, shared)
         if cutlass.const_expr(self.spec.live is None):
             self._run(graph_tensors, extras, mProg, mDev, num_tasks, num_init, max_epoch, *args)
@@ -359,13 +360,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        sCtl, sRec, sQueue, sDone, sEpiRec, bar_mem, ring, epi, scratch = shared
-        q_full = bar_mem.iterator
-        q_empty = q_full + w.task_slots
-        r_full = q_empty + w.task_slots
-        r_empty = r_full + max(w.ring_stages, 1)
-        d_full = r_empty + max(w.ring_stages, 1)
-        d_empty = d_full + w.task_slots
+        sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch = shared
         # per node: its tensors (inputs + outputs) and its host-built extras; "tensors" below
         tensors = tuple(
             self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
@@ -396,7 +391,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             num_tasks=num_tasks,
             num_init=num_init,
             timeout_ns=timeout_ns,
-            bars=(q_full, q_empty, r_full, r_empty, d_full, d_empty),
+            bars=bars,
             sQueue=sQueue,
             sRec=sRec,
             sDone=sDone,
