@@ -207,9 +207,7 @@ def capture_section(res: Results, tokens: list[int], seed: int = 0) -> None:
     mlp(x, num_tokens=n)  # every regime's live kernel compiled, every planned count planned
     torch.cuda.synchronize()
     prepare_s = time.perf_counter() - t0
-    counts = sum(
-        len(mlp.compiled(r).live(first=f, limit=MAX_TOKENS).counts) for r, f in mlp.regime_starts()
-    )
+    counts = sum(len(live.counts) for _, live in mlp.live_graphs())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = mlp(x, num_tokens=n)

@@ -63,6 +63,11 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[int, int], ...]:
             f"{graph.name}: one capture for every token count needs row-wise ops (a tile's "
             f"output rows depend on its own input rows only); {sorted(set(bad))} are not"
         )
+    updated = [v.name for v in graph.values if v.alias_of is not None]
+    if updated:
+        raise GraphError(
+            f"{graph.name}: a live token count does not support inputs updated in place ({updated})"
+        )
     pairs = []
     for i, v in enumerate(graph.values):
         for d, e in enumerate(v.shape):
@@ -178,17 +183,20 @@ def _compile(spec: KernelSpec):
     return fn
 
 
-def compile_many(specs: Any, workers: int | None = None) -> int:
+def compile_many(specs: Any, workers: int | None = None, timeout_s: float = 900.0) -> int:
     """Compile the kernels of ``specs`` that are neither in this process nor in the on-disk
     cache, in parallel worker processes that write them to the cache (a later launch loads
     them); returns how many were compiled so. Compiling is mostly single-threaded host work
     (tracing, MLIR, ptxas) and the kernels are independent, so a server warming several
     regimes and layers waits for the slowest compile instead of the sum. Without a disk
     cache, or with fewer than two kernels to compile, nothing happens here (the launches
-    compile as before). A worker that fails leaves its kernel to be compiled at launch."""
+    compile as before). A worker that fails or passes ``timeout_s`` is stopped and leaves its
+    kernel to be compiled at launch. ``workers`` defaults to the CPUs this process may use,
+    less one, at most 8 (each worker imports torch and CuTe DSL: ~1 GB)."""
     import pickle
     import subprocess
     import tempfile
+    import time
 
     todo = []
     for spec in dict.fromkeys(specs):
@@ -197,39 +205,72 @@ def compile_many(specs: Any, workers: int | None = None) -> int:
         path = _cache_path(spec)
         if path is not None and not path.is_file():
             todo.append(spec)
+    # more than the cache keeps would evict what the first workers wrote
+    todo = todo[: int(os.environ.get("CUTEMK_CACHE_MAX_KERNELS", "256"))]
     if len(todo) < 2:
         return 0
-    workers = workers or max(1, min(len(todo), (os.cpu_count() or 2) - 1))
+    try:
+        payloads = [pickle.dumps(spec) for spec in todo]
+    except Exception as e:  # noqa: BLE001 (an op that does not pickle: compile at launch)
+        warnings.warn(f"cutemk: kernels not compiled in parallel ({e})", stacklevel=2)
+        return 0
+    if workers is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        workers = min(8, max(1, (cpus or 2) - 1))
+    workers = max(1, min(workers, len(todo)))
+    env = dict(os.environ)  # the workers import what this process imports
+    env["PYTHONPATH"] = os.pathsep.join(
+        [p for p in sys.path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    code = "from cutemk.kernels import _compile_worker as w; w()"
     done = 0
     for start in range(0, len(todo), workers):
-        batch = todo[start : start + workers]
-        # stderr to files: a pipe nobody reads yet could fill and stall a worker
-        logs = [tempfile.TemporaryFile() for _ in batch]  # noqa: SIM115 (closed below)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", "from cutemk.kernels import _compile_worker as w; w()"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-            for log in logs
-        ]
-        for proc, spec in zip(procs, batch):
-            proc.stdin.write(pickle.dumps(spec))
-            proc.stdin.close()
-        for proc, spec, log in zip(procs, batch, logs):
-            code = proc.wait()
-            log.seek(0)
-            err = log.read().decode(errors="replace")
-            log.close()
-            if code == 0 and _cache_path(spec).is_file():
-                done += 1
-            else:
+        batch = list(zip(todo[start : start + workers], payloads[start : start + workers]))
+        procs, logs = [], []
+        try:
+            for spec, payload in batch:
+                # stderr to a file: a pipe nobody reads yet could fill and stall the worker
+                log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
+                logs.append(log)
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    env=env,
+                )
+                procs.append(proc)
+                try:
+                    proc.stdin.write(payload)
+                    proc.stdin.close()
+                except OSError:  # it died already: its log says why
+                    pass
+            deadline = time.monotonic() + timeout_s
+            for (spec, _), proc, log in zip(batch, procs, logs):
+                why = ""
+                try:
+                    rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    rc, why = -1, f"no result in {timeout_s:.0f} s"
+                if rc == 0 and _cache_path(spec).is_file():
+                    done += 1
+                    continue
+                log.seek(0)
+                why = why or log.read().decode(errors="replace").strip()[-500:]
                 warnings.warn(
-                    f"cutemk: a compile worker failed ({err.strip()[-500:]}); the kernel "
-                    "compiles at its first launch instead",
+                    f"cutemk: a compile worker failed ({why}); the kernel compiles at its "
+                    "first launch instead",
                     stacklevel=2,
                 )
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
     return done
 
 

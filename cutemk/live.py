@@ -107,6 +107,19 @@ def pack_live(
     return table, prog, dev, prog_off, dev_off
 
 
+def live_spec(cg: Any):
+    """The kernel spec of ``cg``'s graph taking its token count as device data (raises
+    GraphError where the graph cannot: see :func:`cutemk.kernels.live_dims`)."""
+    syms = free_syms(*(d for v in cg.graph.values for d in v.shape))
+    if len(syms) != 1:
+        raise GraphError(
+            f"{cg.graph.name}: a live token count needs exactly one symbolic dim, the graph "
+            f"has {sorted(s.name for s in syms)}"
+        )
+    (sym,) = syms
+    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=sym.name)
+
+
 @dataclass
 class _LivePlan:
     """One planned count: where its program and state lie in the big buffers, and views of
@@ -153,7 +166,7 @@ class LiveGraph:
                 f"first={self.first} is outside {self.tokens}'s range "
                 f"[{sym.min}, {self.max_tokens}]"
             )
-        self.spec = kernel_spec(g, cg.dynamic, cg.spec.watchdog, False, live=sym.name)
+        self.spec = live_spec(cg)
         if counts is None:
             counts = live_counts(self.first, self.max_tokens)
         counts = sorted({int(c) for c in counts})
@@ -168,11 +181,20 @@ class LiveGraph:
             raise ValueError(f"limit={limit} is below the graph's maximum {self.max_tokens}")
         from .runtime import _off_graph
 
+        # device state and scratch are built on a thread and stream of their own: never in a
+        # CUDA graph being captured, nor from its memory pool (as ``CuteGraph`` builds plans)
         self.plans = _off_graph(self._build)
         stream = torch.cuda.current_stream()
-        for t in (self.table, self.prog, self.dev, self.prof, self.peers):
-            t.record_stream(stream)  # built on a stream of its own: freed after our launches
-        self._fn = None
+        for t in (
+            self.table,
+            self.prog,
+            self.dev,
+            self.prof,
+            self.peers,
+            *cg._scratch_bufs.values(),
+        ):
+            t.record_stream(stream)  # freed only after the launches that read them
+        self._fn = _compile(self.spec)  # compiled (or loaded) now, not in a capture
         self._outputs = [(k, v) for k, v in enumerate(g.values) if v in g.outputs]
         self._checks: tuple | None = None
 
@@ -200,6 +222,7 @@ class LiveGraph:
             torch_dev = {**views, "devbuf": devbuf}
             b = _Buffers(planned[k], low, (), torch_dev, {}, low.max_launches())
             plans.append(_LivePlan(c, b))
+        self._template_cache = self._template()
         return plans
 
     def _template(self) -> list:
@@ -233,14 +256,14 @@ class LiveGraph:
             raise TypeError(
                 "num_tokens must be an int32 CUDA tensor of one element (the live token count)"
             )
-        checks = tuple((t.shape, t.dtype, t.stride(), t.device) for t in leaves)
-        if checks != self._checks or any(t.data_ptr() % 16 or t.requires_grad for t in leaves):
-            self._bind(leaves)
-            self._checks = checks
+        if not self._matches(leaves):
+            leaves = self._bind(leaves)  # the full checks; the canonical views launch
         if num_tokens.device != leaves[0].device:
             raise LayoutError(
                 f"num_tokens is on {num_tokens.device}, the leaves on {leaves[0].device}"
             )
+        if num_tokens.data_ptr() % 16:
+            raise LayoutError("num_tokens must be 16-byte aligned (a tensor of its own)")
         tensors = list(self._template_cache)
         for k, t in zip(self._leaf_pos, leaves):
             tensors[k] = t
@@ -250,10 +273,18 @@ class LiveGraph:
             shape = v.spec.concrete(env)
             if out is not None:
                 o = out[j]
-                if tuple(o.shape) != tuple(shape) or o.dtype != v.dtype or not o.is_contiguous():
+                if (
+                    tuple(o.shape) != tuple(shape)
+                    or o.dtype != v.dtype
+                    or not o.is_contiguous()
+                    or o.device != leaves[0].device
+                    or o.data_ptr() % 16
+                    or o.requires_grad
+                ):
                     raise LayoutError(
-                        f"out[{j}] ({v.name}) must be a contiguous {v.dtype} tensor of shape "
-                        f"{tuple(shape)}, got {o.dtype} {tuple(o.shape)}"
+                        f"out[{j}] ({v.name}) must be a contiguous, 16-byte aligned {v.dtype} "
+                        f"tensor of shape {tuple(shape)} on {leaves[0].device} without grad, "
+                        f"got {o.dtype} {tuple(o.shape)} on {o.device}"
                     )
             else:
                 o = torch.empty(shape, dtype=v.dtype, device=leaves[0].device)
@@ -262,8 +293,6 @@ class LiveGraph:
             tensors[k] = o
             outs.append(o)
         tensors.append(num_tokens)
-        if self._fn is None:
-            self._fn = _compile(self.spec)
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing and self.spec.watchdog:
             raise CuteMKError(
@@ -288,7 +317,28 @@ class LiveGraph:
             self.check()
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _bind(self, leaves: tuple) -> None:
+    def _matches(self, leaves: tuple) -> bool:
+        """``leaves`` can launch as the last bound call's did: same shapes, dtypes, strides
+        (the canonical views' own) and devices, aligned, no autograd."""
+        checks = self._checks
+        if checks is None or len(leaves) != len(checks):
+            return False
+        for t, (shape, dtype, stride, device) in zip(leaves, checks):
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.shape != shape
+                or t.dtype != dtype
+                or t.stride() != stride
+                or t.device != device
+                or t.requires_grad
+                or t.data_ptr() % 16
+            ):
+                return False
+        return True
+
+    def _bind(self, leaves: tuple) -> tuple:
+        """The full checks of ``leaves`` (``cutemk.binding.bind``) and their canonical views,
+        which launch; a later call whose tensors look the same skips this."""
         g = self.cg.graph
         env, bound = bind(g, leaves, {}, device_type="cuda")
         if env.get(self.tokens) != self.max_tokens:
@@ -299,12 +349,11 @@ class LiveGraph:
         for name, t in bound.items():
             if t.data_ptr() % 16:
                 raise LayoutError(f"{name} must be 16-byte aligned")
-            if t.requires_grad:
-                raise CuteMKError(f"{name} requires grad; cutemk kernels are inference only")
-        names = [v.name for v in g.leaves]
+        canonical = tuple(bound[v.name] for v in g.leaves)
         pos = {v.name: k for k, v in enumerate(g.values)}
-        self._leaf_pos = [pos[n] for n in names]
-        self._template_cache = self._template()
+        self._leaf_pos = [pos[v.name] for v in g.leaves]
+        self._checks = tuple((t.shape, t.dtype, t.stride(), t.device) for t in canonical)
+        return canonical
 
     def take_errors(self) -> tuple[int, int]:
         """(launches with a count outside [0, limit] since the last call, the last such count)

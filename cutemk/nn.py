@@ -89,12 +89,18 @@ class _KeyedModule(nn.Module):
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
         state.pop("_compiled_held", None)  # compiled kernels are the process's, not the module's
-        state["_fast"] = {}  # nor are the launches it remembers
+        state.pop("_fast", None)  # nor are the launches it remembers
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         torch_ops.key_of(self)  # a copy or a reloaded module can serve its key
+
+    def _apply(self, fn, *args, **kwargs):
+        # moved or cast weights: the launches remembered with the old ones (and the old
+        # tensors they hold) go
+        self.__dict__.pop("_fast", None)
+        return super()._apply(fn, *args, **kwargs)
 
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
@@ -156,7 +162,6 @@ class MegaMLP(_KeyedModule):
         w_gate_up = torch.cat([w_gate.detach(), w_up.detach()]).contiguous()
         self.register_buffer("w_gate_up", w_gate_up)
         self.register_buffer("w_down", w_down.detach().contiguous())
-        self._fast: dict[torch.Size, tuple] = {}  # eager fast path (forward)
         # the custom op's key: everything but the weights that decides the kernels it runs
         self._cutemk_key = (
             f"MegaMLP(h={self.hidden}, i={self.intermediate}, max={max_tokens}, "
@@ -224,9 +229,10 @@ class MegaMLP(_KeyedModule):
         for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
         if num_tokens is not None:
             return self.forward_live(x, num_tokens)
-        hit = self._fast.get(x.shape) if type(x) is torch.Tensor else None
+        fast = self.__dict__.get("_fast")
+        hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
         if hit is not None:  # rows of a shape an earlier eager call launched (see below)
-            graph, w_gate_up, w_down, dtype, device = hit
+            graph, w_gate_up, w_down, dtype, device, config = hit
             if (
                 x.dtype is dtype
                 and x.get_device() == device
@@ -234,6 +240,7 @@ class MegaMLP(_KeyedModule):
                 and x.is_contiguous()
                 and w_gate_up is self._buffers["w_gate_up"]
                 and w_down is self._buffers["w_down"]
+                and config == (self.backend, self.scheduler, self.num_sms)
                 and not self.__dict__.get("profile")
                 and torch_ops.direct(x)
             ):
@@ -247,15 +254,16 @@ class MegaMLP(_KeyedModule):
                 # the next eager call with these rows skips the checks above it (they hold for
                 # any x of this shape, dtype, device and layout, with these weights), the
                 # regime lookup and no_grad (the kernel call records no autograd graph)
-                if len(self._fast) >= 64:
-                    self._fast.clear()
+                if fast is None or len(fast) >= 64:
+                    fast = self.__dict__["_fast"] = {}
                 graph = self.compiled(self.regime(x.shape[0]), like=self.w_down)
-                self._fast[x.shape] = (
+                fast[x.shape] = (
                     graph,
                     self.w_gate_up,
                     self.w_down,
                     x.dtype,
                     x.get_device(),
+                    (self.backend, self.scheduler, self.num_sms),
                 )
         else:
             key = torch_ops.key_of(self)
@@ -272,30 +280,40 @@ class MegaMLP(_KeyedModule):
         whose range holds the count runs its plan, the others exit at once. Rows of the result
         at and past the count are not defined. A count outside [0, max_tokens] runs nothing
         and is raised by :meth:`check_live`."""
-        if self.resolved_backend() != "cute":
-            raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
             raise LayoutError(
                 f"forward_live takes x with max_tokens={self.max_tokens} rows of "
                 f"{self.hidden}, got {tuple(x.shape)}"
             )
+        graphs = self.live_graphs()
         y = torch.empty_like(x2) if out is None else out
         with torch.no_grad():
-            for regime, first in self.regime_starts():
-                rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
-                live = self.compiled(regime).live(first=first, limit=self.max_tokens)
+            for rows, live in graphs:
                 live(x2[:rows], self.w_gate_up, self.w_down, num_tokens=num_tokens, out=(y[:rows],))
         return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def live_graphs(self, build: bool = True) -> list[tuple[int, Any]]:
+        """(rows, :class:`~cutemk.live.LiveGraph`) of each regime, for :meth:`forward_live`:
+        built on first use (compiling the live kernels, planning every count); with
+        ``build=False`` only those built so far."""
+        if self.resolved_backend() != "cute":
+            raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
+        out = []
+        for regime, first in self.regime_starts():
+            rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
+            graph = self.compiled(regime)
+            if build:
+                out.append((rows, graph.live(first=first, limit=self.max_tokens)))
+            elif (live := graph.live_built(first=first, limit=self.max_tokens)) is not None:
+                out.append((rows, live))
+        return out
 
     def check_live(self) -> None:
         """Raise CuteMKError if a :meth:`forward_live` since the last check got a count outside
         [0, max_tokens] (it ran nothing); waits for the launches."""
-        tallies = [
-            self.compiled(regime).live(first=first, limit=self.max_tokens).take_errors()
-            for regime, first in self.regime_starts()
-        ]
-        bad, last = max(tallies)  # every regime's kernel saw the same counts
+        tallies = [live.take_errors() for _, live in self.live_graphs(build=False)]
+        bad, last = max(tallies, default=(0, 0))  # every regime's kernel saw the same counts
         if bad:
             raise CuteMKError(
                 f"MegaMLP: {bad} forward_live call(s) got a token count outside "

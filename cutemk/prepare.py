@@ -55,6 +55,7 @@ def warmup(
     tokens: Iterable[int] = (),
     progress: bool | None = None,
     parallel: bool = True,
+    live: bool = False,
 ) -> WarmupReport:
     """Prepare ``obj`` for serving.
 
@@ -64,19 +65,47 @@ def warmup(
     these. ``tokens``: token counts to plan now (each at most the module's or graph's max).
     ``progress``: a tqdm bar (None: when stderr is a terminal). ``parallel``: first compile
     every kernel not yet compiled or cached, in worker processes at once, into the on-disk
-    cache (``cutemk.kernels.compile_many``), so the launches load them."""
+    cache (``cutemk.kernels.compile_many``), so the launches load them. ``live``: also
+    prepare the modules' one-capture path (``MegaMLP.forward_live``): its kernels compiled
+    (in parallel with the others) and every count it serves planned."""
     objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    tokens = [int(t) for t in tokens]
+    for o in objs:  # before any work
+        top = getattr(o, "max_tokens", None)
+        for t in tokens:
+            if top is not None and not 1 <= t <= top:
+                raise ShapeError(f"warmup token count {t} is outside [1, {top}]")
     report = WarmupReport()
     if parallel:
         from .kernels import compile_many
 
+        specs = [spec for o in objs for spec in _kernel_specs(o)]
+        if live:
+            specs += [spec for o in objs for spec in _live_specs(o)]
         t0 = time.perf_counter()
-        n = compile_many([spec for o in objs for spec in _kernel_specs(o)])
+        n = compile_many(specs)
         if n:
             report.steps.append((f"compile {n} kernels in parallel", time.perf_counter() - t0))
     for o in objs:
         report.steps += _warm_one(o, tokens, progress).steps
+        if live and hasattr(o, "live_graphs"):
+            t0 = time.perf_counter()
+            graphs = o.live_graphs()
+            counts = sum(len(g.counts) for _, g in graphs)
+            report.steps.append(
+                (f"live: {len(graphs)} kernels, {counts} counts planned", time.perf_counter() - t0)
+            )
     return report
+
+
+def _live_specs(obj: Any) -> list:
+    """The specs of ``obj``'s live kernels (a module with ``live_graphs``, on the GPU)."""
+    if not hasattr(obj, "live_graphs"):
+        return []
+    from .live import live_spec
+
+    graphs = [obj.compiled(regime) for regime, _ in obj.regime_starts()]
+    return [live_spec(g) for g in graphs if getattr(g, "spec", None) is not None]
 
 
 def _kernel_specs(obj: Any) -> list:

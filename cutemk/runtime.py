@@ -373,8 +373,18 @@ class CuteGraph:
         key = (first, None if counts is None else tuple(counts), limit)
         lg = self._live.get(key)
         if lg is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise CuteMKError(
+                    f"{self.graph.name}: the live graph compiles its kernel and plans every "
+                    "count when first built, which cannot happen inside a CUDA-graph capture; "
+                    "call it once before capturing (or cutemk.warmup(module, live=True))"
+                )
             lg = self._live[key] = LiveGraph(self, first, counts, limit)
         return lg
+
+    def live_built(self, first: int | None = None, counts: Any = None, limit: int | None = None):
+        """The :meth:`live` graph of these arguments if one was built, else None."""
+        return self._live.get((first, None if counts is None else tuple(counts), limit))
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):

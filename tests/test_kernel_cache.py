@@ -162,3 +162,21 @@ def test_compile_many_compiles_in_worker_processes_into_the_cache(cache_dir):
     for s in specs[:2]:
         runtime._compile(s)
     assert runtime.compile_count == compiled and runtime.cache_loads == loaded + 2
+
+
+@pytest.mark.parametrize("script,why", [("exit 3", "failed"), ("sleep 30", "no result in 1 s")])
+def test_compile_many_leaves_failed_or_stuck_workers_to_the_launch(
+    cache_dir, tmp_path, monkeypatch, script, why
+):
+    from cutemk.kernels import compile_many
+
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat > /dev/null\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    specs = [_spec(192), _spec(224)]
+    for s in specs:
+        _forget(s)
+    with pytest.warns(UserWarning, match=why):
+        assert compile_many(specs, timeout_s=1.0) == 0
+    assert not list(cache_dir.glob("megakernel-*.o"))

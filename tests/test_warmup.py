@@ -61,6 +61,12 @@ def test_mlp_and_graph_warmup():
     assert [n for n, _ in both[-2:]] == ["plan T=1", "plan T=20"]
     with pytest.raises(ShapeError):
         mk.warmup(c, tokens=[65], progress=False)
+    with pytest.raises(ShapeError, match="outside"):  # checked before any work
+        mk.warmup([c, mlp], tokens=[21], progress=False)
+    with pytest.raises(mk.errors.CuteMKError, match="cute backend"):
+        mk.warmup(mlp, live=True, progress=False)
+    with pytest.raises(mk.errors.CuteMKError, match="cute backend"):
+        mlp(torch.zeros(20, 16), num_tokens=torch.ones(1, dtype=torch.int32))
     with pytest.raises(TypeError):
         mk.warmup(object())
 
