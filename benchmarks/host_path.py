@@ -43,6 +43,7 @@ import time
 
 import torch
 
+import cutemk.nn
 from cutemk.bench import Results, host_us, host_us_queued, plan_stages
 from cutemk.regimes import (
     MOE_REGIME_LIMITS,
@@ -115,6 +116,9 @@ def eager_section(res: Results, calls: int) -> None:
     h, i = mlp.hidden, mlp.intermediate
     a = torch.randn_like(x, dtype=torch.float32)
     mk_us = host_us(lambda: mlp(x), calls)
+    cutemk.nn.FAST_PATH = False  # the same module's full path, for the fast path's gain
+    full_us = host_us(lambda: mlp(x), calls)
+    cutemk.nn.FAST_PATH = True
     torch_us = host_us(lambda: torch.add(a, a), calls)
     replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)
     # the same calls queued behind a busy GPU: the host's own cost, whatever the GPU's pace
@@ -125,12 +129,16 @@ def eager_section(res: Results, calls: int) -> None:
     q_torch = host_us_queued(lambda: torch.add(a, a))
     case = f"eager MegaMLP h={h} i={i} T=8"
     res.add(case, "cutemk_eager_host", mk_us, target_us=15.0)
+    res.add(case, "cutemk_eager_host_full_path", full_us)
     res.add(case, "torch_add_host", torch_us)
     res.add(case, "cutemk_graph_replay", replay)
     res.add(case, "cutemk_eager_host_gpu_busy", q_mk, target_us=15.0)
     res.add(case, "cutemk_graph_call_host_gpu_busy", q_graph)
     res.add(case, "torch_add_host_gpu_busy", q_torch)
-    print(f"eager call: {mk_us:.1f} us host (torch.add {torch_us:.1f} us), replay {replay:.1f} us")
+    print(
+        f"eager call: {mk_us:.1f} us host ({full_us:.1f} without the fast path; torch.add "
+        f"{torch_us:.1f} us), replay {replay:.1f} us"
+    )
     print(
         f"with the GPU busy: module {q_mk:.1f} us, graph call {q_graph:.1f} us, "
         f"torch.add {q_torch:.1f} us"

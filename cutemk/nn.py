@@ -58,6 +58,10 @@ class _Compiled(dict):
     be weakly referenced)."""
 
 
+FAST_PATH = True
+"""MegaMLP's eager fast path (see ``MegaMLP.forward``); benchmarks turn it off to time the full
+path in the same process."""
+
 _COMPILED_BY_KEY: weakref.WeakValueDictionary[str, _Compiled] = weakref.WeakValueDictionary()
 """A module key's compiled graphs (see ``_KeyedModule._compiled``), by the custom op's key
 (``torch_ops.op_key``: a profiled module's kernels are others). Held by the key's live modules:
@@ -229,7 +233,7 @@ class MegaMLP(_KeyedModule):
         for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
         if num_tokens is not None:
             return self.forward_live(x, num_tokens)
-        fast = self.__dict__.get("_fast")
+        fast = self.__dict__.get("_fast") if FAST_PATH else None
         hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
         if hit is not None:  # rows of a shape an earlier eager call launched (see below)
             graph, w_gate_up, w_down, dtype, device, config = hit
