@@ -283,18 +283,41 @@ class MegaMLP(_KeyedModule):
         regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`); the one
         whose range holds the count runs its plan, the others exit at once. Rows of the result
         at and past the count are not defined. A count outside [0, max_tokens] runs nothing
-        and is raised by :meth:`check_live`."""
+        and is raised by :meth:`check_live`. On the interpreter (the CPU reference) the count
+        is read on the host and checked at once."""
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
             raise LayoutError(
                 f"forward_live takes x with max_tokens={self.max_tokens} rows of "
                 f"{self.hidden}, got {tuple(x.shape)}"
             )
+        if self.resolved_backend() != "cute":
+            return self._forward_live_reference(x, x2, num_tokens, out)
         graphs = self.live_graphs()
         y = torch.empty_like(x2) if out is None else out
         with torch.no_grad():
             for rows, live in graphs:
                 live(x2[:rows], self.w_gate_up, self.w_down, num_tokens=num_tokens, out=(y[:rows],))
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def _forward_live_reference(self, x, x2, num_tokens, out):
+        """:meth:`forward_live` on the interpreter: the count read on the host."""
+        if not (
+            isinstance(num_tokens, torch.Tensor)
+            and num_tokens.dtype == torch.int32
+            and num_tokens.numel() == 1
+        ):
+            raise TypeError(
+                "num_tokens must be an int32 tensor of one element (the live token count)"
+            )
+        n = int(num_tokens.reshape(()))
+        if not 0 <= n <= self.max_tokens:
+            raise CuteMKError(
+                f"MegaMLP: forward_live got a token count of {n}, outside [0, {self.max_tokens}]"
+            )
+        y = torch.empty_like(x2) if out is None else out
+        if n:
+            y[:n] = self.forward(x2[:n])
         return y if x.dim() == 2 else y.reshape(x.shape)
 
     def live_graphs(self, build: bool = True) -> list[tuple[int, Any]]:

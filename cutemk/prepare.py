@@ -88,7 +88,7 @@ def warmup(
             report.steps.append((f"compile {n} kernels in parallel", time.perf_counter() - t0))
     for o in objs:
         report.steps += _warm_one(o, tokens, progress).steps
-        if live and hasattr(o, "live_graphs"):
+        if live and hasattr(o, "live_graphs") and o.resolved_backend() == "cute":
             t0 = time.perf_counter()
             graphs = o.live_graphs()
             counts = sum(len(g.counts) for _, g in graphs)
@@ -100,7 +100,7 @@ def warmup(
 
 def _live_specs(obj: Any) -> list:
     """The specs of ``obj``'s live kernels (a module with ``live_graphs``, on the GPU)."""
-    if not hasattr(obj, "live_graphs"):
+    if not hasattr(obj, "live_graphs") or obj.resolved_backend() != "cute":
         return []
     from .live import live_spec
 

@@ -63,10 +63,8 @@ def test_mlp_and_graph_warmup():
         mk.warmup(c, tokens=[65], progress=False)
     with pytest.raises(ShapeError, match="outside"):  # checked before any work
         mk.warmup([c, mlp], tokens=[21], progress=False)
-    with pytest.raises(mk.errors.CuteMKError, match="cute backend"):
-        mk.warmup(mlp, live=True, progress=False)
-    with pytest.raises(mk.errors.CuteMKError, match="cute backend"):
-        mlp(torch.zeros(20, 16), num_tokens=torch.ones(1, dtype=torch.int32))
+    # the interpreter has no live kernels to prepare: the live path reads the count on the host
+    assert len(mk.warmup(mlp, live=True, progress=False).steps) == len(mlp.regimes())
     with pytest.raises(TypeError):
         mk.warmup(object())
 
