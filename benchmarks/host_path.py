@@ -117,8 +117,10 @@ def eager_section(res: Results, calls: int) -> None:
     a = torch.randn_like(x, dtype=torch.float32)
     mk_us = host_us(lambda: mlp(x), calls)
     cutemk.nn.FAST_PATH = False  # the same module's full path, for the fast path's gain
-    full_us = host_us(lambda: mlp(x), calls)
-    cutemk.nn.FAST_PATH = True
+    try:
+        full_us = host_us(lambda: mlp(x), calls)
+    finally:
+        cutemk.nn.FAST_PATH = True
     torch_us = host_us(lambda: torch.add(a, a), calls)
     replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)
     # the same calls queued behind a busy GPU: the host's own cost, whatever the GPU's pace

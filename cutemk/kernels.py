@@ -254,6 +254,9 @@ def compile_many(specs: Any, workers: int | None = None, timeout_s: float = 900.
                     proc.kill()
                     proc.wait()
                     rc, why = -1, f"no result in {timeout_s:.0f} s"
+                    path = _cache_path(spec)  # what it was writing (``_store_cached``'s name)
+                    for tmp in path.parent.glob(f"{path.name}.{proc.pid}.*.tmp"):
+                        tmp.unlink(missing_ok=True)
                 if rc == 0 and _cache_path(spec).is_file():
                     done += 1
                     continue

@@ -254,7 +254,7 @@ class MegaMLP(_KeyedModule):
             return x.detach().new_empty(x.shape)
         if torch_ops.direct(x2):
             y = self._launch(x2, self.w_gate_up, self.w_down)
-            if x2 is x and y.dim() == 2 and not self.__dict__.get("profile"):
+            if FAST_PATH and x2 is x and y.dim() == 2 and not self.__dict__.get("profile"):
                 # the next eager call with these rows skips the checks above it (they hold for
                 # any x of this shape, dtype, device and layout, with these weights), the
                 # regime lookup and no_grad (the kernel call records no autograd graph)
@@ -283,8 +283,9 @@ class MegaMLP(_KeyedModule):
         regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`); the one
         whose range holds the count runs its plan, the others exit at once. Rows of the result
         at and past the count are not defined. A count outside [0, max_tokens] runs nothing
-        and is raised by :meth:`check_live`. On the interpreter (the CPU reference) the count
-        is read on the host and checked at once."""
+        and is raised by :meth:`check_live`. ``out``: a (max_tokens, H) tensor to write
+        into. On the interpreter (the CPU reference) the count is read on the host and checked
+        at once."""
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
             raise LayoutError(
@@ -339,6 +340,8 @@ class MegaMLP(_KeyedModule):
     def check_live(self) -> None:
         """Raise CuteMKError if a :meth:`forward_live` since the last check got a count outside
         [0, max_tokens] (it ran nothing); waits for the launches."""
+        if self.resolved_backend() != "cute":
+            return  # the interpreter checks each count when it reads it
         tallies = [live.take_errors() for _, live in self.live_graphs(build=False)]
         bad, last = max(tallies, default=(0, 0))  # every regime's kernel saw the same counts
         if bad:
