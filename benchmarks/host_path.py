@@ -145,6 +145,24 @@ def eager_section(res: Results, calls: int) -> None:
         f"with the GPU busy: module {q_mk:.1f} us, graph call {q_graph:.1f} us, "
         f"torch.add {q_torch:.1f} us"
     )
+    # the same module without the cooperative launch attribute (a module of another key,
+    # compiled with CUTEMK_COOPERATIVE=0): what the co-residency guarantee costs a launch
+    want = mlp(x).float()
+    os.environ["CUTEMK_COOPERATIVE"] = "0"
+    try:
+        plain, xp = small_mlp(max_tokens=65)
+        got = plain(xp).float()
+        plain_us = host_us(lambda: plain(xp), calls)
+        plain_replay = time_us(graphed(lambda: plain(xp)), cold_l2=False)
+    finally:
+        os.environ.pop("CUTEMK_COOPERATIVE")
+    same = torch.equal(got, want)
+    res.add(case, "cutemk_eager_host_not_cooperative", plain_us, same_result=same)
+    res.add(case, "cutemk_graph_replay_not_cooperative", plain_replay)
+    print(
+        f"not cooperative: eager {plain_us:.1f} us host, replay {plain_replay:.1f} us "
+        f"(result {'identical' if same else 'DIFFERENT'})"
+    )
 
 
 def first_call_section(res: Results, tokens: int = MAX_TOKENS, seed: int = 0) -> None:

@@ -125,10 +125,11 @@ def host_us_queued(fn: Callable[[], Any], calls: int = 100, rounds: int = 5) -> 
     return 1e6 * statistics.median(samples)
 
 
-def small_mlp(seed: int = 0, tokens: int = 8) -> tuple[Any, torch.Tensor]:
+def small_mlp(seed: int = 0, tokens: int = 8, max_tokens: int = 64) -> tuple[Any, torch.Tensor]:
     """``(MegaMLP, x)``: the small bf16 MLP (H=256, I=512, at most 64 tokens) and input of
     ``tokens`` rows whose eager call the host-path benchmarks time: its kernel is tiny, so a
-    call is the host's cost."""
+    call is the host's cost. Another ``max_tokens`` makes a module that shares no compiled
+    kernel with the default one."""
     from .nn import MegaMLP
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -137,7 +138,7 @@ def small_mlp(seed: int = 0, tokens: int = 8) -> tuple[Any, torch.Tensor]:
     def rnd(*shape):
         return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
 
-    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=64)
+    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=max_tokens)
     return mlp, torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
 
 

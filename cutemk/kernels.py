@@ -133,6 +133,7 @@ def kernel_spec(
         prefetch,
         worker_shape(ops_),
         live_pairs,
+        os.environ.get("CUTEMK_COOPERATIVE", "1") != "0",
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

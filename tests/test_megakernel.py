@@ -260,3 +260,13 @@ def test_grid_larger_than_the_gpu_is_refused():
     g = ops.dag_graph([[]], N, M)
     with pytest.raises(ValueError, match=f"num_sms must be in \\[1, {sms}\\]"):
         g.compile("cute", num_sms=sms + 1)
+
+
+def test_the_cooperative_launch_is_part_of_the_kernel_spec(monkeypatch):
+    g = ops.dag_graph([[], [0]], N, M)
+    on = runtime.kernel_spec(g, False)
+    assert on.cooperative
+    monkeypatch.setenv("CUTEMK_COOPERATIVE", "0")
+    off = runtime.kernel_spec(g, False)
+    assert not off.cooperative and off != on  # another kernel, another cache key
+    assert callable(runtime.compile_offline(g))  # its host code compiles too

@@ -139,6 +139,10 @@ class KernelSpec:
     # bound in the kernel to the plan the live count picks (the kernel's last two tensors are
     # the live-count table, ``layout.LIVE_HEADER``, and the count); None: plans from the host
     live: tuple[tuple[int, int], ...] | None = None
+    # a cooperative launch starts every CTA at once or none (two persistent kernels on two
+    # streams can then never each hold part of the GPU waiting for the rest); off
+    # (``CUTEMK_COOPERATIVE=0``) only to measure what the guarantee costs a launch
+    cooperative: bool = True
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -154,6 +158,7 @@ class KernelSpec:
             "prefetch": list(self.prefetch),
             "worker": dataclasses.asdict(self.worker),
             "live": None if self.live is None else [list(p) for p in self.live],
+            "cooperative": self.cooperative,
         }
 
 
@@ -468,7 +473,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             grid=(grid, 1, 1),
             block=(self.w.threads, 1, 1),
             stream=stream,
-            cooperative=True,
+            cooperative=self.spec.cooperative,
             min_blocks_per_mp=1,
         )
 
