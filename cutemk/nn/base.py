@@ -1,0 +1,175 @@
+"""What the drop-in modules share: the compiled graphs kept per module key, the keyed module
+base (regimes, backend, pickling), and the checks of an input and of an activation."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import torch_ops
+from ..errors import DeviceError, DTypeError, ShapeError
+from ..regimes import regime_of, regime_starts
+
+_SILU_NAMES = ("silu", "swish")
+
+
+class _Compiled(dict):
+    """(backend, regime, dtype, device) -> compiled graph, of one module key (a dict that can
+    be weakly referenced)."""
+
+
+_COMPILED_BY_KEY: weakref.WeakValueDictionary[str, _Compiled] = weakref.WeakValueDictionary()
+"""A module key's compiled graphs (see ``_KeyedModule._compiled``), by the custom op's key
+(``torch_ops.op_key``: a profiled module's kernels are others). Held by the key's live modules:
+kernels, plans and their device state go with the last of them."""
+
+
+class _KeyedModule(nn.Module):
+    """A module whose megakernel runs through a ``cutemk`` custom op keyed by its launch
+    configuration (``_cutemk_key``, see :func:`cutemk.torch_ops.key_of`), with ``backend``
+    and weights ``w_down``; those with regimes name their limits in ``regime_limits``."""
+
+    regime_limits: dict[str, int | None] = {}
+
+    @property
+    def _compiled(self) -> dict[tuple, Any]:
+        """The compiled graphs of every module with this one's key: a call dispatches through
+        the custom op to any live module of the key (``torch_ops``), so they share kernels and
+        plans (a compiled graph holds no weights: they come with each call), and warming one
+        warms them all."""
+        key = torch_ops.op_key(self)
+        held = self.__dict__.get("_compiled_held")
+        if held is None or held[0] != key:  # first use, or the key changed (profile set)
+            graphs = _COMPILED_BY_KEY.get(key)
+            if graphs is None:
+                graphs = _COMPILED_BY_KEY[key] = _Compiled()
+            held = self.__dict__["_compiled_held"] = (key, graphs)
+        return held[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state.pop("_compiled_held", None)  # compiled kernels are the process's, not the module's
+        state.pop("_fast", None)  # nor are the launches it remembers
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        torch_ops.key_of(self)  # a copy or a reloaded module can serve its key
+
+    def _apply(self, fn, *args, **kwargs):
+        # moved or cast weights: the launches remembered with the old ones (and the old
+        # tensors they hold) go
+        self.__dict__.pop("_fast", None)
+        return super()._apply(fn, *args, **kwargs)
+
+    def regime(self, tokens: int) -> str:
+        """The regime whose graph runs ``tokens`` rows."""
+        return regime_of(self.regime_limits, tokens)
+
+    def regimes(self) -> tuple[str, ...]:
+        """The regimes this module can run: those starting below ``max_tokens``."""
+        held = self.__dict__.get("_regimes_held")  # (max_tokens, regimes): asked every call
+        if held is None or held[0] != self.max_tokens:
+            held = (self.max_tokens, tuple(r for r, _ in self.regime_starts()))
+            self.__dict__["_regimes_held"] = held
+        return held[1]
+
+    def regime_starts(self) -> list[tuple[str, int]]:
+        """(regime, its smallest token count) of each regime this module runs."""
+        return regime_starts(self.regime_limits, self.max_tokens)
+
+    def resolved_backend(self, like: torch.Tensor | None = None) -> str:
+        """The backend for weights like ``like`` (default: this module's)."""
+        if self.backend is not None:
+            return self.backend
+        # a CUDA tensor means CUDA is available (no ``torch.cuda.is_available()`` per call)
+        return "cute" if (self.w_down if like is None else like).is_cuda else "interpret"
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SMs a kernel on ``device`` runs on (the H200's 132 off the GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    from ..costmodel import H200
+
+    return H200.num_sms
+
+
+def _compile(module: nn.Module, g: Any, backend: str) -> Any:
+    """``g`` compiled with the module's scheduler, SM count and profiling choice."""
+    options: dict[str, Any] = {"scheduler": module.scheduler}
+    if getattr(module, "profile", False):
+        options["profile"] = True
+    if module.num_sms is not None:
+        options["num_sms"] = module.num_sms
+    return g.compile(backend, **options)
+
+
+def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (..., H) as contiguous (tokens, H) rows for ``module`` (a MegaMLP or
+    MegaMoE: ``hidden``, ``max_tokens``, weights ``w_down``), or None when it has no tokens;
+    a clear error for a wrong type, shape, dtype, device or too many tokens."""
+    name = type(module).__name__
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != module.hidden:
+        raise ShapeError(
+            f"{name} input must have shape (..., {module.hidden}), got {tuple(x.shape)}"
+        )
+    w = module.w_down
+    if x.dtype != w.dtype:
+        raise DTypeError(
+            f"{name} input has dtype {x.dtype} but its weights are {w.dtype}; cast the input or "
+            "the module (.to(dtype))"
+        )
+    xd = x.get_device()  # an index: cheaper than comparing devices (-1 off CUDA)
+    if xd != w.get_device() or (xd < 0 and x.device != w.device):
+        raise DeviceError(f"{name} input is on {x.device} but its weights are on {w.device}")
+    tokens = x.numel() // module.hidden
+    if tokens == 0:
+        return None
+    if tokens > module.max_tokens:
+        raise ShapeError(
+            f"{name} got {tokens} tokens (input shape {tuple(x.shape)}), more than "
+            f"max_tokens={module.max_tokens}; build it with a larger max_tokens or split the batch"
+        )
+    if x.dim() == 2 and not x.requires_grad and x.is_contiguous():
+        return x  # already rows (the common case: no view to make per call)
+    return x.detach().reshape(tokens, module.hidden).contiguous()
+
+
+def _aligned(x2: torch.Tensor) -> torch.Tensor:
+    """``x2``, copied where its rows are not 16-byte aligned (the GPU kernel's loads need it)."""
+    return x2.clone() if x2.data_ptr() % 16 else x2
+
+
+def _check_silu(mlp: nn.Module) -> None:
+    """The module's activation must be SiLU. ``act_fn`` is what HF's forward calls, so it
+    decides; it is recognised by type, else by its values on a probe (HF ships its own
+    ``SiLUActivation`` class); without ``act_fn``, the config's ``hidden_act`` decides."""
+    act = getattr(mlp, "act_fn", None)
+    if act is None:
+        hidden_act = getattr(getattr(mlp, "config", None), "hidden_act", None)
+        if hidden_act in _SILU_NAMES:
+            return
+        raise ValueError(
+            f"{type(mlp).__name__} has no act_fn and its config.hidden_act is {hidden_act!r}; "
+            f"MegaMLP computes SiLU (hidden_act in {_SILU_NAMES})"
+        )
+    if act is F.silu or isinstance(act, nn.SiLU):
+        return
+    probe = torch.linspace(-8.0, 8.0, 65)
+    try:
+        with torch.no_grad():
+            ok = torch.allclose(act(probe), F.silu(probe), rtol=1e-5, atol=1e-6)
+    except Exception:  # an activation that cannot run on a CPU probe is not recognised
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{type(mlp).__name__}.act_fn is {act!r}, not SiLU; MegaMLP computes "
+            "down(silu(gate) * up) only"
+        )

@@ -1,0 +1,211 @@
+"""MegaDecoderLayer: a Qwen3 decoder layer's decode step as one megakernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import torch_ops
+from ..errors import ShapeError
+from ..regimes import DECODER_REGIME_LIMITS
+from ..symbolic import sym
+from ..tileop import expect_positive_int
+from .base import _compile, _KeyedModule
+from .moe import MegaMoE
+
+
+class MegaDecoderLayer(_KeyedModule):
+    """Decode steps of a Qwen3 decoder layer (dense MLP) as one megakernel
+    (:func:`cutemk.layers.decoder_layer_graph`), over a paged KV cache the caller owns.
+
+    ``forward(x, positions, k_cache, v_cache, page_table, seq_lens)``: ``x`` (B, H) one new
+    token per sequence, ``positions`` (B,) int32 its position, caches (pages, page_size, Hkv, D)
+    (the new keys and values are written into them, in place), ``page_table`` (B, max_pages)
+    int32, ``seq_lens`` (B,) int32 counting the new token; returns the layer's output (B, H).
+    Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
+    sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
+    Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use.
+    """
+
+    regime_limits = DECODER_REGIME_LIMITS
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        cfg: Any,
+        moe: Any = None,
+        max_batch: int = 64,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+    ) -> None:
+        super().__init__()
+        expect_positive_int(max_batch, "max_batch")
+        if backend not in (None, "cute", "interpret"):
+            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        self.cfg, self.moe, self.max_batch = cfg, moe, max_batch
+        self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        self._names = list(weights)
+        for name, w in weights.items():
+            self.register_buffer(name, w.detach().contiguous())
+        self._cutemk_key = (
+            f"MegaDecoderLayer({cfg!r}, moe={moe!r}, weights={self._names}, max={max_batch}, "
+            f"backend={backend}, scheduler={scheduler!r}, sms={num_sms})"
+        )
+        torch_ops.key_of(self)
+
+    @classmethod
+    def from_hf(
+        cls,
+        layer: nn.Module,
+        page_size: int = 16,
+        max_pages: int = 256,
+        max_positions: int | None = None,
+        rope_theta: float | None = None,
+        tiles: tuple[int, int] = (64, 64),
+        **kwargs: Any,
+    ) -> MegaDecoderLayer:
+        """From transformers' ``Qwen3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` (its weights
+        copied; its rotary settings from its attention's config: the default rope,
+        ``rope_theta``)."""
+        from ..layers import DecoderConfig, MoeConfig, fold_decoder_norms
+        from ..ops import rope_table
+
+        a, m = layer.self_attn, layer.mlp
+        conf = a.config
+        head_dim = a.head_dim
+        params = getattr(conf, "rope_parameters", None) or getattr(conf, "rope_scaling", None)
+        params = params or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"MegaDecoderLayer: rope type {rope_type!r} is not supported yet")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if getattr(a, name).bias is not None:
+                raise ValueError(f"MegaDecoderLayer: {name} has a bias, not supported yet")
+        if getattr(a, "sliding_window", None):
+            raise ValueError("MegaDecoderLayer: sliding-window attention is not supported yet")
+        theta = rope_theta
+        if theta is None:
+            theta = params.get("rope_theta", getattr(conf, "rope_theta", 10000.0))
+        max_pos = max_positions or conf.max_position_embeddings
+        sparse = hasattr(m, "experts")
+        moe = None
+        if sparse:  # the sparse block's weights as MegaMoE reads them (5.x or 4.x layout)
+            block = MegaMoE.from_hf(m, max_tokens=kwargs.get("max_batch", 64), backend="interpret")
+            moe = MoeConfig(
+                block.hidden,
+                block.intermediate,
+                block.num_experts,
+                block.top_k,
+                block.norm_topk_prob,
+                block_m=tiles[0],
+                block_n=tiles[1],
+                router_dtype=None,
+            )
+        cfg = DecoderConfig(
+            hidden=conf.hidden_size,
+            intermediate=moe.intermediate if sparse else m.gate_proj.weight.shape[0],
+            heads=conf.num_attention_heads,
+            kv_heads=conf.num_key_value_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            max_pages=max_pages,
+            max_positions=max_pos,
+            eps=layer.input_layernorm.variance_epsilon,
+            block_m=tiles[0],
+            block_n=tiles[1],
+            fold_norms=True,
+        )
+        w = {
+            "input_norm": layer.input_layernorm.weight,
+            "w_qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            "q_norm": a.q_norm.weight,
+            "k_norm": a.k_norm.weight,
+            "cos_sin": rope_table(max_pos, head_dim, float(theta)).to(a.q_proj.weight.device),
+            "w_o": a.o_proj.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+        }
+        if sparse:
+            w.update(w_router=block.w_router, w_gate_up=block.w_gate_up, w_down=block.w_down)
+        else:
+            w.update(
+                w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                w_down=m.down_proj.weight,
+            )
+        return cls(fold_decoder_norms(w, moe=sparse), cfg, moe=moe, **kwargs)
+
+    @property
+    def max_tokens(self) -> int:
+        """One new token a sequence: the most tokens a step takes is ``max_batch``."""
+        return self.max_batch
+
+    @property
+    def hidden(self) -> int:
+        return self.cfg.hidden
+
+    def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
+        """The compiled graph of a regime (:data:`DECODER_REGIME_LIMITS`) for weights like
+        ``like`` (default: this module's ``w_down``), compiled on first use: one graph up to
+        ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
+        its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
+        one)."""
+        if regime not in self.regimes():
+            raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
+        fn = self._compiled.get(key)
+        if fn is None:
+            from ..layers import decoder_layer_graph
+
+            limit = self.regime_limits[regime]
+            limit = self.max_batch if limit is None else min(self.max_batch, limit)
+            g = decoder_layer_graph(sym("B", max=limit), self.cfg, like.dtype, self.moe)
+            fn = self._compiled[key] = _compile(self, g, backend)
+        return fn
+
+    def warm_inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """A decode step of ``batch`` sequences for :func:`cutemk.warmup`: one token each, at
+        position 0 of its own one-page cache (zeros, on the weights' device and dtype)."""
+        cfg, w = self.cfg, self.w_down
+        kw = {"device": w.device}
+        cache = (batch, cfg.page_size, cfg.kv_heads, cfg.head_dim)
+        table = torch.arange(batch, dtype=torch.int32, **kw)[:, None].repeat(1, cfg.max_pages)
+        return (
+            torch.zeros(batch, cfg.hidden, dtype=w.dtype, **kw),
+            torch.zeros(batch, dtype=torch.int32, **kw),
+            torch.zeros(cache, dtype=w.dtype, **kw),
+            torch.zeros(cache, dtype=w.dtype, **kw),
+            table,
+            torch.ones(batch, dtype=torch.int32, **kw),
+        )
+
+    def forward(self, x, positions, k_cache, v_cache, page_table, seq_lens) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
+            raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
+        if x.shape[0] > self.max_batch:
+            raise ShapeError(f"batch {x.shape[0]} is more than max_batch={self.max_batch}")
+        weights = [getattr(self, n) for n in self._names]
+        x = x.detach()
+        if torch_ops.direct(x):
+            return self._launch(x, positions, k_cache, v_cache, page_table, seq_lens, weights)
+        key = torch_ops.key_of(self)
+        return torch.ops.cutemk.mega_decoder_layer(
+            x, positions, k_cache, v_cache, page_table, seq_lens, weights, key
+        )
+
+    def _launch(self, x, positions, k_cache, v_cache, page_table, seq_lens, weights):
+        """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
+        named = dict(zip(self._names, weights))
+        with torch.no_grad():
+            return self.compiled(self.regime(x.shape[0]), like=named["w_down"])(
+                x=x,
+                positions=positions,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                page_table=page_table,
+                seq_lens=seq_lens,
+                **named,
+            )

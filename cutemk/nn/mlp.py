@@ -1,0 +1,274 @@
+"""MegaMLP: a Hugging Face gated-SiLU MLP as one megakernel, with the token count as host or
+device data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import torch_ops
+from ..errors import CuteMKError, DeviceError, DTypeError, LayoutError, ShapeError
+from ..regimes import REGIME_LIMITS, mlp_regime_graph
+from .base import _aligned, _check_silu, _compile, _KeyedModule, _sm_count, _token_rows
+
+FAST_PATH = True
+"""MegaMLP's eager fast path (see ``MegaMLP.forward``); benchmarks turn it off to time the full
+path in the same process."""
+
+
+class MegaMLP(_KeyedModule):
+    """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` as a cutemk megakernel, for x of shape
+    (..., H) with at most ``max_tokens`` rows once flattened.
+
+    Weights are kept as buffers (not parameters: nothing trains them): ``w_gate_up`` (2I, H) =
+    cat(gate, up), the layout the fused gate/up GEMM reads, and ``w_down`` (H, I). ``.to()``
+    moves or casts them; the graphs for a new device or dtype compile on the next call.
+
+    ``backend`` None picks 'cute' when the weights are on a CUDA device at call time, else
+    'interpret' (the CPU reference). ``scheduler`` and ``num_sms`` go to ``Graph.compile``.
+    """
+
+    regime_limits = REGIME_LIMITS
+
+    def __init__(
+        self,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
+        max_tokens: int = 8192,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if backend not in (None, "cute", "interpret"):
+            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        _check_weights(w_gate, w_up, w_down)
+        inter, hidden = w_gate.shape
+        self.hidden, self.intermediate, self.max_tokens = int(hidden), int(inter), max_tokens
+        self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        w_gate_up = torch.cat([w_gate.detach(), w_up.detach()]).contiguous()
+        self.register_buffer("w_gate_up", w_gate_up)
+        self.register_buffer("w_down", w_down.detach().contiguous())
+        # the custom op's key: everything but the weights that decides the kernels it runs
+        self._cutemk_key = (
+            f"MegaMLP(h={self.hidden}, i={self.intermediate}, max={max_tokens}, "
+            f"backend={backend}, scheduler={scheduler!r}, sms={num_sms})"
+        )
+        torch_ops.key_of(self)
+
+    @classmethod
+    def from_hf(
+        cls,
+        mlp: nn.Module,
+        max_tokens: int = 8192,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+    ) -> MegaMLP:
+        """Build from a Hugging Face gated MLP (gate_proj/up_proj/down_proj, SiLU, no biases).
+        Raises ValueError naming what does not fit instead of computing something else."""
+        layers = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp, name, None)
+            if not isinstance(getattr(lin, "weight", None), torch.Tensor):
+                raise ValueError(f"{type(mlp).__name__} has no {name} layer with a weight tensor")
+            if getattr(lin, "bias", None) is not None:
+                raise ValueError(
+                    f"{type(mlp).__name__}.{name} has a bias; MegaMLP computes bias-free "
+                    "projections (e.g. LLaMA with mlp_bias=True is not supported)"
+                )
+            layers[name] = lin.weight
+        _check_silu(mlp)
+        return cls(
+            layers["gate_proj"],
+            layers["up_proj"],
+            layers["down_proj"],
+            max_tokens=max_tokens,
+            backend=backend,
+            scheduler=scheduler,
+            num_sms=num_sms,
+        )
+
+    # -- graphs -----------------------------------------------------------------------------
+    def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
+        """The compiled graph of a regime for weights of ``like``'s dtype and device (default:
+        this module's weights), compiled on first use, then cached: every token count of the
+        regime reuses it."""
+        if regime not in self.regimes():
+            raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
+        fn = self._compiled.get(key)
+        if fn is None:
+            sms = self.num_sms or _sm_count(like.device)
+            g = mlp_regime_graph(
+                self.hidden, self.intermediate, regime, like.dtype, self.max_tokens, backend, sms
+            )
+            fn = self._compiled[key] = _compile(self, g, backend)
+        return fn
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph).
+
+        ``num_tokens`` (an int32 CUDA tensor of one element): the token count as device data,
+        for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
+        if num_tokens is not None:
+            return self.forward_live(x, num_tokens)
+        fast = self.__dict__.get("_fast") if FAST_PATH else None
+        hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
+        if hit is not None:  # rows of a shape an earlier eager call launched (see below)
+            graph, w_gate_up, w_down, dtype, device, config = hit
+            if (
+                x.dtype is dtype
+                and x.get_device() == device
+                and not x.requires_grad
+                and x.is_contiguous()
+                and w_gate_up is self._buffers["w_gate_up"]
+                and w_down is self._buffers["w_down"]
+                and config == (self.backend, self.scheduler, self.num_sms)
+                and not self.__dict__.get("profile")
+                and torch_ops.direct(x)
+            ):
+                return graph(_aligned(x), w_gate_up, w_down)
+        x2 = _token_rows(self, x)
+        if x2 is None:
+            return x.detach().new_empty(x.shape)
+        if torch_ops.direct(x2):
+            y = self._launch(x2, self.w_gate_up, self.w_down)
+            if FAST_PATH and x2 is x and y.dim() == 2 and not self.__dict__.get("profile"):
+                # the next eager call with these rows skips the checks above it (they hold for
+                # any x of this shape, dtype, device and layout, with these weights), the
+                # regime lookup and no_grad (the kernel call records no autograd graph)
+                if fast is None or len(fast) >= 64:
+                    fast = self.__dict__["_fast"] = {}
+                graph = self.compiled(self.regime(x.shape[0]), like=self.w_down)
+                fast[x.shape] = (
+                    graph,
+                    self.w_gate_up,
+                    self.w_down,
+                    x.dtype,
+                    x.get_device(),
+                    (self.backend, self.scheduler, self.num_sms),
+                )
+        else:
+            key = torch_ops.key_of(self)
+            y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def forward_live(
+        self, x: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The MLP of the first ``num_tokens`` rows of ``x`` ((max_tokens, H) or (..., H)
+        with max_tokens rows), the count read on the GPU: no host work depends on it, so a
+        CUDA graph captured once replays at every count up to ``max_tokens``. Launches every
+        regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`); the one
+        whose range holds the count runs its plan, the others exit at once. Rows of the result
+        at and past the count are not defined. A count outside [0, max_tokens] runs nothing
+        and is raised by :meth:`check_live`. ``out``: a (max_tokens, H) tensor to write
+        into. On the interpreter (the CPU reference) the count is read on the host and checked
+        at once."""
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
+            raise LayoutError(
+                f"forward_live takes x with max_tokens={self.max_tokens} rows of "
+                f"{self.hidden}, got {tuple(x.shape)}"
+            )
+        if self.resolved_backend() != "cute":
+            return self._forward_live_reference(x, x2, num_tokens, out)
+        graphs = self.live_graphs()
+        y = torch.empty_like(x2) if out is None else out
+        with torch.no_grad():
+            for rows, live in graphs:
+                live(x2[:rows], self.w_gate_up, self.w_down, num_tokens=num_tokens, out=(y[:rows],))
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def _forward_live_reference(self, x, x2, num_tokens, out):
+        """:meth:`forward_live` on the interpreter: the count read on the host."""
+        if not (
+            isinstance(num_tokens, torch.Tensor)
+            and num_tokens.dtype == torch.int32
+            and num_tokens.numel() == 1
+        ):
+            raise TypeError(
+                "num_tokens must be an int32 tensor of one element (the live token count)"
+            )
+        n = int(num_tokens.reshape(()))
+        if not 0 <= n <= self.max_tokens:
+            raise CuteMKError(
+                f"MegaMLP: forward_live got a token count of {n}, outside [0, {self.max_tokens}]"
+            )
+        y = torch.empty_like(x2) if out is None else out
+        if n:
+            y[:n] = self.forward(x2[:n])
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def live_graphs(self, build: bool = True) -> list[tuple[int, Any]]:
+        """(rows, :class:`~cutemk.live.LiveGraph`) of each regime, for :meth:`forward_live`:
+        built on first use (compiling the live kernels, planning every count); with
+        ``build=False`` only those built so far."""
+        if self.resolved_backend() != "cute":
+            raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
+        out = []
+        for regime, first in self.regime_starts():
+            rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
+            graph = self.compiled(regime)
+            if build:
+                out.append((rows, graph.live(first=first, limit=self.max_tokens)))
+            elif (live := graph.live_built(first=first, limit=self.max_tokens)) is not None:
+                out.append((rows, live))
+        return out
+
+    def check_live(self) -> None:
+        """Raise CuteMKError if a :meth:`forward_live` since the last check got a count outside
+        [0, max_tokens] (it ran nothing); waits for the launches."""
+        if self.resolved_backend() != "cute":
+            return  # the interpreter checks each count when it reads it
+        tallies = [live.take_errors() for _, live in self.live_graphs(build=False)]
+        bad, last = max(tallies, default=(0, 0))  # every regime's kernel saw the same counts
+        if bad:
+            raise CuteMKError(
+                f"MegaMLP: {bad} forward_live call(s) got a token count outside "
+                f"[0, {self.max_tokens}] (the last: {last}) and computed nothing"
+            )
+
+    def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
+        """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""
+        with torch.no_grad():
+            fn = self.compiled(self.regime(x2.shape[0]), like=w_down)
+            return fn(_aligned(x2), w_gate_up, w_down)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden}, intermediate={self.intermediate}, "
+            f"max_tokens={self.max_tokens}, backend={self.backend or 'auto'}, "
+            f"scheduler={getattr(self.scheduler, 'name', self.scheduler)}"
+        )
+
+
+def _check_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ShapeError(f"{name} must be a 2-D tensor, got {got}")
+    inter, hidden = w_gate.shape
+    if tuple(w_up.shape) != (inter, hidden):
+        raise ShapeError(
+            f"w_up must match w_gate's (I, H) = {(inter, hidden)}, got {tuple(w_up.shape)}"
+        )
+    if tuple(w_down.shape) != (hidden, inter):
+        raise ShapeError(f"w_down must be (H, I) = {(hidden, inter)}, got {tuple(w_down.shape)}")
+    dtypes = {w.dtype for w in (w_gate, w_up, w_down)}
+    if len(dtypes) != 1:
+        raise DTypeError(f"gate, up and down weights must share one dtype, got {dtypes}")
+    if w_gate.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise DTypeError(f"MegaMLP weights must be fp32, bf16 or fp16, got {w_gate.dtype}")
+    devices = {w.device for w in (w_gate, w_up, w_down)}
+    if len(devices) != 1:
+        raise DeviceError(f"gate, up and down weights must be on one device, got {devices}")

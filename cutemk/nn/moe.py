@@ -1,0 +1,155 @@
+"""MegaMoE: a Qwen3-MoE sparse block as one megakernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import torch_ops
+from ..errors import DeviceError, DTypeError, ShapeError
+from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
+from .base import _aligned, _check_silu, _compile, _KeyedModule, _token_rows
+
+
+class MegaMoE(_KeyedModule):
+    """A Qwen3-MoE sparse block (router, softmax top-k, gated-SiLU experts, weighted combine)
+    as one cutemk megakernel, for x of shape (..., H) with at most ``max_tokens`` rows.
+
+    Weights (buffers): ``w_router`` (E, H), ``w_gate_up`` (E, 2I, H) = per expert cat(gate,
+    up), ``w_down`` (E, H, I): transformers 5.x's ``Qwen3MoeExperts`` layout. Routing is on
+    logits in the weights' dtype, as Hugging Face's gate Linear computes them; exact ties go to
+    the lower expert id. Three regimes (:data:`MOE_REGIME_LIMITS`), each one graph compiled on
+    first use: ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`,
+    ``prefill`` above (tiles in :data:`MOE_TILES`).
+    Inference only (no backward).
+    """
+
+    regime_limits = MOE_REGIME_LIMITS
+
+    def __init__(
+        self,
+        w_router: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        top_k: int,
+        norm_topk_prob: bool = True,
+        max_tokens: int = 4096,
+        backend: str | None = None,
+        scheduler: Any = "static",
+        num_sms: int | None = None,
+        profile: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if backend not in (None, "cute", "interpret"):
+            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        for name, w, nd in (("w_router", w_router, 2), ("w_gate_up", w_gate_up, 3)):
+            if not isinstance(w, torch.Tensor) or w.dim() != nd:
+                raise ShapeError(f"{name} must be a {nd}-D tensor")
+        e, h = w_router.shape
+        if w_gate_up.shape[0] != e or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
+            raise ShapeError(
+                f"w_gate_up must be (E, 2I, H) with E={e}, H={h}, got {tuple(w_gate_up.shape)}"
+            )
+        inter = w_gate_up.shape[1] // 2
+        if not isinstance(w_down, torch.Tensor) or tuple(w_down.shape) != (e, h, inter):
+            got = tuple(w_down.shape) if isinstance(w_down, torch.Tensor) else type(w_down)
+            raise ShapeError(f"w_down must be (E, H, I) = {(e, h, inter)}, got {got}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= e:
+            raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
+        dtypes = {w.dtype for w in (w_router, w_gate_up, w_down)}
+        if len(dtypes) != 1 or w_down.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise DTypeError(f"MoE weights must share one of fp32/bf16/fp16, got {dtypes}")
+        if len({w.device for w in (w_router, w_gate_up, w_down)}) != 1:
+            raise DeviceError("router and expert weights must be on one device")
+        self.hidden, self.intermediate, self.num_experts = int(h), int(inter), int(e)
+        self.top_k, self.norm_topk_prob, self.max_tokens = top_k, bool(norm_topk_prob), max_tokens
+        self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        self.profile = bool(profile)  # per-task timestamps (``compiled(r).profile_records()``)
+        self.register_buffer("w_router", w_router.detach().contiguous())
+        self.register_buffer("w_gate_up", w_gate_up.detach().contiguous())
+        self.register_buffer("w_down", w_down.detach().contiguous())
+        self._cutemk_key = (
+            f"MegaMoE(h={self.hidden}, i={self.intermediate}, e={self.num_experts}, "
+            f"k={top_k}, norm={self.norm_topk_prob}, max={max_tokens}, backend={backend}, "
+            f"scheduler={scheduler!r}, sms={num_sms}, profile={self.profile})"
+        )
+        torch_ops.key_of(self)
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, max_tokens: int = 4096, **kwargs: Any) -> MegaMoE:
+        """Build from transformers' ``Qwen3MoeSparseMoeBlock``: the 5.x layout (``gate.weight``,
+        ``experts.gate_up_proj``, ``experts.down_proj``) or 4.x's list of expert MLPs."""
+        gate = getattr(block, "gate", None)
+        experts = getattr(block, "experts", None)
+        if not isinstance(getattr(gate, "weight", None), torch.Tensor) or experts is None:
+            raise ValueError(f"{type(block).__name__} has no gate.weight / experts")
+        config = getattr(block, "config", None)
+        top_k = getattr(gate, "top_k", None) or getattr(block, "top_k", None)
+        top_k = top_k or getattr(config, "num_experts_per_tok", None)
+        norm = getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", None))
+        if norm is None:
+            norm = getattr(config, "norm_topk_prob", None)
+        if top_k is None or norm is None:
+            raise ValueError(f"{type(block).__name__}: cannot find top_k / norm_topk_prob")
+        if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            w_gu, w_down = experts.gate_up_proj, experts.down_proj
+            _check_silu(experts)
+        else:  # one gated MLP module per expert
+            for mlp in experts:
+                _check_silu(mlp)
+            w_gu = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+            w_down = torch.stack([m.down_proj.weight for m in experts])
+        return cls(gate.weight, w_gu, w_down, int(top_k), bool(norm), max_tokens, **kwargs)
+
+    def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
+        """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for weights of
+        ``like``'s dtype and device (default: this module's weights), compiled on first use,
+        then reused for every token count it serves."""
+        if regime not in MOE_REGIME_LIMITS:
+            raise ValueError(f"regime must be one of {tuple(MOE_REGIME_LIMITS)}, got {regime!r}")
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
+        fn = self._compiled.get(key)
+        if fn is None:
+            g = moe_regime_graph(
+                self.hidden,
+                self.intermediate,
+                self.num_experts,
+                self.top_k,
+                self.norm_topk_prob,
+                regime,
+                like.dtype,
+                self.max_tokens,
+                backend,
+            )
+            fn = self._compiled[key] = _compile(self, g, backend)
+        return fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad."""
+        x2 = _token_rows(self, x)
+        if x2 is None:
+            return x.detach().new_empty(x.shape)
+        if torch_ops.direct(x2):
+            y = self._launch(x2, self.w_router, self.w_gate_up, self.w_down)
+        else:
+            key = torch_ops.key_of(self)
+            y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def _launch(self, x2, w_router, w_gate_up, w_down):
+        """The megakernel call behind ``torch.ops.cutemk.mega_moe`` (real tensors)."""
+        with torch.no_grad():
+            fn = self.compiled(self.regime(x2.shape[0]), like=w_down)
+            return fn(_aligned(x2), w_router, w_gate_up, w_down)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden}, intermediate={self.intermediate}, "
+            f"experts={self.num_experts}, top_k={self.top_k}, max_tokens={self.max_tokens}"
+        )
