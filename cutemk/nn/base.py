@@ -72,11 +72,7 @@ class _KeyedModule(nn.Module):
 
     def regimes(self) -> tuple[str, ...]:
         """The regimes this module can run: those starting below ``max_tokens``."""
-        held = self.__dict__.get("_regimes_held")  # (max_tokens, regimes): asked every call
-        if held is None or held[0] != self.max_tokens:
-            held = (self.max_tokens, tuple(r for r, _ in self.regime_starts()))
-            self.__dict__["_regimes_held"] = held
-        return held[1]
+        return tuple(r for r, _ in self.regime_starts())
 
     def regime_starts(self) -> list[tuple[str, int]]:
         """(regime, its smallest token count) of each regime this module runs."""

@@ -151,13 +151,13 @@ class MegaDecoderLayer(_KeyedModule):
         ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
         its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
         one)."""
-        if regime not in self.regimes():
-            raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
         like = self.w_down if like is None else like
         backend = self.resolved_backend(like)
         key = (backend, regime, like.dtype, like.device)
         fn = self._compiled.get(key)
-        if fn is None:
+        if fn is None:  # only a regime of this module is ever kept
+            if regime not in self.regimes():
+                raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
             from ..layers import decoder_layer_graph
 
             limit = self.regime_limits[regime]
