@@ -138,3 +138,24 @@ def test_cell_sources_match_the_cell_walk():
         got = native.cell_sources(shape, grid, ranges)
         want = [tuple(sorted(ix.in_cells(tuple(map(tuple, r))))) for r in ranges.tolist()]
         assert got == want
+
+
+def test_with_the_caches_off_the_library_leaves_no_directory_behind(tmp_path):
+    """``CUTEMK_CACHE_DIR=""``: the library is built in a directory of the process's own,
+    which goes once the library is loaded."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import glob, os, tempfile\n"
+        "from cutemk import native\n"
+        "assert native.lib() is not None\n"
+        "print(len(glob.glob(os.path.join(tempfile.gettempdir(), 'cutemk-native-*'))))\n"
+    )
+    env = dict(os.environ, CUTEMK_CACHE_DIR="", TMPDIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"

@@ -74,10 +74,15 @@ def _load() -> ctypes.CDLL | None:
     try:
         key = _SOURCE.read_bytes() + f"{sys.platform} {platform.machine()}".encode()
         digest = hashlib.sha256(key).hexdigest()[:16]
-        path = _build_dir() / f"sched-{digest}.so"
-        if not path.is_file():
-            _compile(path)
-        return _bind(ctypes.CDLL(str(path)))
+        d = _build_dir()
+        path = d / f"sched-{digest}.so"
+        try:
+            if not path.is_file():
+                _compile(path)
+            return _bind(ctypes.CDLL(str(path)))
+        finally:
+            if os.environ.get("CUTEMK_CACHE_DIR") == "":  # this process's own: loaded, gone
+                shutil.rmtree(d, ignore_errors=True)
     except Exception as e:  # noqa: BLE001 (any failure: the Python passes serve)
         warnings.warn(
             f"cutemk: the C scheduler passes are unavailable ({e}); planning large graphs "
