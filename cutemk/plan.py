@@ -250,8 +250,8 @@ class _WriteIndex:
                     )
                 prev = prev if isinstance(prev, frozenset) else frozenset((prev,))
                 self.cells[cell] = prev | {t}
-        self.flat: list[int] | None = None
-        self.grid: np.ndarray | None = None
+        self.grid: np.ndarray | None = None  # a tiling: writer id per cell (-1: none)
+        self._flat: list[int] | None = None
         self._memo: dict[Box, frozenset[int]] = {}
 
     @classmethod
@@ -275,14 +275,14 @@ class _WriteIndex:
                 if len(_sorted_unique(at)) == len(tasks):
                     # a tiling: the cells as one row-major list of writer ids (-1: none),
                     # which a range of cells reads a slice at a time
-                    grid = np.full(size, -1, dtype=np.int64)
+                    grid = np.full(size, -1, dtype=np.int32)
                     grid[at] = tasks
                     self = cls.__new__(cls)
                     self.name = value_name
                     self.bps = [bp.tolist() for bp in bps]
                     self.cells = {}
-                    self.flat = grid.tolist()
-                    self.grid = grid.astype(np.int32)
+                    self.grid = grid
+                    self._flat = None
                     self._shape = shape
                     self._memo = {}
                     return self
@@ -290,7 +290,7 @@ class _WriteIndex:
         return cls(value_name, pairs, overlap)
 
     def _empty(self) -> bool:
-        return not self.cells and self.flat is None
+        return not self.cells and self.grid is None
 
     def query(self, box: Box) -> frozenset[int]:
         if box_is_empty(box) or self._empty():
@@ -325,8 +325,10 @@ class _WriteIndex:
     def in_cells(self, ranges: tuple[tuple[int, int], ...]) -> frozenset[int]:
         """The tasks writing the cells of the per-dim index ranges ``ranges``."""
         found: set[int] = set()
-        if self.flat is not None:
-            flat, shape = self.flat, self._shape
+        if self.grid is not None:
+            if self._flat is None:  # Python ints for slicing: made where the C pass is not used
+                self._flat = self.grid.tolist()
+            flat, shape = self._flat, self._shape
             if any(hi <= lo for lo, hi in ranges):
                 return frozenset()
             lo_last, hi_last = ranges[-1]
