@@ -107,17 +107,24 @@ def pack_live(
     return table, prog, dev, prog_off, dev_off
 
 
-def live_spec(cg: Any):
-    """The kernel spec of ``cg``'s graph taking its token count as device data (raises
-    GraphError where the graph cannot: see :func:`cutemk.kernels.live_dims`)."""
-    syms = free_syms(*(d for v in cg.graph.values for d in v.shape))
+def token_sym(graph: Any) -> Sym:
+    """The one symbolic dim of ``graph``, its token count (GraphError if it has another)."""
+    syms = free_syms(*(d for v in graph.values for d in v.shape))
     if len(syms) != 1:
         raise GraphError(
-            f"{cg.graph.name}: a live token count needs exactly one symbolic dim, the graph "
+            f"{graph.name}: a live token count needs exactly one symbolic dim, the graph "
             f"has {sorted(s.name for s in syms)}"
         )
     (sym,) = syms
-    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=sym.name)
+    assert isinstance(sym, Sym)
+    return sym
+
+
+def live_spec(cg: Any):
+    """The kernel spec of ``cg``'s graph taking its token count as device data (raises
+    GraphError where the graph cannot: see :func:`cutemk.kernels.live_dims`)."""
+    name = token_sym(cg.graph).name
+    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=name)
 
 
 @dataclass
@@ -147,14 +154,7 @@ class LiveGraph:
         limit: int | None = None,
     ):
         g = cg.graph
-        syms = sorted(free_syms(*(d for v in g.values for d in v.shape)), key=lambda s: s.name)
-        if len(syms) != 1:
-            raise GraphError(
-                f"{g.name}: a live token count needs exactly one symbolic dim, the graph has "
-                f"{[s.name for s in syms]}"
-            )
-        (sym,) = syms
-        assert isinstance(sym, Sym)
+        sym = token_sym(g)
         if cg.spec.profile:
             raise CuteMKError("profile=True records one plan's tasks; compile without it")
         self.cg = cg
