@@ -66,6 +66,21 @@ class _KeyedModule(nn.Module):
         self.__dict__.pop("_fast", None)
         return super()._apply(fn, *args, **kwargs)
 
+    def _graph(self, regime: str, like: torch.Tensor | None, build) -> Any:
+        """The compiled graph of ``regime`` for weights like ``like`` (default: the module's
+        ``w_down``), shared by the modules of this key: ``build(dtype, device, backend)``
+        makes the graph on first use, then it serves every token count of the regime."""
+        like = self.w_down if like is None else like
+        backend = self.resolved_backend(like)
+        key = (backend, regime, like.dtype, like.device)
+        fn = self._compiled.get(key)
+        if fn is None:  # only a regime of this module is ever kept
+            if regime not in self.regimes():
+                raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
+            g = build(like.dtype, like.device, backend)
+            fn = self._compiled[key] = _compile(self, g, backend)
+        return fn
+
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
         return regime_of(self.regime_limits, tokens)
@@ -84,6 +99,13 @@ class _KeyedModule(nn.Module):
             return self.backend
         # a CUDA tensor means CUDA is available (no ``torch.cuda.is_available()`` per call)
         return "cute" if (self.w_down if like is None else like).is_cuda else "interpret"
+
+
+def _check_options(max_tokens: Any, backend: Any) -> None:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if backend not in (None, "cute", "interpret"):
+        raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
 
 
 def _sm_count(device: torch.device) -> int:

@@ -12,7 +12,7 @@ from ..errors import ShapeError
 from ..regimes import DECODER_REGIME_LIMITS
 from ..symbolic import sym
 from ..tileop import expect_positive_int
-from .base import _compile, _KeyedModule
+from .base import _KeyedModule
 from .moe import MegaMoE
 
 
@@ -151,20 +151,15 @@ class MegaDecoderLayer(_KeyedModule):
         ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
         its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
         one)."""
-        like = self.w_down if like is None else like
-        backend = self.resolved_backend(like)
-        key = (backend, regime, like.dtype, like.device)
-        fn = self._compiled.get(key)
-        if fn is None:  # only a regime of this module is ever kept
-            if regime not in self.regimes():
-                raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
+
+        def build(dtype, device, backend):
             from ..layers import decoder_layer_graph
 
             limit = self.regime_limits[regime]
             limit = self.max_batch if limit is None else min(self.max_batch, limit)
-            g = decoder_layer_graph(sym("B", max=limit), self.cfg, like.dtype, self.moe)
-            fn = self._compiled[key] = _compile(self, g, backend)
-        return fn
+            return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, self.moe)
+
+        return self._graph(regime, like, build)
 
     def warm_inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
         """A decode step of ``batch`` sequences for :func:`cutemk.warmup`: one token each, at

@@ -11,7 +11,14 @@ from torch import nn
 from .. import torch_ops
 from ..errors import CuteMKError, DeviceError, DTypeError, LayoutError, ShapeError
 from ..regimes import REGIME_LIMITS, mlp_regime_graph
-from .base import _aligned, _check_silu, _compile, _KeyedModule, _sm_count, _token_rows
+from .base import (
+    _aligned,
+    _check_options,
+    _check_silu,
+    _KeyedModule,
+    _sm_count,
+    _token_rows,
+)
 
 FAST_PATH = True
 """MegaMLP's eager fast path (see ``MegaMLP.forward``); benchmarks turn it off to time the full
@@ -43,10 +50,7 @@ class MegaMLP(_KeyedModule):
         num_sms: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        if backend not in (None, "cute", "interpret"):
-            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        _check_options(max_tokens, backend)
         _check_weights(w_gate, w_up, w_down)
         inter, hidden = w_gate.shape
         self.hidden, self.intermediate, self.max_tokens = int(hidden), int(inter), max_tokens
@@ -99,19 +103,14 @@ class MegaMLP(_KeyedModule):
         """The compiled graph of a regime for weights of ``like``'s dtype and device (default:
         this module's weights), compiled on first use, then cached: every token count of the
         regime reuses it."""
-        like = self.w_down if like is None else like
-        backend = self.resolved_backend(like)
-        key = (backend, regime, like.dtype, like.device)
-        fn = self._compiled.get(key)
-        if fn is None:  # only a regime of this module is ever kept
-            if regime not in self.regimes():
-                raise ValueError(f"regime must be one of {self.regimes()}, got {regime!r}")
-            sms = self.num_sms or _sm_count(like.device)
-            g = mlp_regime_graph(
-                self.hidden, self.intermediate, regime, like.dtype, self.max_tokens, backend, sms
+
+        def build(dtype, device, backend):
+            sms = self.num_sms or _sm_count(device)
+            return mlp_regime_graph(
+                self.hidden, self.intermediate, regime, dtype, self.max_tokens, backend, sms
             )
-            fn = self._compiled[key] = _compile(self, g, backend)
-        return fn
+
+        return self._graph(regime, like, build)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:

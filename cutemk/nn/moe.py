@@ -10,7 +10,7 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
-from .base import _aligned, _check_silu, _compile, _KeyedModule, _token_rows
+from .base import _aligned, _check_options, _check_silu, _KeyedModule, _token_rows
 
 
 class MegaMoE(_KeyedModule):
@@ -42,10 +42,7 @@ class MegaMoE(_KeyedModule):
         profile: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        if backend not in (None, "cute", "interpret"):
-            raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+        _check_options(max_tokens, backend)
         for name, w, nd in (("w_router", w_router, 2), ("w_gate_up", w_gate_up, 3)):
             if not isinstance(w, torch.Tensor) or w.dim() != nd:
                 raise ShapeError(f"{name} must be a {nd}-D tensor")
@@ -109,26 +106,21 @@ class MegaMoE(_KeyedModule):
         """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for weights of
         ``like``'s dtype and device (default: this module's weights), compiled on first use,
         then reused for every token count it serves."""
-        if regime not in MOE_REGIME_LIMITS:
-            raise ValueError(f"regime must be one of {tuple(MOE_REGIME_LIMITS)}, got {regime!r}")
-        like = self.w_down if like is None else like
-        backend = self.resolved_backend(like)
-        key = (backend, regime, like.dtype, like.device)
-        fn = self._compiled.get(key)
-        if fn is None:
-            g = moe_regime_graph(
+
+        def build(dtype, device, backend):
+            return moe_regime_graph(
                 self.hidden,
                 self.intermediate,
                 self.num_experts,
                 self.top_k,
                 self.norm_topk_prob,
                 regime,
-                like.dtype,
+                dtype,
                 self.max_tokens,
                 backend,
             )
-            fn = self._compiled[key] = _compile(self, g, backend)
-        return fn
+
+        return self._graph(regime, like, build)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., H). Inference only: runs under no_grad."""
