@@ -299,6 +299,11 @@ class LiveGraph:
                 "watchdog=True reads the kernel's state back after every launch, so it "
                 "cannot be captured in a CUDA graph; compile without it"
             )
+        # the graph's scratch is shared with every launch of the graph: one stream at a time
+        index = leaves[0].get_device()
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        if stream != self.cg._stream:
+            self.cg._follow_stream(stream, capturing, index)
         self._fn(
             tensors,
             self.prog,

@@ -93,6 +93,10 @@ def _off_graph(fn, *args):
     return box["out"]
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @dataclass
 class _Buffers:
     """Device state of one plan (one token count): program, counters, intermediates."""
@@ -112,7 +116,7 @@ class _Call:
     with the per-call slots (leaves, new outputs) left empty, and what each leaf must look like
     for a later call to reuse it without binding again."""
 
-    __slots__ = ("buffers", "checks", "device", "leaf_slots", "outputs", "template")
+    __slots__ = ("buffers", "checks", "device", "leaf_slots", "outputs", "run", "template")
 
     @classmethod
     def build(cls, g: CuteGraph, b: _Buffers, leaves: tuple) -> _Call:
@@ -139,6 +143,7 @@ class _Call:
         ]
         # dtype, row-major strides (what bind's canonical view has), device index
         c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
+        c.run = None  # the launch alone, made after the first launch (see CuteGraph._runner)
         return c
 
     def matches(self, args: tuple) -> bool:
@@ -212,6 +217,9 @@ class CuteGraph:
         self._live: dict[tuple, Any] = {}  # see live()
         self._leaf_names = tuple(v.name for v in graph.leaves)
         self._fn = None
+        self._generation = 0  # load_plan's count: a kept runner of an older plan binds again
+        self._stream = -1  # the raw CUDA stream of the last launch (see _follow_stream)
+        self._stream_obj: torch.cuda.Stream | None = None
         self.last_env: dict[str, int] | None = None
 
     # -- plans and buffers ----------------------------------------------------------------------
@@ -244,6 +252,7 @@ class CuteGraph:
             self._retired.append(old)
         self._buffers[key] = self._build_buffers(plan)
         self._calls.clear()  # they hold the plans they were bound to
+        self._generation += 1
 
     def _build_buffers(self, plan: Plan) -> _Buffers:
         if self.spec.distributed:  # collective setup: stays on the caller's thread
@@ -409,9 +418,103 @@ class CuteGraph:
                     call = None
             except AttributeError:  # not a tensor: the full path names the argument
                 call = None
+            if call is not None and call.run is not None:
+                return call.run(args)
         if call is None:
             call, args = self._bind_call(args, kwargs)
         return self._run(call, args)
+
+    def runner(self, *leaves: torch.Tensor) -> Any:
+        """The launch of a call on leaves like these (same shapes, dtypes, strides and device,
+        16-byte aligned, no autograd), as a function of the leaves that checks none of that:
+        for a caller that knows its leaves match (e.g. a module whose weights are its own and
+        whose activations it checked). It does only what every launch needs: the outputs'
+        allocation, the tensor list, the TVM-FFI call (constant tensors converted once). None
+        where a launch needs more (watchdog, profile, poisoned outputs, distributed graphs,
+        empty plans) or no call like this one has launched yet; it falls back to a full call
+        after :meth:`load_plan`."""
+        call = self._calls.get(tuple(t.shape for t in leaves))
+        if call is None or not call.matches(leaves):
+            return None
+        return call.run
+
+    def _runner(self, call: _Call, leaves: tuple) -> Any:
+        """``call``'s launch alone (see :meth:`runner`), or None where it would need more;
+        ``leaves``: those of a launch it made."""
+        b = call.buffers
+        if (
+            self.spec.watchdog
+            or self.spec.profile
+            or self.spec.distributed
+            or self.poison_outputs
+            or not b.plan.num_tasks
+            or self._fn is None
+        ):
+            return None
+        import tvm_ffi
+
+        def ffi(a):  # converted once; the per-call leaves and outputs stay torch tensors, so
+            # TVM-FFI still takes the launch stream from the caller's current torch stream
+            return tvm_ffi.from_dlpack(a) if isinstance(a, torch.Tensor) else a
+
+        fn, gen, env, timeout, sms = (
+            self._fn,
+            self._generation,
+            b.plan.env,
+            self.timeout_ns,
+            self.num_sms,
+        )
+        kargs = tuple(ffi(a) for a in b.kernel_args)
+        template = [ffi(t) for t in call.template]
+        slots = tuple(call.leaf_slots)
+        # a fresh output as empty_like a leaf of its shape and dtype (leaves are row-major)
+        # costs less host time than torch.empty
+        like = {(tuple(t.shape), t.dtype): i for i, t in reversed(list(enumerate(leaves)))}
+        outs = []
+        for pos, shape, dtype, leaf in call.outputs:
+            if leaf is not None:  # an input updated in place: the caller's tensor
+                outs.append((pos, None, leaf))
+            else:
+                outs.append((pos, (shape, dtype), like.get((shape, dtype))))
+        outs = tuple(outs)
+        capturing = torch._C._cuda_isCurrentStreamCapturing
+        current_stream = torch._C._cuda_getCurrentRawStream
+        empty, empty_like, device = torch.empty, torch.empty_like, call.device
+        index = _index(device)
+        graph = self
+
+        def run(args: tuple):
+            if graph._generation != gen:  # load_plan replaced the plans: bind again
+                call.run = None
+                return graph(*args)
+            if graph.poison_outputs:  # switched on since: the launch that poisons
+                return graph._run(call, args)
+            cap = capturing()
+            if cap:
+                b.captured = True
+            stream = current_stream(index)
+            if stream != graph._stream:
+                graph._follow_stream(stream, cap, index)
+            tensors = template.copy()
+            for pos, i in slots:
+                tensors[pos] = args[i]
+            results = []
+            for pos, fresh, i in outs:
+                if fresh is None:
+                    results.append(args[i])
+                    continue
+                t = (
+                    empty_like(args[i])
+                    if i is not None
+                    else empty(fresh[0], dtype=fresh[1], device=device)
+                )
+                tensors[pos] = t
+                results.append(t)
+            graph.last_env = env
+            fn(tensors, *kargs, b.max_epoch, timeout, sms)
+            return results[0] if len(results) == 1 else tuple(results)
+
+        return run
 
     def _bind_call(self, args: tuple, kwargs: dict) -> tuple[_Call, tuple]:
         """Full binding of one call: the leaves in declaration order (canonical views) and the
@@ -467,20 +570,38 @@ class CuteGraph:
         if b.plan.num_tasks:
             if self.spec.profile:
                 b.torch_dev["prof"].zero_()  # skipped tasks keep no earlier launch's times
-            self._launch(b, tensors)
+            self._launch(b, tensors, call.device)
             if self.spec.watchdog:
                 self._check(b)
+            if call.run is None:
+                call.run = self._runner(call, leaves)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _launch(self, b: _Buffers, tensors: list) -> None:
+    def _launch(self, b: _Buffers, tensors: list, device: torch.device) -> None:
         if self._fn is None:
             self._fn = _compile(self.spec)
         if self.spec.distributed:
             self._count_launch(b)
         # the stream is the caller's current torch stream (TVM-FFI's environment stream, set
         # from the first torch tensor argument)
+        index = _index(device)
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        if stream != self._stream:
+            self._follow_stream(stream, torch.cuda.is_current_stream_capturing(), index)
         epochs = MAX_EPOCH_COUNT if self.spec.distributed else b.max_epoch
         self._fn(tensors, *b.kernel_args, epochs, self.timeout_ns, self.num_sms)
+
+    def _follow_stream(self, stream: int, capturing: bool, index: int) -> None:
+        """Order a launch on another stream than the last one after the work queued on that
+        one: every launch of a graph shares its counters and intermediates (sized for the
+        maxima, reused by every token count), so two launches must never overlap. Cheap in
+        the common case (one stream: an int compared). A launch being captured is not ordered
+        after eager work (a capture cannot wait on it); CUDA-graph replays are ordered by the
+        caller, like any other work on their stream."""
+        last = self._stream_obj
+        self._stream, self._stream_obj = stream, torch.cuda.current_stream(index)
+        if last is not None and not capturing:
+            self._stream_obj.wait_stream(last)
 
     def _count_launch(self, b: _Buffers) -> None:
         """Distributed counters are read by other ranks, so the kernel never wraps them; before

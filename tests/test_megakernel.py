@@ -197,6 +197,64 @@ def test_load_plan_keeps_the_state_a_captured_graph_replays():
     del junk
 
 
+@pytest.mark.gpu
+def test_a_kept_runner_launches_what_a_call_would():
+    """``CuteGraph.runner``: the launch alone, for callers that check their own leaves. It
+    launches on the caller's stream (a capture on a side stream records it), binds again
+    after ``load_plan`` and poisons outputs once ``poison_outputs`` is switched on."""
+    deps = [[], [0], [1], [0, 2], [3]]
+    g = ops.dag_graph(deps, N, M)
+    c = g.compile("cute", scheduler="static")
+    args = tuple(ops.dag_inputs(deps, device="cuda"))
+    expected = dag_expected(deps).cuda()
+    assert c.runner(*args) is None  # nothing like it launched yet
+    assert torch.equal(c(*args), expected)
+    run = c.runner(*args)
+    assert run is not None and c.runner(args[0], args[1].float(), args[2]) is None
+    outs = [run(args) for _ in range(50)]
+    assert len({o.data_ptr() for o in outs[-2:]}) == 2  # a fresh output a call
+    assert all(torch.equal(o, expected) for o in outs)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = run(args)
+    _assert_replays(graph, out, expected, 5)
+    c.load_plan(instantiate(g, {"N": 5, "M": int(args[1].numel())}))
+    assert torch.equal(run(args), expected)  # bound again: the new plan
+    c.poison_outputs = True
+    assert torch.equal(run(args), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_launch_on_a_second_stream_waits_for_the_first(kept):
+    """Launches of one graph share its counters and intermediates: a launch on another stream
+    is ordered after the work queued on the stream of the last launch (through the full call
+    path and through a kept runner)."""
+    deps = [[], [0], [1], [0, 2], [3]]
+    g = ops.dag_graph(deps, N, M)
+    c = g.compile("cute", scheduler="static")
+    args = tuple(ops.dag_inputs(deps, device="cuda"))
+    expected = dag_expected(deps).cuda()
+    assert torch.equal(c(*args), expected)
+    launch = c.runner(*args) if kept else (lambda a: c(*a))
+    assert launch is not None
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    done = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds before the first launch
+        out1 = launch(args)
+        done[0].record()
+    with torch.cuda.stream(second):
+        out2 = launch(args)
+        done[1].record()
+    torch.cuda.synchronize()
+    assert done[0].elapsed_time(done[1]) > 0  # the second launch ended after the first
+    assert torch.equal(out1, expected) and torch.equal(out2, expected)
+
+
 @pytest.mark.parametrize("layer,scheduler", [("mlp", "static"), ("moe", "dynamic")])
 def test_layer_megakernels_compile_for_sm90a(layer, scheduler, tmp_path):
     from cutemk.layers import MoeConfig, mlp_graph, moe_graph

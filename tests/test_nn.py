@@ -225,9 +225,9 @@ def test_eager_fast_path_is_keyed_by_shape_dtype_and_the_weights(hf_mlp):
     assert rel_err(mlp(x), fp32_reference(hf_mlp, x)) < TOL[torch.float32]
     assert x.shape in mlp._fast
     x2 = torch.randn(5, H)
-    graph = mlp._fast[x.shape][0]
+    run = mlp._fast[x.shape][0]
     calls = []
-    mlp._fast[x.shape] = (lambda *a: calls.append(a) or graph(*a), *mlp._fast[x.shape][1:])
+    mlp._fast[x.shape] = (lambda a: calls.append(a) or run(a), *mlp._fast[x.shape][1:])
     assert rel_err(mlp(x2), fp32_reference(hf_mlp, x2)) < TOL[torch.float32]
     assert len(calls) == 1 and calls[0][0] is x2  # the fast path ran
     assert "_fast" not in copy.deepcopy(mlp).__dict__  # a copy remembers no launch

@@ -123,7 +123,7 @@ class MegaMLP(_KeyedModule):
         fast = self.__dict__.get("_fast") if FAST_PATH else None
         hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
         if hit is not None:  # rows of a shape an earlier eager call launched (see below)
-            graph, w_gate_up, w_down, dtype, device, config = hit
+            run, w_gate_up, w_down, dtype, device, config = hit
             if (
                 x.dtype is dtype
                 and x.get_device() == device
@@ -135,7 +135,7 @@ class MegaMLP(_KeyedModule):
                 and not self.__dict__.get("profile")
                 and torch_ops.direct(x)
             ):
-                return graph(_aligned(x), w_gate_up, w_down)
+                return run((_aligned(x), w_gate_up, w_down))
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
@@ -144,12 +144,15 @@ class MegaMLP(_KeyedModule):
             if FAST_PATH and x2 is x and y.dim() == 2 and not self.__dict__.get("profile"):
                 # the next eager call with these rows skips the checks above it (they hold for
                 # any x of this shape, dtype, device and layout, with these weights), the
-                # regime lookup and no_grad (the kernel call records no autograd graph)
+                # regime lookup, no_grad (the kernel call records no autograd graph) and the
+                # graph's per-call checks of the leaves (CuteGraph.runner)
                 if fast is None or len(fast) >= 64:
                     fast = self.__dict__["_fast"] = {}
                 graph = self.compiled(self.regime(x.shape[0]), like=self.w_down)
+                runner = getattr(graph, "runner", None)  # the interpreter has none
+                run = runner(_aligned(x), self.w_gate_up, self.w_down) if runner else None
                 fast[x.shape] = (
-                    graph,
+                    run if run is not None else (lambda args, g=graph: g(*args)),
                     self.w_gate_up,
                     self.w_down,
                     x.dtype,
