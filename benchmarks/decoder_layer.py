@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
 
 H, I, HQ, HKV, D = 4096, 12288, 32, 8, 128
 KV, PAGE, EPS = 4096, 16, 1e-6
@@ -169,22 +169,18 @@ def main(argv=None) -> int:
             for name, m in megas.items()
         }
         if profiled is not None:
-            for _ in range(3):
-                profiled(x, pos, k_pages, v_pages, table, lens)
-            torch.cuda.synchronize()
-            records = profiled.compiled(profiled.regime(b)).profile_records()
-            res.add_trace(case, records)
+            records = profile_launch(
+                res,
+                case,
+                lambda: profiled(x, pos, k_pages, v_pages, table, lens),
+                profiled.compiled(profiled.regime(b)),
+                warmup,
+                rep,
+            )
             if args.records is not None:
                 args.records.mkdir(parents=True, exist_ok=True)
                 path = args.records / f"decoder_layer_records_B{b}.json"
                 path.write_text(json.dumps(records))
-            # what the tasks' span leaves out: launch, prologue, the last CTA's close (and the
-            # profile buffer's reset, which the timed launches do not have)
-            call = graphed(lambda: profiled(x, pos, k_pages, v_pages, table, lens))
-            span = (max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)) / 1e3
-            whole = time_us(call, warmup=warmup, rep=rep)
-            res.meta["trace"][f"{case} launch"] = {"graph_us": whole, "task_span_us": span}
-            print(f"    profiled launch {whole:.1f} us (CUDA graph), tasks span {span:.1f} us")
         impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]

@@ -17,7 +17,11 @@ bytes / 4.3 TB/s) with bytes = weights + x + y, of_floor, and rel_err of each ou
 fp32 reference on the same bf16 inputs. A megakernel error above 2e-2 is reported and makes
 the script exit non-zero after writing the results.
 
-Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick]
+``--trace``: a profiled static MegaMLP's per-node spans and launch summary (CTA entries, the
+first task, the SMs' busy share of the task span, the close; ``cutemk.trace.launch_summary``)
+per case go to the JSON's ``trace`` and are printed.
+
+Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick] [--trace]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
 
 MODELS = {  # name: (hidden, intermediate)
     "qwen3-8b": (4096, 12288),
@@ -59,7 +63,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def run_model(res: Results, model: str, token_counts: list[int], warmup: int, rep: int) -> None:
+def run_model(
+    res: Results, model: str, token_counts: list[int], warmup: int, rep: int, trace: bool = False
+) -> None:
     """All cases of one model: its weights (and both MegaMLPs' copies) live only here."""
     from cutemk.nn import MegaMLP
 
@@ -72,10 +78,17 @@ def run_model(res: Results, model: str, token_counts: list[int], warmup: int, re
         f"mk_{s}": MegaMLP(w_gate, w_up, w_down, max_tokens=PREFILL_TOKENS, scheduler=s)
         for s in ("static", "dynamic")
     }
+    profiled = None
+    if trace:  # a module of its own: profiling adds a timestamp store per task
+        profiled = MegaMLP(w_gate, w_up, w_down, max_tokens=PREFILL_TOKENS, scheduler="static")
+        profiled.profile = True
     del w_gate, w_up  # each MegaMLP keeps its own stacked copy
     for t in token_counts:
         x = torch.randn(t, h, device=dev).to(dt)
         run_case(res, case_name(model, t), x, megas, warmup, rep)
+        if profiled is not None:
+            graph = profiled.compiled(profiled.regime(t))
+            profile_launch(res, case_name(model, t), lambda: profiled(x), graph, warmup, rep)
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -122,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="*", default=[], help="keep cases whose name contains any")
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
+    p.add_argument("--trace", action="store_true", help="per-node trace of a profiled launch")
     args = p.parse_args(argv)
     cases = case_list(args.cases)
     if not cases:
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup, rep = (3, 10) if args.quick else (10, 50)
     res = Results("mlp", meta={"dtype": "bf16", "max_tokens": PREFILL_TOKENS, "rep": rep})
     for model in dict.fromkeys(m for m, _ in cases):
-        run_model(res, model, [t for m, t in cases if m == model], warmup, rep)
+        run_model(res, model, [t for m, t in cases if m == model], warmup, rep, args.trace)
         gc.collect()
         torch.cuda.empty_cache()
     res.add_ratios("torch_graph")

@@ -157,6 +157,28 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return g.replay
 
 
+def profile_launch(
+    res: Results, label: str, run: Callable[[], Any], graph: Any, warmup: int, rep: int
+) -> list[dict[str, Any]]:
+    """Trace one launch of a profiled graph: ``run`` (a call of a module compiled with
+    ``profile=True``) a few times, then ``graph``'s per-node trace and launch summary
+    (``cutemk.trace.launch_summary``) into ``res`` under ``label``, with the profiled launch
+    timed from CUDA-graph replays (profiling adds a timestamp store per task and the profile
+    buffer's reset). Returns the task records."""
+    from .trace import launch_summary
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    records = graph.profile_records()
+    res.add_trace(label, records)
+    summary = launch_summary(records, graph.profile_ctas(), graph.num_sms)
+    summary["graph_us"] = round(time_us(graphed(run), warmup=warmup, rep=rep), 2)
+    res.meta.setdefault("trace", {})[f"{label} launch"] = summary
+    print(f"    launch: {summary}")
+    return records
+
+
 def plan_stages(graph: Any, env: dict[str, int], num_sms: int = H200.num_sms) -> dict[str, Any]:
     """Host milliseconds of each stage a first call at new bindings ``env`` pays before its
     launch (no GPU needed): ``instantiate`` (tasks and events), ``schedule`` (the static

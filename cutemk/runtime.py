@@ -303,8 +303,10 @@ class CuteGraph:
         peers = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
         views = {k: devbuf[o : o + size] for k, (o, size) in zip(DEVICE_STATE, spans)}
         views["debug"].fill_(-1)
-        prof = torch.zeros(
-            n * PROF_WIDTH if self.spec.profile else 4, dtype=torch.int64, device="cuda"
+        prof = torch.zeros(  # profile: a record per task, then one per CTA
+            (n + self.num_sms) * PROF_WIDTH if self.spec.profile else 4,
+            dtype=torch.int64,
+            device="cuda",
         )
         inter = {}
         for v in self.graph.values:
@@ -666,6 +668,18 @@ class CuteGraph:
             for t, r in enumerate(raw)
             if r[2] > 0
         ]
+
+    def profile_ctas(self) -> list[dict[str, Any]]:
+        """Per CTA of the last launch (``%globaltimer`` ns): its SM, when it entered the plan,
+        when its roles were done (its last task's store drained) and when it left (the last
+        CTA out also closes the launch): what a launch spends outside its tasks."""
+        if not self.spec.profile or self.last_env is None:
+            raise ValueError("compile with profile=True and run once before reading a profile")
+        b = self._bufs(self.last_env)
+        n = b.plan.num_tasks
+        raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[n : n + self.num_sms]
+        keys = ("sm", "entry_ns", "roles_done_ns", "exit_ns")
+        return [dict(zip(keys, map(int, r))) for r in raw if r[3] > 0]
 
     def export_trace(self, path: str | Path) -> Path:
         """Chrome-trace JSON of the last launch (one track per SM); opens in Perfetto."""

@@ -94,3 +94,29 @@ def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return sorted(rows, key=lambda r: r["first_start_us"])
+
+
+def launch_summary(
+    records: Sequence[dict[str, Any]], ctas: Sequence[dict[str, Any]], num_sms: int
+) -> dict[str, float]:
+    """Where one profiled launch's time goes outside and between its tasks (us), from its task
+    records and its CTA records (``CuteGraph.profile_ctas``): the spread of the CTAs' entries,
+    from the first entry to the first task, the task span, the SMs' busy share of it (task
+    time / (SMs x span)), from the last task's end to the last CTA's roles done and to the
+    last exit (the close)."""
+    if not records or not ctas:
+        return {}
+    first_entry = min(c["entry_ns"] for c in ctas)
+    start = min(r["start_ns"] for r in records)
+    end = max(r["end_ns"] for r in records)
+    busy = sum(r["end_ns"] - r["start_ns"] for r in records)
+    span = max(end - start, 1)
+    return {
+        "ctas": len(ctas),
+        "entry_spread_us": round((max(c["entry_ns"] for c in ctas) - first_entry) / 1e3, 2),
+        "entry_to_first_task_us": round((start - first_entry) / 1e3, 2),
+        "task_span_us": round(span / 1e3, 2),
+        "sm_busy_share": round(busy / (num_sms * span), 3),
+        "last_task_to_roles_done_us": round((max(c["roles_done_ns"] for c in ctas) - end) / 1e3, 2),
+        "last_task_to_exit_us": round((max(c["exit_ns"] for c in ctas) - end) / 1e3, 2),
+    }

@@ -55,3 +55,30 @@ def test_add_trace_summarises_a_profile(tmp_path, capsys):
     doc = json.loads(r.finish(tmp_path).read_text())
     assert doc["meta"]["trace"]["T=1"] == summary
     assert "T=1: per-node trace" in capsys.readouterr().out
+
+
+def test_launch_summary_accounts_for_the_time_outside_tasks():
+    """Two SMs: CTAs enter at 0 and 1 us, tasks run 2-6 and 3-5 us, roles are done at 7 us,
+    the last CTA leaves at 9 us."""
+    from cutemk.trace import launch_summary
+
+    us = 1000
+    records = [
+        {"sm": 0, "start_ns": 2 * us, "end_ns": 6 * us, "node": "a"},
+        {"sm": 1, "start_ns": 3 * us, "end_ns": 5 * us, "node": "b"},
+    ]
+    ctas = [
+        {"sm": 0, "entry_ns": 0, "roles_done_ns": 7 * us, "exit_ns": 8 * us},
+        {"sm": 1, "entry_ns": 1 * us, "roles_done_ns": 6 * us, "exit_ns": 9 * us},
+    ]
+    s = launch_summary(records, ctas, num_sms=2)
+    assert s == {
+        "ctas": 2,
+        "entry_spread_us": 1.0,
+        "entry_to_first_task_us": 2.0,
+        "task_span_us": 4.0,
+        "sm_busy_share": 0.75,
+        "last_task_to_roles_done_us": 1.0,
+        "last_task_to_exit_us": 3.0,
+    }
+    assert launch_summary([], ctas, 2) == {}

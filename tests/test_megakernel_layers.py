@@ -8,6 +8,7 @@ import torch
 import cutemk as mk
 from cutemk import runtime
 from cutemk.layers import MoeConfig, mlp_graph, mlp_reference, moe_graph, moe_reference
+from cutemk.trace import launch_summary
 
 pytestmark = pytest.mark.gpu
 
@@ -116,6 +117,17 @@ def test_profile_trace(tmp_path):
     doc = json.loads(c.export_trace(tmp_path / "mlp.trace.json").read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(recs) and len({e["tid"] for e in spans}) > 1
+    ctas = c.profile_ctas()  # every CTA: entered before its tasks, left after them
+    assert len(ctas) == c.num_sms and len({r["sm"] for r in ctas}) == c.num_sms
+    first = {}
+    for r in recs:
+        first[r["sm"]] = min(first.get(r["sm"], r["start_ns"]), r["start_ns"])
+    for cta in ctas:
+        assert 0 < cta["entry_ns"] <= first.get(cta["sm"], cta["roles_done_ns"])
+        assert cta["entry_ns"] <= cta["roles_done_ns"] <= cta["exit_ns"]
+    summary = launch_summary(recs, ctas, c.num_sms)
+    assert summary["ctas"] == c.num_sms and 0 < summary["sm_busy_share"] <= 1
+    assert summary["last_task_to_exit_us"] >= summary["last_task_to_roles_done_us"] >= 0
 
 
 @pytest.mark.gpu

@@ -366,6 +366,12 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch = shared
+        cta_rec = None  # profile: this CTA's record, after the tasks' records
+        if cutlass.const_expr(self.spec.profile):
+            cta_rec = num_tasks * PROF_WIDTH + bidx * PROF_WIDTH
+            if tidx == 0:  # SM, entry, roles done, exit (ns)
+                mProf[cta_rec] = Int64(cute.arch.smid())
+                mProf[cta_rec + 1] = cute.arch.globaltimer()
         # per node: its tensors (inputs + outputs) and its host-built extras; "tensors" below
         tensors = tuple(
             self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
@@ -424,6 +430,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         # counter targets (count * epoch, epoch * num_tasks) would pass int32, it zeroes every
         # counter and restarts at epoch 0 (on the device: CUDA-graph replays never see the host)
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.spec.profile):
+            if tidx == 0:
+                mProf[cta_rec + 2] = cute.arch.globaltimer()
         if tidx == 0:
             old = cute.arch.atomic_add(
                 state.iterator + EXITED, Int32(1), sem="acq_rel", scope="gpu"
@@ -447,6 +456,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                 state[DONE] = 0
                 state[EXITED] = 0
                 state[EPOCH] = Int32(0) if wrap else epoch
+        if cutlass.const_expr(self.spec.profile):
+            if tidx == 0:
+                mProf[cta_rec + 3] = cute.arch.globaltimer()
 
     @cute.jit
     def launch(
