@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -420,7 +421,7 @@ class CuteGraph:
                     call = None
             except AttributeError:  # not a tensor: the full path names the argument
                 call = None
-            if call is not None and call.run is not None:
+            if call is not None and call.run is not None and not self.poison_outputs:
                 return call.run(args)
         if call is None:
             call, args = self._bind_call(args, kwargs)
@@ -482,15 +483,17 @@ class CuteGraph:
         capturing = torch._C._cuda_isCurrentStreamCapturing
         current_stream = torch._C._cuda_getCurrentRawStream
         empty, empty_like, device = torch.empty, torch.empty_like, call.device
+        row_major = torch.contiguous_format
         index = _index(device)
-        graph = self
+        graph_ref = weakref.ref(self)  # the graph keeps its calls, their runners: no cycle
 
         def run(args: tuple):
-            if graph._generation != gen:  # load_plan replaced the plans: bind again
-                call.run = None
-                return graph(*args)
-            if graph.poison_outputs:  # switched on since: the launch that poisons
-                return graph._run(call, args)
+            graph = graph_ref()
+            if graph is None:
+                raise CuteMKError("the compiled graph of this runner is gone")
+            if graph._generation != gen or graph.poison_outputs:
+                # load_plan replaced the plans, or outputs are to be poisoned: the full path
+                return graph._run(*graph._bind_call(args, {}))
             cap = capturing()
             if cap:
                 b.captured = True
@@ -506,7 +509,7 @@ class CuteGraph:
                     results.append(args[i])
                     continue
                 t = (
-                    empty_like(args[i])
+                    empty_like(args[i], memory_format=row_major)
                     if i is not None
                     else empty(fresh[0], dtype=fresh[1], device=device)
                 )
@@ -516,6 +519,7 @@ class CuteGraph:
             fn(tensors, *kargs, b.max_epoch, timeout, sms)
             return results[0] if len(results) == 1 else tuple(results)
 
+        run.generation = gen
         return run
 
     def _bind_call(self, args: tuple, kwargs: dict) -> tuple[_Call, tuple]:
@@ -570,8 +574,6 @@ class CuteGraph:
             tensors[pos] = t
             outs.append(t)
         if b.plan.num_tasks:
-            if self.spec.profile:
-                b.torch_dev["prof"].zero_()  # skipped tasks keep no earlier launch's times
             self._launch(b, tensors, call.device)
             if self.spec.watchdog:
                 self._check(b)
@@ -590,6 +592,8 @@ class CuteGraph:
         stream = torch._C._cuda_getCurrentRawStream(index)
         if stream != self._stream:
             self._follow_stream(stream, torch.cuda.is_current_stream_capturing(), index)
+        if self.spec.profile:  # after the stream's wait: the last launch may still write it
+            b.torch_dev["prof"].zero_()  # skipped tasks keep no earlier launch's times
         epochs = MAX_EPOCH_COUNT if self.spec.distributed else b.max_epoch
         self._fn(tensors, *b.kernel_args, epochs, self.timeout_ns, self.num_sms)
 
@@ -597,13 +601,26 @@ class CuteGraph:
         """Order a launch on another stream than the last one after the work queued on that
         one: every launch of a graph shares its counters and intermediates (sized for the
         maxima, reused by every token count), so two launches must never overlap. Cheap in
-        the common case (one stream: an int compared). A launch being captured is not ordered
-        after eager work (a capture cannot wait on it); CUDA-graph replays are ordered by the
-        caller, like any other work on their stream."""
+        the common case (one stream: an int compared). A launch being captured is neither
+        ordered after eager work (a capture cannot wait on it) nor remembered: a CUDA graph's
+        replays are ordered by its caller, like any other work on their stream. The graph's
+        device buffers are recorded on each new stream, so freeing them (``load_plan``, the
+        graph dropped) waits for its launches there too."""
+        if capturing:
+            return
         last = self._stream_obj
         self._stream, self._stream_obj = stream, torch.cuda.current_stream(index)
-        if last is not None and not capturing:
-            self._stream_obj.wait_stream(last)
+        if last is None:
+            return
+        self._stream_obj.wait_stream(last)
+        for b in self._buffers.values():
+            for t in b.torch_dev.values():
+                t.record_stream(self._stream_obj)
+        for t in self._scratch_bufs.values():
+            t.record_stream(self._stream_obj)
+        for lg in self._live.values():
+            for t in (lg.table, lg.prog, lg.dev, lg.prof, lg.peers):
+                t.record_stream(self._stream_obj)
 
     def _count_launch(self, b: _Buffers) -> None:
         """Distributed counters are read by other ranks, so the kernel never wraps them; before

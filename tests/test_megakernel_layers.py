@@ -118,13 +118,15 @@ def test_profile_trace(tmp_path):
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(recs) and len({e["tid"] for e in spans}) > 1
     ctas = c.profile_ctas()  # every CTA: entered before its tasks, left after them
-    assert len(ctas) == c.num_sms and len({r["sm"] for r in ctas}) == c.num_sms
+    assert len(ctas) == c.num_sms
     first = {}
     for r in recs:
         first[r["sm"]] = min(first.get(r["sm"], r["start_ns"]), r["start_ns"])
+    alone = {sm for sm in first if sum(cta["sm"] == sm for cta in ctas) == 1}
     for cta in ctas:
-        assert 0 < cta["entry_ns"] <= first.get(cta["sm"], cta["roles_done_ns"])
-        assert cta["entry_ns"] <= cta["roles_done_ns"] <= cta["exit_ns"]
+        if cta["sm"] in alone:  # the SM's first task is this CTA's
+            assert 0 < cta["entry_ns"] <= first[cta["sm"]]
+        assert 0 < cta["entry_ns"] <= cta["roles_done_ns"] <= cta["exit_ns"]
     summary = launch_summary(recs, ctas, c.num_sms)
     assert summary["ctas"] == c.num_sms and 0 < summary["sm_busy_share"] <= 1
     assert summary["last_task_to_exit_us"] >= summary["last_task_to_roles_done_us"] >= 0

@@ -221,6 +221,13 @@ def test_eager_fast_path_is_keyed_by_shape_dtype_and_the_weights(hf_mlp):
     """A second eager call with rows of one shape skips the module's checks; anything that
     could change the answer (weights replaced, dtype, autograd, a copy) takes the full path."""
     mlp = MegaMLP.from_hf(hf_mlp, max_tokens=32, backend="interpret")
+    row = torch.randn(1, H)
+    assert rel_err(mlp(row), fp32_reference(hf_mlp, row)) < TOL[torch.float32]
+    seen = []
+    mlp._fast[row.shape] = (lambda a: seen.append(a), *mlp._fast[row.shape][1:])
+    odd = torch.randn(H, 1).T  # (1, H) with strides (1, 1): "contiguous" to torch
+    assert rel_err(mlp(odd), fp32_reference(hf_mlp, odd)) < TOL[torch.float32]
+    assert not seen  # not the fast path: the kernel's loads need row-major strides
     x = torch.randn(5, H)
     assert rel_err(mlp(x), fp32_reference(hf_mlp, x)) < TOL[torch.float32]
     assert x.shape in mlp._fast

@@ -3,6 +3,8 @@ device data."""
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +25,11 @@ from .base import (
 FAST_PATH = True
 """MegaMLP's eager fast path (see ``MegaMLP.forward``); benchmarks turn it off to time the full
 path in the same process."""
+
+
+def _same_generation(graph_ref: Any, generation: int) -> bool:
+    graph = graph_ref()
+    return graph is not None and graph._generation == generation
 
 
 class MegaMLP(_KeyedModule):
@@ -123,12 +130,13 @@ class MegaMLP(_KeyedModule):
         fast = self.__dict__.get("_fast") if FAST_PATH else None
         hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
         if hit is not None:  # rows of a shape an earlier eager call launched (see below)
-            run, w_gate_up, w_down, dtype, device, config = hit
+            run, current, w_gate_up, w_down, dtype, device, config = hit
             if (
                 x.dtype is dtype
                 and x.get_device() == device
                 and not x.requires_grad
-                and x.is_contiguous()
+                and x.stride() == (x.shape[1], 1)  # row-major, size-1 dims too (TMA strides)
+                and current()
                 and w_gate_up is self._buffers["w_gate_up"]
                 and w_down is self._buffers["w_down"]
                 and config == (self.backend, self.scheduler, self.num_sms)
@@ -151,8 +159,13 @@ class MegaMLP(_KeyedModule):
                 graph = self.compiled(self.regime(x.shape[0]), like=self.w_down)
                 runner = getattr(graph, "runner", None)  # the interpreter has none
                 run = runner(_aligned(x), self.w_gate_up, self.w_down) if runner else None
+                if run is None:
+                    run, current = (lambda args, g=graph: g(*args)), (lambda: True)
+                else:  # a runner of replaced plans (CuteGraph.load_plan) is dropped
+                    current = partial(_same_generation, weakref.ref(graph), run.generation)
                 fast[x.shape] = (
-                    run if run is not None else (lambda args, g=graph: g(*args)),
+                    run,
+                    current,
                     self.w_gate_up,
                     self.w_down,
                     x.dtype,
