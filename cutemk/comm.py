@@ -20,6 +20,26 @@ from typing import Any
 import torch
 
 
+def plan_digest(plan: Any) -> int:
+    """What every rank's plan must agree on (a 56-bit hash): a cross-rank wait names an event
+    by id in the other rank's plan, so all ranks must have bound the same dims (but their
+    rank) and numbered the events they share the same way."""
+    import hashlib
+
+    env = {k: v for k, v in plan.env.items() if k != "RANK"}
+    shared = [(e, plan.event_label[e], plan.event_count[e]) for e in sorted(plan.shared_events)]
+    digest = hashlib.sha256(repr((sorted(env.items()), shared)).encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+def different_plans_error(rank: Any, env: dict) -> str:
+    env = {k: v for k, v in env.items() if k != "RANK"}
+    return (
+        f"rank {rank}: the ranks built different plans (dims {env}); every rank must call "
+        "the graph with the same shapes, in the same order"
+    )
+
+
 @dataclass(frozen=True)
 class Communicator:
     """This process's place in the world: ``rank`` of ``world``, and the process group."""

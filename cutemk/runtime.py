@@ -8,7 +8,6 @@ here (``runtime.compile_offline``, ``runtime.kernel_spec``, ``runtime.compile_co
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import weakref
@@ -47,7 +46,7 @@ from .codegen.megakernel import (
     PROF_WIDTH,
     PROGRAM,
 )
-from .comm import Communicator, symmetric_values
+from .comm import Communicator, different_plans_error, plan_digest, symmetric_values
 from .device.ring import WAIT_NAMES
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
 from .graph import Graph
@@ -327,16 +326,9 @@ class CuteGraph:
         )
 
     def _check_same_plan_everywhere(self, plan: Plan) -> None:
-        """A cross-rank wait names an event by id in the other rank's plan: every rank must
-        have bound the same dims and numbered the events it shares the same way."""
-        env = {k: v for k, v in plan.env.items() if k != "RANK"}
-        shared = [(e, plan.event_label[e], plan.event_count[e]) for e in sorted(plan.shared_events)]
-        digest = hashlib.sha256(repr((sorted(env.items()), shared)).encode()).digest()
-        if not self.comm.same_on_all_ranks(int.from_bytes(digest[:7], "little")):
-            raise CuteMKError(
-                f"rank {self.comm.rank}: the ranks built different plans (dims {env}); every "
-                "rank must call the graph with the same shapes, in the same order"
-            )
+        """Every rank must have built the same plan (:func:`cutemk.comm.plan_digest`)."""
+        if not self.comm.same_on_all_ranks(plan_digest(plan)):
+            raise CuteMKError(different_plans_error(self.comm.rank, plan.env))
 
     def scratch_bytes(self) -> int:
         """Device memory the graph's intermediates take, sized at every dim's maximum."""

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .binding import bind, fresh_
-from .comm import PeerTable, symmetric_values
+from .comm import PeerTable, different_plans_error, plan_digest, symmetric_values
+from .errors import CuteMKError
 from .graph import Graph
 from .interpret import _Simulation
 from .plan import Plan, instantiate
@@ -61,6 +62,11 @@ def simulate_world(
                 t[v.name] = fresh_(torch.empty(plan.shapes[v.name], dtype=v.dtype), v)
         plans.append(plan)
         tensors.append(t)
+    digests = [plan_digest(p) for p in plans]
+    for r, d in enumerate(digests):
+        if d != digests[0]:  # what the device ranks' check raises (CuteGraph's first call)
+            first = {k: v for k, v in plans[0].env.items() if k != "RANK"}
+            raise CuteMKError(different_plans_error(r, plans[r].env) + f" (rank 0: {first})")
     shared = symmetric_values(graph)
     sims = []
     for r in range(world):

@@ -244,3 +244,12 @@ def test_dynamic_queue_puts_cross_rank_waiters_behind_everything_else():
     init = mk.resolve_scheduler("dynamic").initial_order(plans[0])
     waiters = [t for t in init if plans[0].remote_waits[t]]
     assert init[-len(waiters) :] == waiters  # behind every producer
+
+
+def test_ranks_that_bind_different_dims_are_refused_by_name():
+    """Two ranks calling with different token counts would wait on each other's events by ids
+    of different plans: the simulated world refuses it as the device ranks do, by name."""
+    g, inputs, _ = rs_case(2)
+    inputs[1] = {"a": inputs[1]["a"][:32], "w": inputs[1]["w"]}
+    with pytest.raises(mk.CuteMKError, match=r"rank 1: the ranks built different plans"):
+        simulate_world(g, 2, inputs, "static", num_sms=4)
