@@ -23,6 +23,7 @@ So one capture replays correctly at any count, and a count costs what its plan c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,7 +158,9 @@ class LiveGraph:
         sym = token_sym(g)
         if cg.spec.profile:
             raise CuteMKError("profile=True records one plan's tasks; compile without it")
-        self.cg = cg
+        # the graph keeps its live graphs (CuteGraph.live): a weak reference back, so a
+        # dropped graph's device state goes with it, not at the next garbage collection
+        self.cg = weakref.proxy(cg)
         self.tokens = sym.name
         self.max_tokens = int(sym.max)
         self.first = int(sym.min if first is None else first)
@@ -184,16 +187,19 @@ class LiveGraph:
         # device state and scratch are built on a thread and stream of their own: never in a
         # CUDA graph being captured, nor from its memory pool (as ``CuteGraph`` builds plans)
         self.plans = _off_graph(self._build)
-        stream = torch.cuda.current_stream()
-        for t in (
-            self.table,
-            self.prog,
-            self.dev,
-            self.prof,
-            self.peers,
-            *cg._scratch_bufs.values(),
-        ):
-            t.record_stream(stream)  # freed only after the launches that read them
+        streams = {torch.cuda.current_stream()}
+        if cg._stream_obj is not None:  # the stream the graph's launches run on
+            streams.add(cg._stream_obj)
+        for stream in streams:
+            for t in (
+                self.table,
+                self.prog,
+                self.dev,
+                self.prof,
+                self.peers,
+                *cg._scratch_bufs.values(),
+            ):
+                t.record_stream(stream)  # freed only after the launches that read them
         self._fn = _compile(self.spec)  # compiled (or loaded) now, not in a capture
         self._outputs = [(k, v) for k, v in enumerate(g.values) if v in g.outputs]
         self._checks: tuple | None = None

@@ -237,9 +237,12 @@ class CuteGraph:
     def _used_by_caller(self, b: _Buffers) -> _Buffers:
         """Mark state built on another stream as used by the caller's stream, so freeing it
         (when this object goes) waits for the launches that read it."""
-        stream = torch.cuda.current_stream()
-        for t in [*b.torch_dev.values(), *self._scratch_bufs.values()]:
-            t.record_stream(stream)
+        streams = {torch.cuda.current_stream()}
+        if self._stream_obj is not None:  # the stream launches run on
+            streams.add(self._stream_obj)
+        for stream in streams:
+            for t in [*b.torch_dev.values(), *self._scratch_bufs.values()]:
+                t.record_stream(stream)
         return b
 
     def load_plan(self, plan: Plan) -> None:
@@ -484,8 +487,9 @@ class CuteGraph:
             if graph is None:
                 raise CuteMKError("the compiled graph of this runner is gone")
             if graph._generation != gen or graph.poison_outputs:
-                # load_plan replaced the plans, or outputs are to be poisoned: the full path
-                return graph._run(*graph._bind_call(args, {}))
+                # load_plan replaced the plans, or outputs are to be poisoned: a call (which
+                # binds again, or poisons; its own runner is current)
+                return graph(*args)
             cap = capturing()
             if cap:
                 b.captured = True
@@ -595,24 +599,28 @@ class CuteGraph:
         maxima, reused by every token count), so two launches must never overlap. Cheap in
         the common case (one stream: an int compared). A launch being captured is neither
         ordered after eager work (a capture cannot wait on it) nor remembered: a CUDA graph's
-        replays are ordered by its caller, like any other work on their stream. The graph's
-        device buffers are recorded on each new stream, so freeing them (``load_plan``, the
-        graph dropped) waits for its launches there too."""
+        replays are ordered by its caller, like any other work on their stream. On the first
+        launch and on each change, the graph's device state is recorded on the new stream,
+        so freeing it (``load_plan``, the graph dropped) waits for the launches there too
+        (state built later is recorded on it when built); a caller alternating streams pays
+        that recording (a call per tensor of every plan) at each change."""
         if capturing:
             return
         last = self._stream_obj
         self._stream, self._stream_obj = stream, torch.cuda.current_stream(index)
-        if last is None:
-            return
-        self._stream_obj.wait_stream(last)
-        for b in self._buffers.values():
-            for t in b.torch_dev.values():
-                t.record_stream(self._stream_obj)
-        for t in self._scratch_bufs.values():
+        if last is not None:
+            self._stream_obj.wait_stream(last)
+        for t in self._device_state():
             t.record_stream(self._stream_obj)
+
+    def _device_state(self) -> list[torch.Tensor]:
+        """Every device tensor the graph's launches read or write but its callers' (plans,
+        scratch, peer tables, live graphs' tables)."""
+        out = [t for b in self._buffers.values() for t in b.torch_dev.values()]
+        out += [*self._scratch_bufs.values(), *self._peer_tables.values()]
         for lg in self._live.values():
-            for t in (lg.table, lg.prog, lg.dev, lg.prof, lg.peers):
-                t.record_stream(self._stream_obj)
+            out += [lg.table, lg.prog, lg.dev, lg.prof, lg.peers]
+        return out
 
     def _count_launch(self, b: _Buffers) -> None:
         """Distributed counters are read by other ranks, so the kernel never wraps them; before

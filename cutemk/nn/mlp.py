@@ -149,7 +149,13 @@ class MegaMLP(_KeyedModule):
             return x.detach().new_empty(x.shape)
         if torch_ops.direct(x2):
             y = self._launch(x2, self.w_gate_up, self.w_down)
-            if FAST_PATH and x2 is x and y.dim() == 2 and not self.__dict__.get("profile"):
+            if (
+                FAST_PATH
+                and x2 is x
+                and y.dim() == 2
+                and x.stride() == (x.shape[1], 1)  # what the fast path takes (see above)
+                and not self.__dict__.get("profile")
+            ):
                 # the next eager call with these rows skips the checks above it (they hold for
                 # any x of this shape, dtype, device and layout, with these weights), the
                 # regime lookup, no_grad (the kernel call records no autograd graph) and the
