@@ -183,30 +183,45 @@ def profile_launch(
     return records
 
 
+_STAMP: list = []
+
+
+def _stamp_kernel():
+    """A Triton kernel writing ``%globaltimer`` to ``ptr[i]`` (made once; None without
+    Triton)."""
+    if not _STAMP:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _STAMP.append(None)
+            return None
+
+        @triton.jit
+        def stamp(ptr, i):
+            t = tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;",
+                "=l,l",
+                [tl.load(ptr + i)],
+                dtype=tl.int64,
+                is_pure=False,
+                pack=1,
+            )
+            tl.store(ptr + i, t)
+
+        _STAMP.append(stamp)
+    return _STAMP[0]
+
+
 def _launch_gaps(run: Callable[[], Any], graph: Any) -> dict[str, float]:
     """Replayed in one CUDA graph after a cold-L2 flush: a kernel stamping ``%globaltimer``,
     the profiled launch, another stamp. From the stamps and the launch's CTA records (same
     clock): from the first stamp to the first CTA's entry (the launch of a kernel behind
     another in a graph, incl. its shared-memory configuration) and from the last CTA's exit
     to the second stamp. Empty where Triton (which writes the stamp kernel) is missing."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    stamp = _stamp_kernel()
+    if stamp is None:
         return {}
-
-    @triton.jit
-    def stamp(ptr, i):
-        t = tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;",
-            "=l,l",
-            [tl.load(ptr + i)],
-            dtype=tl.int64,
-            is_pure=False,
-            pack=1,
-        )
-        tl.store(ptr + i, t)
-
     stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
 
     def stamped():
