@@ -10,6 +10,7 @@ from .attention_decode import (
     AttentionDecodeTile,
     attention_decode,
 )
+from .attention_prefill import AttentionPrefillTile, attention_prefill
 from .gemm import GemmTile, gemm
 from .gemm_splitk import (
     GemmPartialTile,
@@ -49,6 +50,8 @@ __all__ = [
     "all_gather",
     "AttentionDecodeTile",
     "attention_decode",
+    "AttentionPrefillTile",
+    "attention_prefill",
     "ReduceScatterTile",
     "reduce_scatter",
     "GemmTile",

@@ -281,14 +281,29 @@ def load_kv(
     if cutlass.const_expr(dependent):
         go = last
     if go:
-        _slice_boxes(cfg, tensors, coord0, h, base, word, idx, bar, ring, slot)
+        slice_boxes(cfg, tensors, coord0, h, base, word, idx, bar, ring, slot, T_TMA)
 
 
 @cute.jit
-def _slice_boxes(cfg: cutlass.Constexpr, tensors, coord0, h, base, word, idx, bar, ring, slot):
-    """Lane r reads box r's page id; the warp issues the slice's K and V boxes."""
+def slice_boxes(
+    cfg: cutlass.Constexpr,
+    tensors,
+    coord0,
+    h,
+    base,
+    word,
+    idx,
+    bar,
+    ring,
+    slot,
+    tma_at: cutlass.Constexpr,
+):
+    """Lane r reads box r's page id; the warp issues the slice's K and V boxes (tokens
+    ``[base, base + slice)`` of sequence ``coord0``, those at or past ``word`` zeros).
+    ``tensors``: K at 1, the page table at 3, the four TMA arguments from ``tma_at`` (the
+    prefill tile, ``ops.attention_prefill_sm90``, streams its slices with this too)."""
     mK, mPT = tensors[1], tensors[3]
-    atom_k, tma_k, atom_v, tma_v = (tensors[T_TMA + i] for i in range(4))
+    atom_k, tma_k, atom_v, tma_v = (tensors[tma_at + i] for i in range(4))
     lane = cute.arch.lane_idx()
     num_pages = mK.shape[0]
     pos = base + lane * cfg.box_rows
@@ -306,13 +321,13 @@ def _slice_boxes(cfg: cutlass.Constexpr, tensors, coord0, h, base, word, idx, ba
         for hf in cutlass.range(
             cfg.halves, unroll=1
         ):  # unrolled, the producer's 40 registers spill
-            off = _elem_offset(cfg, hf, r * cfg.box_rows) * cfg.es
+            off = elem_offset(cfg, hf, r * cfg.box_rows) * cfg.es
             _copy_box(cfg, atom_k, tma_k, slot_ptr + off, h, p_r, blk, hf, bar)
             v_off = cfg.v_offset * cfg.es + off
             _copy_box(cfg, atom_v, tma_v, slot_ptr + v_off, h, p_r, blk, hf, bar)
 
 
-def _elem_offset(cfg: Sm90DecodeConfig, half: int, row: int) -> int:
+def elem_offset(cfg: Sm90DecodeConfig, half: int, row: int) -> int:
     """Element offset of row ``row``'s ``half``-th 64-dimension block in a slot's K (or V)
     rows: the blocks are (slice tokens, 64) swizzled tiles, one after the other."""
     return half * cfg.slice_tokens * SWIZZLE_DIMS + row * SWIZZLE_DIMS
@@ -429,7 +444,7 @@ def compute(
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
             for kq in cutlass.range_constexpr(d // 32):
-                off = _elem_offset(cfg, kq // 2, 0) * cfg.es
+                off = elem_offset(cfg, kq // 2, 0) * cfg.es
                 chunk = (kq % 2) * 4 + lane // 8
                 kb = ldmatrix_x4(row_k + off + ((chunk ^ (lane % 8)) * 16))
                 for k2 in cutlass.range_constexpr(2):
@@ -480,7 +495,7 @@ def compute(
                 pa1 = pack2(kind, sc[tb, 2], sc[tb, 3])
             row_v = base + (cfg.v_offset + (row0 + lane % 8) * SWIZZLE_DIMS) * cfg.es
             for jq in cutlass.range_constexpr(d // 32):
-                off = _elem_offset(cfg, jq // 2, 0) * cfg.es
+                off = elem_offset(cfg, jq // 2, 0) * cfg.es
                 chunk = (jq % 2) * 4 + lane // 8
                 vb = ldmatrix_x4(row_v + off + ((chunk ^ (lane % 8)) * 16), trans=True)
                 for m4 in cutlass.range_constexpr(4):
