@@ -11,7 +11,8 @@ positions up to its own (causal). Grouped-query attention: ``Hq = G * Hkv``.
 
 Tile (j, h) takes the G query heads of KV head h over the j-th (sequence, query block) pair:
 sequences are cut into blocks of ``QB = 16 * 8 / G`` rows (8 consumer warps, one head and 16
-rows each), numbered sequence after sequence; there are at most ``cdiv(T, QB) + B`` of them,
+rows each), numbered sequence after sequence, a sequence's last block (the most keys) first;
+there are at most ``cdiv(T, QB) + B`` of them,
 and tiles past the last do not exist (data: the lengths decide). Output ``out`` (T, Hq * D) in
 q's dtype, the heads side by side as the output projection reads them.
 
@@ -173,7 +174,7 @@ class AttentionPrefillTile(TileOp):
             bad = n < 0 or cu[b] < 0 or cu[b + 1] > t or lens[b] < n or lens[b] > self.max_tokens
             blocks = 0 if n <= 0 else -(-n // self.rows)
             if j < first + blocks:
-                k = j - first
+                k = first + blocks - 1 - j  # a sequence's last block first (the longest)
                 lo = cu[b] + k * self.rows
                 hi = min(lo + self.rows, cu[b + 1])
                 return b, lo, hi, lens[b] - n + k * self.rows, bad

@@ -121,8 +121,8 @@ def unpack_word(word: Int32):
 
 @cute.jit
 def find_block(cfg: cutlass.Constexpr, tensors, j: Int32):
-    """(sequence, index in it) of block ``j``, sequences' blocks numbered in order (a
-    sequence of n > 0 rows has ceil(n / QB)); (-1, 0) past the last block."""
+    """(sequence, index in it) of block ``j``: sequences in order, a sequence of n > 0 rows
+    ceil(n / QB) blocks, its last block first; (-1, 0) past the last block."""
     mLen, mCu = tensors[4], tensors[5]
     found_b = Int32(-1)
     found_k = Int32(0)
@@ -133,9 +133,9 @@ def find_block(cfg: cutlass.Constexpr, tensors, j: Int32):
             blocks = Int32(0)
             if n > 0:
                 blocks = (n + cfg.rows - 1) // cfg.rows
-            if j < first + blocks:
-                found_b = b
-                found_k = j - first
+            if j < first + blocks:  # a sequence's last block first: the longest tiles start
+                found_b = b  # first (the scheduler's tail is the short ones)
+                found_k = first + blocks - 1 - j
             first = first + blocks
     return found_b, found_k
 
@@ -242,9 +242,9 @@ def compute(
     for kt in cutlass.range(n, unroll=1):
         if pid < 0 or pid >= num_pages:  # the previous slice's page ids, read a slice ago
             bad = Boolean(True)
-        pos = kt * SLICE_TOKENS + ctid * cfg.box_rows
+        pos = kt * SLICE_TOKENS + lane * cfg.box_rows
         pid = Int32(0)
-        if ctid < cfg.boxes and pos < keys:
+        if lane < cfg.boxes and pos < keys:  # every warp checks the slice's pages itself
             pid = mPT[b, pos // cfg.page]
         idx = consumer_wait(full, count + kt, stages, wait)
         base = ring + idx * slot
