@@ -163,8 +163,9 @@ class AttentionPrefillTile(TileOp):
     # -- a tile's rows (data) ----------------------------------------------------------------
     def _block(self, j: int, data) -> tuple[int, int, int, int, bool] | None:
         """(sequence, first q row, end q row, position of the first row, bad) of block j, or
-        None past the last block. A sequence with inconsistent lengths keeps its blocks (as
-        many as its rows make, at least one) and is bad: they write NaN."""
+        None past the last block. A sequence's blocks cover its rows within q's (so a bad
+        sequence cannot take the grid's slots from the others); one with inconsistent lengths
+        is bad: its blocks write NaN."""
         cu = data["cu_seqlens"].tolist()
         lens = data["seq_lens"].tolist()
         t = data["q"].shape[0]
@@ -172,11 +173,12 @@ class AttentionPrefillTile(TileOp):
         for b in range(len(lens)):
             n = cu[b + 1] - cu[b]
             bad = n < 0 or cu[b] < 0 or cu[b + 1] > t or lens[b] < n or lens[b] > self.max_tokens
-            blocks = 0 if n <= 0 else -(-n // self.rows)
+            lo_c, hi_c = max(cu[b], 0), min(cu[b + 1], t)  # its rows within q's
+            blocks = 0 if hi_c <= lo_c else -(-(hi_c - lo_c) // self.rows)
             if j < first + blocks:
                 k = first + blocks - 1 - j  # a sequence's last block first (the longest)
-                lo = cu[b] + k * self.rows
-                hi = min(lo + self.rows, cu[b + 1])
+                lo = lo_c + k * self.rows
+                hi = min(lo + self.rows, hi_c)
                 return b, lo, hi, lens[b] - n + k * self.rows, bad
             first += blocks
         return None

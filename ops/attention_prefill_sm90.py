@@ -122,14 +122,16 @@ def unpack_word(word: Int32):
 @cute.jit
 def find_block(cfg: cutlass.Constexpr, tensors, j: Int32):
     """(sequence, index in it) of block ``j``: sequences in order, a sequence of n > 0 rows
-    ceil(n / QB) blocks, its last block first; (-1, 0) past the last block."""
-    mLen, mCu = tensors[4], tensors[5]
+    (within q's) ceil(n / QB) blocks, its last block first; (-1, 0) past the last block."""
+    mQ, mLen, mCu = tensors[0], tensors[4], tensors[5]
     found_b = Int32(-1)
     found_k = Int32(0)
     first = Int32(0)
     for b in range(mLen.shape[0]):
         if found_b < 0:
-            n = mCu[b + 1] - mCu[b]
+            # the sequence's rows clamped to q's: with non-decreasing offsets the blocks of
+            # all sequences fit the grid, whatever a bad one claims
+            n = cute.min(mCu[b + 1], mQ.shape[0]) - cute.max(mCu[b], 0)
             blocks = Int32(0)
             if n > 0:
                 blocks = (n + cfg.rows - 1) // cfg.rows
@@ -156,8 +158,8 @@ def block_span(cfg: cutlass.Constexpr, tensors, word: Int32):
         bad = Boolean(True)
     if length > cfg.max_tokens:
         bad = Boolean(True)
-    first = lo + k * cfg.rows
-    rows = cute.min(cfg.rows, hi - first)
+    first = cute.max(lo, 0) + k * cfg.rows  # a bad sequence's NaN rows: within q's rows
+    rows = cute.min(cfg.rows, cute.min(hi, mQ.shape[0]) - first)
     p0 = length - n + k * cfg.rows
     keys = p0 + rows
     if bad:
@@ -304,6 +306,15 @@ def compute(
             # fragment; V's B fragments by ldmatrix.trans
             for tb in cutlass.range_constexpr(blocks):
                 t8 = part * PART + tb * 8
+                # this lane's V tokens are tok2, tok2 + 1 (of dimension r): those past the keys
+                # are zeroed (a page's slots past the sequence's end are not the sequence's:
+                # garbage, maybe NaN, and 0 * NaN is NaN in the mma)
+                tok2 = kt * SLICE_TOKENS + t8 + 2 * c
+                vmask = Int32(-1)
+                if tok2 + 1 >= keys:
+                    vmask = Int32(0xFFFF)
+                if tok2 >= keys:
+                    vmask = Int32(0)
                 pa0 = pack2(kind, sc[tb, 0], sc[tb, 1])
                 pa1 = pack2(kind, sc[tb, 2], sc[tb, 3])
                 row_v = base + (cfg.v_offset + (t8 + lane % 8) * SWIZZLE_DIMS) * cfg.es
@@ -314,7 +325,7 @@ def compute(
                     for m4 in cutlass.range_constexpr(4):
                         j = 4 * jq + m4
                         c_ = (o[j, 0], o[j, 1], o[j, 2], o[j, 3])
-                        d_ = mma_1688(kind, (pa0, pa1), (vb[m4],), c_)
+                        d_ = mma_1688(kind, (pa0, pa1), (vb[m4] & vmask,), c_)
                         for i in cutlass.range_constexpr(4):
                             o[j, i] = d_[i]
         cute.arch.sync_warp()  # every lane is done with the slot
