@@ -489,6 +489,15 @@ def compute(
         # B fragment (tokens 2c, 2c + 1 of dimension r of a column block) by 16-bit loads
         for tb in cutlass.range_constexpr(blocks):
             row0 = warp * rw + tb * 8
+            # this lane's V tokens are tok2, tok2 + 1: those at or past the range's end are
+            # zeroed (a last page's slots past the sequence are not its own: garbage, maybe
+            # NaN, and 0 * NaN is NaN in the mma)
+            tok2 = t0 + kt * cfg.slice_tokens + row0 + 2 * c
+            vmask = Int32(-1)
+            if tok2 + 1 >= t1:
+                vmask = Int32(0xFFFF)
+            if tok2 >= t1:
+                vmask = Int32(0)
             pa0 = pack2(kind, sc[tb, 0], sc[tb, 1])
             pa1 = Int32(0)
             if cutlass.const_expr(two):
@@ -501,7 +510,7 @@ def compute(
                 for m4 in cutlass.range_constexpr(4):
                     j = 4 * jq + m4
                     c_ = (o[j, 0], o[j, 1], o[j, 2] if two else zero, o[j, 3] if two else zero)
-                    d_ = mma_1688(kind, (pa0, pa1), (vb[m4],), c_)
+                    d_ = mma_1688(kind, (pa0, pa1), (vb[m4] & vmask,), c_)
                     for i in cutlass.range_constexpr(4 if two else 2):
                         o[j, i] = d_[i]
         cute.arch.sync_warp()  # every lane is done with the slot
