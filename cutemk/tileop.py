@@ -280,8 +280,9 @@ class TileOp:
     from launch data (at most ``ring_tile().slices``), instead of always that many."""
 
     def device_slices(self, tensors, coord0, coord1, word):
-        """Int32 slices a live tile streams (>= 1), from its task ``word``; the producer takes
-        it with the verdict and the consumers (``device_compute``) must count the same."""
+        """Int32 slices a live tile streams, from its task ``word`` (0 where it streams
+        nothing, e.g. a tile of bad data that only writes NaN); the producer takes it with the
+        verdict and the consumers (``device_compute``) must count the same."""
         raise NotImplementedError(f"{self.name}: dynamic_slices without device_slices")
 
     def device_tile(self, tensors, coord0, coord1, tidx, smem_ptr) -> None:

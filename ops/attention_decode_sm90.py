@@ -32,7 +32,7 @@ read shared memory.
   loads (the swizzle puts a block's 8 tokens on distinct banks). The online softmax runs on
   S's accumulators (a row's 8 tokens over a quad of lanes: 2 shuffles for the max), and P,
   rounded to 16 bits, is already the A fragment of o += P V (m16n8k8; V's B fragments by
-  16-bit shared loads, conflict-free by the same swizzle). After the last slice the 8 warps'
+  `ldmatrix.trans`, conflict-free by the same swizzle). After the last slice the 8 warps'
   (m, l, o) merge through shared memory and the consumers write the output (the sequence's
   only range) or ``part_o`` / ``part_ml`` and count the range in
   (``ops.kv_split.claim_merge``); the last range merges them all. The storer warp has nothing
@@ -486,7 +486,7 @@ def compute(
                     o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
             m[half] = m_new
         # o += P V: P (heads x 8 tokens) is the scores' D layout, packed: the A fragment; V's
-        # B fragment (tokens 2c, 2c + 1 of dimension r of a column block) by 16-bit loads
+        # B fragment (tokens 2c, 2c + 1 of dimension r of a column block) by ldmatrix.trans
         for tb in cutlass.range_constexpr(blocks):
             row0 = warp * rw + tb * 8
             # this lane's V tokens are tok2, tok2 + 1: those at or past the range's end are
