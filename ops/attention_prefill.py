@@ -36,7 +36,7 @@ from cutlass import Int32, cute
 from cutemk.arch import target_arch
 from cutemk.costmodel import H200, tile_time_us
 from cutemk.errors import ShapeError
-from cutemk.symbolic import cdiv, evaluate, upper
+from cutemk.symbolic import evaluate, upper
 from cutemk.tileop import (
     FLOAT_DTYPES,
     RingTile,
@@ -50,6 +50,7 @@ from cutemk.tileop import (
 )
 
 from . import attention_prefill_sm90 as psm90
+from . import varlen
 
 LOG2E = math.log2(math.e)
 CONSUMER_WARPS = 8
@@ -158,30 +159,26 @@ class AttentionPrefillTile(TileOp):
         return {"out": TensorSpec((t, hq * d), self.q.dtype)}
 
     def grid(self):
-        return (cdiv(self.q.shape[0], self.rows) + self.seq_lens.shape[0], self.kv_heads)
+        return (
+            varlen.grid_blocks(self.q.shape[0], self.seq_lens.shape[0], self.rows),
+            self.kv_heads,
+        )
 
     # -- a tile's rows (data) ----------------------------------------------------------------
     def _block(self, j: int, data) -> tuple[int, int, int, int, bool] | None:
-        """(sequence, first q row, end q row, position of the first row, bad) of block j, or
-        None past the last block. A sequence's blocks cover its rows within q's (so a bad
-        sequence cannot take the grid's slots from the others); one with inconsistent lengths
-        is bad: its blocks write NaN."""
+        """(sequence, first q row, end q row, position of the first row, bad) of block j
+        (``ops.varlen``: rows clamped to q's, a sequence's last block first), or None past the
+        last block. A sequence with inconsistent lengths is bad: its blocks write NaN."""
         cu = data["cu_seqlens"].tolist()
         lens = data["seq_lens"].tolist()
         t = data["q"].shape[0]
-        first = 0
-        for b in range(len(lens)):
-            n = cu[b + 1] - cu[b]
-            bad = n < 0 or cu[b] < 0 or cu[b + 1] > t or lens[b] < n or lens[b] > self.max_tokens
-            lo_c, hi_c = max(cu[b], 0), min(cu[b + 1], t)  # its rows within q's
-            blocks = 0 if hi_c <= lo_c else -(-(hi_c - lo_c) // self.rows)
-            if j < first + blocks:
-                k = first + blocks - 1 - j  # a sequence's last block first (the longest)
-                lo = lo_c + k * self.rows
-                hi = min(lo + self.rows, hi_c)
-                return b, lo, hi, lens[b] - n + k * self.rows, bad
-            first += blocks
-        return None
+        blk = varlen.find_block(j, cu, t, self.rows, last_first=True)
+        if blk is None:
+            return None
+        b, k, lo, hi = blk
+        n = cu[b + 1] - cu[b]
+        bad = n < 0 or cu[b] < 0 or cu[b + 1] > t or lens[b] < n or lens[b] > self.max_tokens
+        return b, lo, hi, lens[b] - n + k * self.rows, bad
 
     def exists(self, coord, env, data):
         return self._block(coord[0], data) is not None

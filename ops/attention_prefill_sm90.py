@@ -33,6 +33,7 @@ from cutemk.device.mma import ldmatrix_x4, mma_1688, mma_16816, pack2
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
 from . import attention_decode_sm90 as dsm90
+from . import varlen
 
 SLICE_TOKENS = 64
 PART = 32
@@ -121,25 +122,10 @@ def unpack_word(word: Int32):
 
 @cute.jit
 def find_block(cfg: cutlass.Constexpr, tensors, j: Int32):
-    """(sequence, index in it) of block ``j``: sequences in order, a sequence of n > 0 rows
-    (within q's) ceil(n / QB) blocks, its last block first; (-1, 0) past the last block."""
+    """(sequence, index in it) of block ``j`` (``ops.varlen``: a sequence's last block, the one
+    with the most keys, first); (-1, 0) past the last block."""
     mQ, mLen, mCu = tensors[0], tensors[4], tensors[5]
-    found_b = Int32(-1)
-    found_k = Int32(0)
-    first = Int32(0)
-    for b in range(mLen.shape[0]):
-        if found_b < 0:
-            # the sequence's rows clamped to q's: with non-decreasing offsets the blocks of
-            # all sequences fit the grid, whatever a bad one claims
-            n = cute.min(mCu[b + 1], mQ.shape[0]) - cute.max(mCu[b], 0)
-            blocks = Int32(0)
-            if n > 0:
-                blocks = (n + cfg.rows - 1) // cfg.rows
-            if j < first + blocks:  # a sequence's last block first: the longest tiles start
-                found_b = b  # first (the scheduler's tail is the short ones)
-                found_k = first + blocks - 1 - j
-            first = first + blocks
-    return found_b, found_k
+    return varlen.device_find_block(mQ.shape[0], mLen.shape[0], mCu, cfg.rows, True, j)
 
 
 @cute.jit
@@ -158,8 +144,8 @@ def block_span(cfg: cutlass.Constexpr, tensors, word: Int32):
         bad = Boolean(True)
     if length > cfg.max_tokens:
         bad = Boolean(True)
-    first = cute.max(lo, 0) + k * cfg.rows  # a bad sequence's NaN rows: within q's rows
-    rows = cute.min(cfg.rows, cute.min(hi, mQ.shape[0]) - first)
+    # a bad sequence's NaN rows too lie within q's
+    first, rows = varlen.device_block_rows(mQ.shape[0], mCu, cfg.rows, b, k)
     p0 = length - n + k * cfg.rows
     keys = p0 + rows
     if bad:

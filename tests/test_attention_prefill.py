@@ -158,3 +158,84 @@ def test_prefill_attention_on_the_gpu(scheduler, hq, hkv, page):
         assert err < 1e-2, (seqs, err)
         torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)  # every row
         assert torch.equal(c(**a), out)
+
+
+def _append_graph(hq, hkv, d, page, max_pages, dtype, max_b=8, max_t=8192):
+    """The prefill step's attention part: the new keys and values appended to the cache,
+    then attention over it (``kv_append_varlen``, ``attention_prefill``)."""
+    g = mk.Graph("prefill_append_attention")
+    B = mk.sym("B", min=1, max=max_b)
+    T = mk.sym("T", min=1, max=max_t)
+    q = g.input("q", (T, hq, d), dtype)
+    k_new = g.input("k_new", (T, hkv, d), dtype)
+    v_new = g.input("v_new", (T, hkv, d), dtype)
+    k = g.input("k_cache", (mk.sym("P", min=1, max=1 << 16), page, hkv, d), dtype)
+    v = g.input("v_cache", (k.spec.shape[0], page, hkv, d), dtype)
+    pt = g.input("page_table", (B, max_pages), torch.int32)
+    lens = g.input("seq_lens", (B,), torch.int32)
+    cu = g.input("cu_seqlens", (B + 1,), torch.int32)
+    k2, v2 = g.call(ops.kv_append_varlen, k_new, v_new, k, v, pt, lens, cu)
+    g.output(g.call(ops.attention_prefill, q, k2, v2, pt, lens, cu), "out")
+    return g
+
+
+def _split_new(a, hkv):
+    """Take the new tokens' keys and values out of the cache (their slots poisoned), as the
+    step's inputs: the append must put them back."""
+    page = a["k_cache"].shape[1]
+    cu, lens, table = a["cu_seqlens"], a["seq_lens"], a["page_table"]
+    t = a["q"].shape[0]
+    k_new = torch.empty(t, hkv, a["k_cache"].shape[3], dtype=a["k_cache"].dtype)
+    v_new = torch.empty_like(k_new)
+    k_cache, v_cache = a["k_cache"].clone(), a["v_cache"].clone()
+    for b in range(len(lens)):
+        lo, hi, n = int(cu[b]), int(cu[b + 1]), int(lens[b])
+        for i in range(lo, hi):
+            pos = n - (hi - lo) + (i - lo)
+            pg, slot = int(table[b, pos // page]), pos % page
+            k_new[i], v_new[i] = k_cache[pg, slot], v_cache[pg, slot]
+            k_cache[pg, slot] = float("nan")
+            v_cache[pg, slot] = float("nan")
+    return {**a, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache}
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_append_then_attend_interpreted(scheduler):
+    """The new tokens' keys and values reach the cache before any tile attends to them: the
+    result is the attention over the full cache (the append's slots were NaN before)."""
+    hq, hkv, d, page, max_pages = 8, 2, 64, 16, 40
+    g = _append_graph(hq, hkv, d, page, max_pages, torch.float32)
+    c = g.compile("interpret", num_sms=6, scheduler=scheduler)
+    gen = torch.Generator().manual_seed(7)
+    for seqs in CASES:
+        full = _inputs(seqs, hq, hkv, d, page, max_pages, torch.float32, gen)
+        a = _split_new(full, hkv)
+        out = c(**a)
+        torch.testing.assert_close(out, prefill_reference(**full), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a["k_cache"], full["k_cache"], equal_nan=True)
+
+
+def test_append_then_attend_compiles_for_hopper(tmp_path, spill_stores):
+    g = _append_graph(32, 8, 128, 16, 1024, torch.bfloat16, max_b=64)
+    compile_offline(g, "dynamic", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_append_then_attend_on_the_gpu(scheduler):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hq, hkv, d, page, max_pages = 32, 8, 128, 16, 1024
+    c = _append_graph(hq, hkv, d, page, max_pages, torch.bfloat16, max_b=64).compile(
+        "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
+    )
+    gen = torch.Generator().manual_seed(2)
+    for seqs in CASES + [[(2000, 700), (9, 9), (1500, 1)]]:
+        full = _inputs(seqs, hq, hkv, d, page, max_pages, torch.bfloat16, gen)
+        a = {k: v.cuda() for k, v in _split_new(full, hkv).items()}
+        out = c(**a)
+        ref = prefill_reference(**full)
+        torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a["k_cache"].cpu(), full["k_cache"], equal_nan=True)
