@@ -122,10 +122,6 @@ class AttentionPrefillTile(TileOp):
                 f"attention_prefill: {hq} query heads over {hkv} KV heads; the tile takes "
                 "1, 2, 4 or 8 query heads a KV head"
             )
-        if d % 64 or d > 256:
-            raise ShapeError(f"attention_prefill: head dim {d} must be a multiple of 64, <= 256")
-        if page < 8 or page & (page - 1) or page > 256:
-            raise ShapeError(f"attention_prefill: page size {page}: a power of two in [8, 256]")
         if upper(self.seq_lens.shape[0]) > MAX_BATCH:
             raise ShapeError(
                 f"attention_prefill: at most {MAX_BATCH} sequences a launch, the batch dim "
@@ -258,12 +254,15 @@ class AttentionPrefillTile(TileOp):
         if (
             target_arch() != "sm_90a"
             or self.q.dtype not in (torch.bfloat16, torch.float16)
+            or self.q.shape[2] % 64  # 128-byte swizzled rows of 64 dimensions
             or self.q.shape[2] > 128  # o's accumulators: D / 2 registers a lane
+            or self.k_cache.shape[1] not in (8, 16, 32, 64, 128, 256)  # a box of 8+ rows
         ):
             raise ShapeError(
-                f"attention_prefill runs on the GPU as a Hopper (sm_90a) tile of 16-bit q and "
-                f"cache and head dim <= 128 only (target {target_arch()}, {self.q.dtype}, head "
-                f"dim {self.q.shape[2]}); the interpreter takes the rest"
+                "attention_prefill runs on the GPU as a Hopper (sm_90a) tile of 16-bit q and "
+                "cache, head dim 64 or 128 and a power-of-two page of 8 to 256 tokens only "
+                f"(target {target_arch()}, {self.q.dtype}, head dim {self.q.shape[2]}, page "
+                f"{self.k_cache.shape[1]}); the interpreter takes the rest"
             )
         return psm90.Sm90PrefillConfig(
             group=self.group,
