@@ -242,6 +242,29 @@ def test_mega_decoder_layer_from_hf():
         mk.warmup(fresh, tokens=[4], progress=False)
 
 
+def test_mega_decoder_layer_prefill_from_hf():
+    """``MegaDecoderLayer.forward(..., cu_seqlens=)``: a prefill step matches HF's layer; a
+    module built without ``max_prefill_tokens`` refuses it, and so does a step past it."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = _hf(CFG)
+    kw = dict(page_size=CFG.page_size, max_pages=CFG.max_pages, max_positions=256)
+    mega = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=4, max_prefill_tokens=64, backend="interpret"
+    )
+    gen = torch.Generator().manual_seed(4)
+    inputs, want = _case(layer, rotary, CFG, [(20, 20), (40, 7)], gen)
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    assert "prefill" in mega.regimes()
+    decode_only = MegaDecoderLayer.from_hf(layer, **kw, max_batch=4, backend="interpret")
+    with pytest.raises(mk.CuteMKError, match="max_prefill_tokens"):
+        decode_only(**inputs)
+    big, _ = _case(layer, rotary, CFG, [(70, 65)], gen)
+    with pytest.raises(mk.errors.ShapeError, match="max_prefill_tokens=64"):
+        mega(**big)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_mega_decoder_layer_on_the_gpu(scheduler):
@@ -413,3 +436,33 @@ def test_prefill_layer_compiles_for_hopper(tmp_path):
     ptx = ptx_file.read_text()
     assert "wgmma.mma_async" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_mega_decoder_layer_prefill_on_the_gpu(scheduler):
+    """A prefill step of the layer as one megakernel on the GPU (bf16) against HF's layer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    cfg = replace(CFG, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=64)
+    layer, rotary = _hf(cfg)
+    mega = MegaDecoderLayer.from_hf(
+        layer.to(torch.bfloat16).cuda(),
+        page_size=cfg.page_size,
+        max_pages=cfg.max_pages,
+        max_positions=256,
+        max_batch=4,
+        max_prefill_tokens=128,
+        scheduler=scheduler,
+    )
+    gen = torch.Generator().manual_seed(5)
+    inputs, want = _case(layer.float().cpu(), rotary, cfg, [(64, 64), (100, 30), (9, 1)], gen)
+    args = {
+        k: (v.cuda().bfloat16() if v.is_floating_point() else v.cuda()) for k, v in inputs.items()
+    }
+    y = mega(**args).float().cpu()
+    err = ((y - want).norm() / want.norm()).item()
+    assert err < 3e-2, err
