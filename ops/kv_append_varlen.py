@@ -7,7 +7,8 @@ side as in ``ops.attention_prefill``: sequence b's rows are ``[cu_seqlens[b], cu
 goes to position ``seq_lens[b] - n_b + (i - cu_seqlens[b])``: page ``page_table[b, pos //
 page_size]``, slot ``pos % page_size``. The outputs are the caches updated in place
 (``TileOp.updates``), as ``ops.kv_append`` (the decode step's append, one token a sequence)
-does. Tiles are blocks of ``TOKENS`` rows of one sequence (``ops.varlen``). Bad data is not
+does. Tiles are blocks of ``TOKENS`` rows of one sequence (``ops.varlen``). Two sequences
+must never name the same page slot (the interpreter reports it as a race). Bad data is not
 written: a sequence of inconsistent lengths (its attention comes out NaN), a position outside
 the page table or a page outside the cache.
 """
@@ -23,6 +24,7 @@ from cutlass import Boolean, Int32, cute
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.device.vectors import row_vectors, vec16
+from cutemk.errors import ShapeError
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -86,8 +88,15 @@ class KvAppendVarlenTile(TileOp):
         expect_same_dim(self.v_new.shape[0], self.k_new.shape[0], "kv_append_varlen tokens")
         expect_same_dim(self.page_table.shape[0], self.seq_lens.shape[0], "batch of pages")
         expect_same_dim(self.cu_seqlens.shape[0], self.seq_lens.shape[0] + 1, "cu_seqlens")
-        for name in ("page_table", "seq_lens", "cu_seqlens"):
+        for name, ndim in (("page_table", 2), ("seq_lens", 1), ("cu_seqlens", 1)):
+            expect_ndim(getattr(self, name), ndim, f"kv_append_varlen {name}")
             expect_dtype(getattr(self, name), (torch.int32,), f"kv_append_varlen {name}")
+        dims = (*self.k_cache.shape[1:], self.page_table.shape[1])
+        if not all(isinstance(v, int) for v in dims):
+            raise ShapeError(
+                "kv_append_varlen: page size, heads, head dim and the page table's width must "
+                "be static ints"
+            )
 
     def output_specs(self):
         return {"k_cache_out": self.k_cache, "v_cache_out": self.v_cache}

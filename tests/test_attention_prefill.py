@@ -239,3 +239,43 @@ def test_append_then_attend_on_the_gpu(scheduler):
         ref = prefill_reference(**full)
         torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(a["k_cache"].cpu(), full["k_cache"], equal_nan=True)
+        torch.testing.assert_close(a["v_cache"].cpu(), full["v_cache"], equal_nan=True)
+
+
+def test_append_skips_bad_data():
+    """``kv_append_varlen`` writes nothing for a sequence of inconsistent lengths, a position
+    past the page table or a page outside the cache; the other rows land."""
+    hkv, d, page, max_pages = 2, 64, 16, 4
+    g = mk.Graph("append")
+    B, T = mk.sym("B", min=1, max=8), mk.sym("T", min=1, max=256)
+    kn = g.input("k_new", (T, hkv, d), torch.float32)
+    vn = g.input("v_new", (T, hkv, d), torch.float32)
+    kc = g.input("k_cache", (mk.sym("P", min=1, max=64), page, hkv, d), torch.float32)
+    vc = g.input("v_cache", (kc.spec.shape[0], page, hkv, d), torch.float32)
+    pt = g.input("page_table", (B, max_pages), torch.int32)
+    lens = g.input("seq_lens", (B,), torch.int32)
+    cu = g.input("cu_seqlens", (B + 1,), torch.int32)
+    k2, v2 = g.call(ops.kv_append_varlen, kn, vn, kc, vc, pt, lens, cu)
+    g.output(k2, "k_out")
+    g.output(v2, "v_out")
+    c = g.compile("interpret", num_sms=4)
+    gen = torch.Generator().manual_seed(8)
+    t = 12
+    a = {
+        "k_new": torch.randn(t, hkv, d, generator=gen),
+        "v_new": torch.randn(t, hkv, d, generator=gen),
+        "k_cache": torch.zeros(8, page, hkv, d),
+        "v_cache": torch.zeros(8, page, hkv, d),
+        # sequence 0: fine (page 1, then a page id outside the cache); 1: shorter than its new
+        # tokens; 2: past the page table
+        "page_table": torch.tensor([[1, 99, 0, 0], [2, 3, 0, 0], [4, 5, 6, 7]], dtype=torch.int32),
+        "seq_lens": torch.tensor([20, 2, 70], dtype=torch.int32),
+        "cu_seqlens": torch.tensor([0, 6, 9, 12], dtype=torch.int32),
+    }
+    c(**a)
+    kcache = a["k_cache"]
+    # sequence 0's rows 0..5 go to positions 14..19: 14, 15 in page 1, 16..19 in page 99
+    torch.testing.assert_close(kcache[1, 14:16], a["k_new"][0:2])
+    assert not kcache[2:4].any()  # sequence 1 wrote nothing
+    assert not kcache[4:8].any()  # sequence 2: positions 67..69 are past 4 pages of 16
+    assert not kcache[1, :14].any()

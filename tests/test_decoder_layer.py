@@ -263,6 +263,15 @@ def test_mega_decoder_layer_prefill_from_hf():
     big, _ = _case(layer, rotary, CFG, [(70, 65)], gen)
     with pytest.raises(mk.errors.ShapeError, match="max_prefill_tokens=64"):
         mega(**big)
+    with pytest.raises(ValueError, match="prefill_tiles"):
+        MegaDecoderLayer.from_hf(layer, **kw, max_prefill_tokens=8, prefill_tiles=(16,))
+    # warm-up runs a step of every regime, the prefill one included
+    fresh = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=3, max_prefill_tokens=32, backend="interpret"
+    )
+    names = [name for name, _ in mk.warmup(fresh, progress=False).steps]
+    assert any(n.startswith("prefill: ") for n in names), names
+    assert "prefill" in {k[1] for k in fresh._compiled}
 
 
 @pytest.mark.gpu

@@ -28,6 +28,10 @@ class MegaDecoderLayer(_KeyedModule):
     Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
     sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
     Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use.
+    With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
+    :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
+    dense GEMMs' tiles (default: the decode ones; a MoE layer's sparse block keeps its
+    config).
     """
 
     regime_limits = DECODER_REGIME_LIMITS
@@ -48,6 +52,12 @@ class MegaDecoderLayer(_KeyedModule):
         expect_positive_int(max_batch, "max_batch")
         if max_prefill_tokens:
             expect_positive_int(max_prefill_tokens, "max_prefill_tokens")
+        if prefill_tiles is not None:
+            if len(tuple(prefill_tiles)) != 2:
+                raise ValueError(f"prefill_tiles must be (block_m, block_n), got {prefill_tiles}")
+            for v in prefill_tiles:
+                expect_positive_int(v, "prefill_tiles")
+            prefill_tiles = tuple(int(v) for v in prefill_tiles)
         self.max_prefill_tokens, self.prefill_tiles = max_prefill_tokens, prefill_tiles
         if backend not in (None, "cute", "interpret"):
             raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
@@ -191,6 +201,15 @@ class MegaDecoderLayer(_KeyedModule):
             table,
             torch.ones(batch, dtype=torch.int32, **kw),
         )
+
+    def warm_step(self, regime: str) -> None:
+        """A step of ``regime`` on its own inputs, for :func:`cutemk.warmup` (the prefill
+        regime: one sequence of one token at position 0 of a one-page cache of zeros)."""
+        if regime != "prefill":
+            raise ValueError(f"no warm-up step for regime {regime!r}")
+        x, positions, k, v, table, lens = self.warm_inputs(1)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=x.device)
+        self.prefill(x, positions, k, v, table, lens, cu)
 
     def regimes(self) -> tuple[str, ...]:
         """The decode regimes, and 'prefill' where the module takes prefill steps."""
