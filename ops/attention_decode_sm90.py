@@ -462,29 +462,7 @@ def compute(
                 sc[tb, i] = sv
         # online softmax of rows r (i = 0, 1) and r + 8 (i = 2, 3): the quad's 4 lanes hold a
         # row's 8 tokens of a block
-        for half in cutlass.range_constexpr(2 if two else 1):
-            mx = sc[0, 2 * half]
-            for tb in cutlass.range_constexpr(blocks):
-                for i in cutlass.range_constexpr(2):
-                    mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-            m_new = cute.arch.fmax(m[half], mx)
-            m_use = m_new
-            if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
-                m_use = Float32(0.0)
-            rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
-            psum = Float32(0.0)
-            for tb in cutlass.range_constexpr(blocks):
-                for i in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
-                    psum = psum + p
-                    sc[tb, 2 * half + i] = p
-            lsum[half] = lsum[half] * rescale + psum
-            for j in cutlass.range_constexpr(d // 8):
-                for i in cutlass.range_constexpr(2):
-                    o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
-            m[half] = m_new
+        online_softmax(sc, m, lsum, o, blocks, 2 if two else 1, d // 8)
         # o += P V: P (heads x 8 tokens) is the scores' D layout, packed: the A fragment; V's
         # B fragment (tokens 2c, 2c + 1 of dimension r of a column block) by ldmatrix.trans
         for tb in cutlass.range_constexpr(blocks):
@@ -571,3 +549,37 @@ def compute(
 @cute.jit
 def _consumer_sync():
     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def online_softmax(
+    sc, m, lsum, o, blocks: cutlass.Constexpr, halves: cutlass.Constexpr, cols: cutlass.Constexpr
+):
+    """One slice's step of the online softmax on the m16n8 accumulators ``sc`` (``blocks`` x
+    4: rows r (i = 0, 1) and r + 8 (i = 2, 3), a row's 8 tokens of a block on the quad's 4
+    lanes), in place: ``sc`` becomes P, the running max ``m`` and sum ``lsum`` of each half
+    (``halves``: 1 where the rows r + 8 hold nothing) advance and ``o``'s ``cols`` column
+    blocks are rescaled. Shared by the decode tile and the prefill tile."""
+    for half in cutlass.range_constexpr(halves):
+        mx = sc[0, 2 * half]
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+        m_new = cute.arch.fmax(m[half], mx)
+        m_use = m_new
+        if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
+            m_use = Float32(0.0)
+        rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
+        psum = Float32(0.0)
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
+                psum = psum + p
+                sc[tb, 2 * half + i] = p
+        lsum[half] = lsum[half] * rescale + psum
+        for j in cutlass.range_constexpr(cols):
+            for i in cutlass.range_constexpr(2):
+                o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
+        m[half] = m_new

@@ -265,29 +265,7 @@ def compute(
                     sc[tb, i] = sv
             # online softmax of rows r (i = 0, 1) and r + 8 (i = 2, 3): a row's 8 tokens of
             # a block on the quad's 4 lanes
-            for half in cutlass.range_constexpr(2):
-                mx = sc[0, 2 * half]
-                for tb in cutlass.range_constexpr(blocks):
-                    for i in cutlass.range_constexpr(2):
-                        mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-                m_new = cute.arch.fmax(m[half], mx)
-                m_use = m_new
-                if m_new == Float32(-math.inf):  # no visible key yet: keep everything at zero
-                    m_use = Float32(0.0)
-                rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
-                psum = Float32(0.0)
-                for tb in cutlass.range_constexpr(blocks):
-                    for i in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
-                        psum = psum + p
-                        sc[tb, 2 * half + i] = p
-                lsum[half] = lsum[half] * rescale + psum
-                for j in cutlass.range_constexpr(d // 8):
-                    for i in cutlass.range_constexpr(2):
-                        o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
-                m[half] = m_new
+            dsm90.online_softmax(sc, m, lsum, o, blocks, 2, d // 8)
             # o += P V: P (16 rows x 8 tokens) is the scores' D layout, packed: the A
             # fragment; V's B fragments by ldmatrix.trans
             for tb in cutlass.range_constexpr(blocks):

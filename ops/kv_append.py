@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
 import torch
 from cutlass import Int32, cute
 
@@ -146,16 +147,7 @@ class KvAppendTile(TileOp):
         mKo / mVo the caches themselves."""
         mKn, mVn, _, _, mPT, mLen, mKo, mVo = tensors
         page = self.k_cache.shape[1]
-        hkv, d = self.k_new.shape[1], self.k_new.shape[2]
-        row = hkv * d  # one token's keys (or values): contiguous in both layouts
-        vec = vec16(self.k_new.dtype.itemsize, row)
-        nv = row // vec
-        # (rows, vectors, vec) views of the new rows and of the caches' token slots
-        kn = row_vectors(mKn, mKn.shape[0], row, vec)
-        vn = row_vectors(mVn, mVn.shape[0], row, vec)
-        slots = mKo.shape[0] * page
-        ko = row_vectors(mKo, slots, row, vec)
-        vo = row_vectors(mVo, slots, row, vec)
+        kn, vn, ko, vo, vec, nv = kv_vectors(self, mKn, mVn, mKo, mVo)
         pos = mLen[coord0] - 1
         cap = mPT.shape[1] * page
         if pos >= 0 and pos < cap:
@@ -163,12 +155,36 @@ class KvAppendTile(TileOp):
             if pg >= 0 and pg < mKo.shape[0]:
                 dst = pg * page + pos % page
                 for i in range(tidx, nv, NUM_THREADS):
-                    kr = cute.make_rmem_tensor((vec,), mKn.element_type)
-                    vr = cute.make_rmem_tensor((vec,), mVn.element_type)
-                    cute.autovec_copy(kn[coord0, i, None], kr)
-                    cute.autovec_copy(vn[coord0, i, None], vr)
-                    cute.autovec_copy(kr, ko[dst, i, None])
-                    cute.autovec_copy(vr, vo[dst, i, None])
+                    copy_kv_vector(kn, vn, ko, vo, coord0, dst, i, vec)
+
+
+def kv_vectors(op, mKn, mVn, mKo, mVo):
+    """(rows, vectors, vec) views of the new rows (``mKn`` / ``mVn``, a token a row) and of the
+    caches' token slots (``mKo`` / ``mVo``), the vector width and the vectors a row: one
+    token's keys (or values) are contiguous in both layouts. ``op``: an append op (its
+    ``k_new`` / ``k_cache`` specs)."""
+    row = op.k_new.shape[1] * op.k_new.shape[2]
+    vec = vec16(op.k_new.dtype.itemsize, row)
+    slots = mKo.shape[0] * op.k_cache.shape[1]
+    return (
+        row_vectors(mKn, mKn.shape[0], row, vec),
+        row_vectors(mVn, mVn.shape[0], row, vec),
+        row_vectors(mKo, slots, row, vec),
+        row_vectors(mVo, slots, row, vec),
+        vec,
+        row // vec,
+    )
+
+
+@cute.jit
+def copy_kv_vector(kn, vn, ko, vo, src, dst, i, vec: cutlass.Constexpr):
+    """Vector ``i`` of new row ``src``'s keys and values into cache slot ``dst``."""
+    kr = cute.make_rmem_tensor((vec,), kn.element_type)
+    vr = cute.make_rmem_tensor((vec,), vn.element_type)
+    cute.autovec_copy(kn[src, i, None], kr)
+    cute.autovec_copy(vn[src, i, None], vr)
+    cute.autovec_copy(kr, ko[dst, i, None])
+    cute.autovec_copy(vr, vo[dst, i, None])
 
 
 def kv_append(

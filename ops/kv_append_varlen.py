@@ -23,7 +23,6 @@ from cutlass import Boolean, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
-from cutemk.device.vectors import row_vectors, vec16
 from cutemk.errors import ShapeError
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -37,6 +36,7 @@ from cutemk.tileop import (
 )
 
 from . import varlen
+from .kv_append import copy_kv_vector, kv_vectors
 
 TOKENS = 16
 """New tokens a tile."""
@@ -186,16 +186,8 @@ class KvAppendVarlenTile(TileOp):
         mKo / mVo the caches themselves."""
         mKn, mVn, _, _, mPT, mLen, mCu, mKo, mVo = tensors
         page = self.k_cache.shape[1]
-        hkv, d = self.k_new.shape[1], self.k_new.shape[2]
-        row_len = hkv * d  # one token's keys (or values): contiguous in both layouts
-        vec = vec16(self.k_new.dtype.itemsize, row_len)
-        nv = row_len // vec
+        kn, vn, ko, vo, vec, nv = kv_vectors(self, mKn, mVn, mKo, mVo)
         t = mKn.shape[0]
-        kn = row_vectors(mKn, t, row_len, vec)
-        vn = row_vectors(mVn, t, row_len, vec)
-        slots = mKo.shape[0] * page
-        ko = row_vectors(mKo, slots, row_len, vec)
-        vo = row_vectors(mVo, slots, row_len, vec)
         b, k = varlen.device_find_block(t, mLen.shape[0], mCu, TOKENS, False, coord0)
         lo, hi = mCu[b], mCu[b + 1]
         n = hi - lo
@@ -214,13 +206,7 @@ class KvAppendVarlenTile(TileOp):
                 if pos >= 0 and pos < cap:
                     pg = mPT[b, pos // page]
                     if pg >= 0 and pg < mKo.shape[0]:
-                        dst = pg * page + pos % page
-                        kr = cute.make_rmem_tensor((vec,), mKn.element_type)
-                        vr = cute.make_rmem_tensor((vec,), mVn.element_type)
-                        cute.autovec_copy(kn[row, v, None], kr)
-                        cute.autovec_copy(vn[row, v, None], vr)
-                        cute.autovec_copy(kr, ko[dst, v, None])
-                        cute.autovec_copy(vr, vo[dst, v, None])
+                        copy_kv_vector(kn, vn, ko, vo, row, pg * page + pos % page, v, vec)
 
 
 def kv_append_varlen(
