@@ -37,6 +37,27 @@ from cutemk.tileop import (
 )
 
 
+def check_rows_and_caches(op) -> None:
+    """The checks an append op (``op.name``, its ``k_new`` / ``v_new`` rows of keys and values
+    and its ``k_cache`` / ``v_cache``) makes of those four: ranks, one dtype, the caches'
+    shapes equal, the rows' heads and head dim the caches'."""
+    name = op.name
+    for arg in ("k_new", "v_new"):
+        expect_ndim(getattr(op, arg), 3, f"{name} {arg}")
+    for arg in ("k_cache", "v_cache"):
+        expect_ndim(getattr(op, arg), 4, f"{name} {arg}")
+    expect_dtype(op.k_new, FLOAT_DTYPES, f"{name} k_new")
+    for arg in ("v_new", "k_cache", "v_cache"):
+        if getattr(op, arg).dtype != op.k_new.dtype:
+            raise TypeError(f"{name} {arg} must have k_new's dtype {op.k_new.dtype}")
+    for i in range(4):
+        expect_same_dim(op.k_cache.shape[i], op.v_cache.shape[i], f"{name} cache dim {i}")
+    for i in (1, 2):
+        expect_same_dim(op.k_new.shape[i], op.k_cache.shape[i + 1], f"{name} new dim {i}")
+        expect_same_dim(op.v_new.shape[i], op.k_cache.shape[i + 1], f"{name} new dim {i}")
+    expect_same_dim(op.v_new.shape[0], op.k_new.shape[0], f"{name} batch")
+
+
 @register_op
 @dataclass(frozen=True)
 class KvAppendTile(TileOp):
@@ -62,26 +83,7 @@ class KvAppendTile(TileOp):
     data_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
 
     def __post_init__(self) -> None:
-        for name in ("k_new", "v_new"):
-            expect_ndim(getattr(self, name), 3, f"kv_append {name}")
-        for name in ("k_cache", "v_cache"):
-            expect_ndim(getattr(self, name), 4, f"kv_append {name}")
-        expect_dtype(self.k_new, FLOAT_DTYPES, "kv_append k_new")
-        for name in ("v_new", "k_cache", "v_cache"):
-            if getattr(self, name).dtype != self.k_new.dtype:
-                raise TypeError(f"kv_append {name} must have k_new's dtype {self.k_new.dtype}")
-        for i in range(4):
-            expect_same_dim(
-                self.k_cache.shape[i], self.v_cache.shape[i], f"kv_append cache dim {i}"
-            )
-        for i in (1, 2):
-            expect_same_dim(
-                self.k_new.shape[i], self.k_cache.shape[i + 1], f"kv_append new dim {i}"
-            )
-            expect_same_dim(
-                self.v_new.shape[i], self.k_cache.shape[i + 1], f"kv_append new dim {i}"
-            )
-        expect_same_dim(self.v_new.shape[0], self.k_new.shape[0], "kv_append batch")
+        check_rows_and_caches(self)
         expect_same_dim(self.page_table.shape[0], self.k_new.shape[0], "kv_append page_table batch")
         expect_same_dim(self.seq_lens.shape[0], self.k_new.shape[0], "kv_append seq_lens batch")
         expect_dtype(self.page_table, (torch.int32,), "kv_append page_table")

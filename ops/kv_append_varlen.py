@@ -25,7 +25,6 @@ from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.errors import ShapeError
 from cutemk.tileop import (
-    FLOAT_DTYPES,
     TensorSpec,
     TileOp,
     expect_dtype,
@@ -36,7 +35,7 @@ from cutemk.tileop import (
 )
 
 from . import varlen
-from .kv_append import copy_kv_vector, kv_vectors
+from .kv_append import check_rows_and_caches, copy_kv_vector, kv_vectors
 
 TOKENS = 16
 """New tokens a tile."""
@@ -70,22 +69,7 @@ class KvAppendVarlenTile(TileOp):
     exists_on_device: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        for name in ("k_new", "v_new"):
-            expect_ndim(getattr(self, name), 3, f"kv_append_varlen {name}")
-        for name in ("k_cache", "v_cache"):
-            expect_ndim(getattr(self, name), 4, f"kv_append_varlen {name}")
-        expect_dtype(self.k_new, FLOAT_DTYPES, "kv_append_varlen k_new")
-        for name in ("v_new", "k_cache", "v_cache"):
-            if getattr(self, name).dtype != self.k_new.dtype:
-                raise TypeError(
-                    f"kv_append_varlen {name} must have k_new's dtype {self.k_new.dtype}"
-                )
-        for i in range(4):
-            expect_same_dim(self.k_cache.shape[i], self.v_cache.shape[i], f"cache dim {i}")
-        for i in (1, 2):
-            expect_same_dim(self.k_new.shape[i], self.k_cache.shape[i + 1], f"new dim {i}")
-            expect_same_dim(self.v_new.shape[i], self.k_cache.shape[i + 1], f"new dim {i}")
-        expect_same_dim(self.v_new.shape[0], self.k_new.shape[0], "kv_append_varlen tokens")
+        check_rows_and_caches(self)
         expect_same_dim(self.page_table.shape[0], self.seq_lens.shape[0], "batch of pages")
         expect_same_dim(self.cu_seqlens.shape[0], self.seq_lens.shape[0] + 1, "cu_seqlens")
         for name, ndim in (("page_table", 2), ("seq_lens", 1), ("cu_seqlens", 1)):
