@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import torch_ops
 from ..errors import CuteMKError, ShapeError
-from ..regimes import DECODER_REGIME_LIMITS
+from ..regimes import DECODER_REGIME_LIMITS, MOE_TILES
 from ..symbolic import sym
 from ..tileop import expect_positive_int
 from .base import _KeyedModule
@@ -30,8 +30,8 @@ class MegaDecoderLayer(_KeyedModule):
     Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use.
     With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
     :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
-    dense GEMMs' tiles (default: the decode ones; a MoE layer's sparse block keeps its
-    config).
+    dense GEMMs' tiles (default: the decode ones); a MoE layer's sparse block takes
+    :data:`cutemk.regimes.MOE_TILES`' prefill tiles and routing there.
     """
 
     regime_limits = DECODER_REGIME_LIMITS
@@ -173,13 +173,13 @@ class MegaDecoderLayer(_KeyedModule):
             from ..layers import decoder_layer_graph, decoder_prefill_graph
 
             if regime == "prefill":
-                cfg = self.cfg
+                cfg, moe = self.cfg, self.moe
                 if self.prefill_tiles is not None:
                     cfg = replace(cfg, block_m=self.prefill_tiles[0], block_n=self.prefill_tiles[1])
+                if moe is not None:  # the sparse block: MegaMoE's prefill tiles and routing
+                    moe = replace(moe, **MOE_TILES[(backend, "prefill")])
                 tokens = sym("T", max=self.max_prefill_tokens)
-                return decoder_prefill_graph(
-                    tokens, sym("B", max=self.max_batch), cfg, dtype, self.moe
-                )
+                return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
             limit = self.regime_limits[regime]
             limit = self.max_batch if limit is None else min(self.max_batch, limit)
             return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, self.moe)
