@@ -10,7 +10,11 @@ an fp32 reference, and ``speedup_vs_sdpa``. cutemk's KV pages are scattered thro
 One cutemk graph (page tables of the longest case's capacity) serves every case: each
 sequence is split into a share of its live length per tile (``ops.kv_split``).
 
-Run: python benchmarks/attention.py [--splits 16] [--target-tiles 264] [--quick]
+``--prefill``: causal prefill instead (``ops.attention_prefill``, new tokens after a cached
+prefix or none) vs SDPA (a mask aligning the new tokens to the cache's end) and FA4 (causal),
+results/attention_prefill.json; rel_err against SDPA; floor from the causal FLOPs at 790 TFLOP/s.
+
+Run: python benchmarks/attention.py [--splits 16] [--target-tiles 264] [--quick] [--prefill]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from cutemk.bench import Results, floor_us, graphed, time_us
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
 MAX_B = 64
+PREFILL_CASES = ((1, 8192, 0), (4, 2048, 0), (1, 1024, 4096))  # (batch, new tokens, cached)
 
 
 def _graph(splits: int, target_tiles: int, align: int, max_len: int):
@@ -55,6 +60,110 @@ def _graph(splits: int, target_tiles: int, align: int, max_len: int):
     return g
 
 
+def _prefill_graph(max_len: int, max_tokens: int):
+    import cutemk as mk
+    from cutemk import ops
+
+    g = mk.Graph("prefill_attention")
+    B = mk.sym("B", min=1, max=MAX_B)
+    T = mk.sym("T", min=1, max=max_tokens)
+    dt = torch.bfloat16
+    q = g.input("q", (T, HQ, D), dt)
+    k = g.input("k_cache", (mk.sym("P", min=1, max=1 << 20), PAGE, HKV, D), dt)
+    v = g.input("v_cache", (k.spec.shape[0], PAGE, HKV, D), dt)
+    pt = g.input("page_table", (B, max_len // PAGE), torch.int32)
+    lens = g.input("seq_lens", (B,), torch.int32)
+    cu = g.input("cu_seqlens", (B + 1,), torch.int32)
+    g.output(g.call(ops.attention_prefill, q, k, v, pt, lens, cu), "out")
+    return g
+
+
+def run_prefill(args, warmup: int, rep: int) -> int:
+    """Causal prefill cases: cutemk vs SDPA and FA4, one process."""
+    max_len = max(n + c for _, n, c in PREFILL_CASES)
+    max_t = max(b * n for b, n, _ in PREFILL_CASES)
+    mk_attn = _prefill_graph(max_len, max_t).compile("cute", scheduler=args.scheduler)
+    fa4 = _fa4()
+    res = Results(
+        "attention_prefill",
+        meta={
+            "dtype": "bf16",
+            "heads": f"{HQ} query / {HKV} KV, head dim {D}",
+            "page_size": PAGE,
+            "scheduler": args.scheduler,
+            "rep": rep,
+        },
+    )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, n, cached in PREFILL_CASES:
+        case = f"prefill B={b} new={n} cached={cached}"
+        length = n + cached
+        per_seq = -(-length // PAGE)
+        perm = torch.randperm(b * per_seq, device="cuda", generator=gen).to(torch.int32)
+        table = torch.zeros(b, max_len // PAGE, dtype=torch.int32, device="cuda")
+        table[:, :per_seq] = perm.view(b, per_seq)
+        kc = torch.randn(b * per_seq, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
+        vc = torch.randn(b * per_seq, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(b * n, HQ, D, device="cuda", generator=gen).bfloat16()
+        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        cu = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * n
+        idx = table[:, :per_seq].long()
+        k_flat = kc[idx].reshape(b, per_seq * PAGE, HKV, D)[:, :length]
+        v_flat = vc[idx].reshape(b, per_seq * PAGE, HKV, D)[:, :length]
+        # new token i sits at position cached + i and sees the keys up to it
+        mask = torch.arange(length, device="cuda")[None, :] <= (
+            cached + torch.arange(n, device="cuda")[:, None]
+        )
+
+        def sdpa():
+            return (
+                F.scaled_dot_product_attention(
+                    q.view(b, n, HQ, D).transpose(1, 2),
+                    k_flat.transpose(1, 2),
+                    v_flat.transpose(1, 2),
+                    attn_mask=None if cached == 0 else mask,
+                    is_causal=cached == 0,
+                    enable_gqa=True,
+                )
+                .transpose(1, 2)
+                .reshape(b * n, HQ * D)
+            )
+
+        impls = {
+            "cutemk": lambda: mk_attn(q, kc, vc, table, lens, cu),
+            "torch_sdpa": sdpa,
+        }
+        if fa4 is not None:
+            impls["fa4"] = lambda: fa4(q.view(b, n, HQ, D), k_flat, v_flat, causal=True)[0].reshape(
+                b * n, HQ * D
+            )
+        ref = sdpa().float()
+        flops = 4.0 * b * HQ * D * (n * cached + n * (n + 1) / 2)
+        fl = floor_us(flops, 2.0 * (2 * b * length * HKV * D + 2 * b * n * HQ * D))
+        for name, fn in impls.items():
+            try:
+                err = ((fn().float() - ref).norm() / ref.norm()).item()
+                us = time_us(graphed(fn), warmup=warmup, rep=rep)
+            except Exception as e:  # noqa: BLE001  (a peer failing one case is reported)
+                res.meta.setdefault("skipped", []).append(f"{case} {name}: {e}")
+                print(f"{case} {name} skipped: {e}")
+                continue
+            res.add(
+                case,
+                name,
+                us,
+                tflops=round(flops / us / 1e6, 1),
+                floor_us=round(fl, 2),
+                of_floor=round(fl / us, 3),
+                rel_err_vs_sdpa=round(err, 5),
+            )
+    res.add_ratios("torch_sdpa")
+    if fa4 is not None:
+        res.add_ratios("fa4")
+    res.finish(chart=True)
+    return 0
+
+
 def _fa4():
     try:
         from flash_attn.cute.interface import flash_attn_func
@@ -71,9 +180,12 @@ def main(argv=None) -> int:
     p.add_argument("--align", type=int, default=64, help="tokens a range is a multiple of")
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
+    p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.prefill:
+        return run_prefill(args, *((3, 10) if args.quick else (10, 50)))
     from cutemk.ops.attention_decode import decode_attention_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)

@@ -15,6 +15,10 @@ median task time; microseconds since the launch's first task) go to the JSON's `
 are printed; ``--records DIR`` also writes each case's raw per-task records (SM, start, end,
 node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 
+``--prefill 2048``: also prefill steps (one sequence of that many new tokens, no cached prefix)
+as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the same layer in torch
+(cuBLAS, causal SDPA), eager and under a CUDA graph; ``--batch`` with no count runs only those.
+
 Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [--records DIR]]
 [--unfolded-norms] [--attention-align 64|128]
 """
@@ -92,12 +96,92 @@ def torch_step(x, pos, kc, vc, w, n, fp32=False):
     return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
 
 
+def torch_prefill(x, kc, vc, w, fp32=False):
+    """A prefill step of one sequence of T new tokens (no cached prefix) in torch on a static
+    cache kc / vc (1, Hkv, L, D), written in place at positions 0..T-1; causal SDPA."""
+    cast = (lambda t: t.float()) if fp32 else (lambda t: t)
+    w = {k: cast(v) for k, v in w.items()}
+    x = cast(x)
+    t = x.shape[0]
+    h = F.rms_norm(x, (H,), w["input_norm"], EPS)
+    qkv = h @ w["w_qkv"].T
+    q = F.rms_norm(qkv[:, : HQ * D].view(t, HQ, D), (D,), w["q_norm"], EPS)
+    k = F.rms_norm(qkv[:, HQ * D : (HQ + HKV) * D].view(t, HKV, D), (D,), w["k_norm"], EPS)
+    v = qkv[:, (HQ + HKV) * D :].view(t, HKV, D)
+    cs = w["cos_sin"][:t].to(q.dtype)
+    cos, sin = cs[:, None, : D // 2], cs[:, None, D // 2 :]
+
+    def rope(a):
+        a1, a2 = a[..., : D // 2], a[..., D // 2 :]
+        return torch.cat([a1 * cos - a2 * sin, a2 * cos + a1 * sin], dim=-1)
+
+    q, k = rope(q), rope(k)
+    kc[0, :, :t] = k.transpose(0, 1).to(kc.dtype)
+    vc[0, :, :t] = v.transpose(0, 1).to(vc.dtype)
+    att = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        cast(kc[:, :, :t]),
+        cast(vc[:, :, :t]),
+        is_causal=True,
+        enable_gqa=True,
+    )
+    h1 = x + att[0].transpose(0, 1).reshape(t, HQ * D) @ w["w_o"].T
+    h2 = F.rms_norm(h1, (H,), w["post_norm"], EPS)
+    gu = h2 @ w["w_gate_up"].T
+    return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
+
+
+def run_prefill(res, megas, w, tokens, warmup, rep, gen) -> None:
+    """Prefill steps of one sequence of ``tokens`` new tokens: the layer as one megakernel
+    (``MegaDecoderLayer.prefill``) vs the same layer in torch, eager and under a CUDA graph."""
+    weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
+    params = sum(w[k].numel() for k in ("w_qkv", "w_o", "w_gate_up", "w_down"))
+    for t in tokens:
+        case = f"prefill T={t}"
+        x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+        pos = torch.arange(t, dtype=torch.int32, device="cuda")
+        pages = -(-t // PAGE)
+        kc = torch.zeros(1, HKV, pages * PAGE, D, device="cuda").bfloat16()
+        vc = torch.zeros_like(kc)
+        k_pages = torch.zeros(pages, PAGE, HKV, D, device="cuda").bfloat16()
+        v_pages = torch.zeros_like(k_pages)
+        table = torch.zeros(1, megas["mk_static"].cfg.max_pages, dtype=torch.int32, device="cuda")
+        table[0, :pages] = torch.arange(pages, dtype=torch.int32, device="cuda")
+        lens = torch.tensor([t], dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+        ref = torch_prefill(x, kc.clone().float(), vc.clone().float(), w, fp32=True)
+        impls = {
+            name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens, cu_seqlens=cu))
+            for name, m in megas.items()
+        }
+        impls["torch_graph"] = lambda: torch_prefill(x, kc, vc, w)
+        errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
+        impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
+        flops = 2.0 * t * params + 2.0 * t * t * D * HQ  # projections; causal attention
+        fl = floor_us(flops, weight_bytes + 2.0 * 2 * t * HKV * D)
+        for name, fn in impls.items():
+            eager = name == "torch_eager"
+            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
+            res.add(
+                case,
+                name,
+                us,
+                tflops=round(flops / us / 1e6, 1),
+                floor_us=round(fl, 2),
+                of_floor=round(fl / us, 3),
+                rel_err=round(errs[name], 5),
+            )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--batch", nargs="*", type=int, default=[1, 16, 64])
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--block-n", type=int, default=64, help="GEMM tile width (decode: 32 or 64)")
     p.add_argument("--trace", action="store_true", help="per-node spans of a profiled launch")
+    p.add_argument(
+        "--prefill", nargs="*", type=int, default=[], help="prefill steps of these token counts"
+    )
     p.add_argument(
         "--unfolded-norms", action="store_true", help="RMSNorm phases of their own (no folding)"
     )
@@ -132,13 +216,26 @@ def main(argv=None) -> int:
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
         wm = fold_decoder_norms(wm)
+    prefill_kw = {}
+    if args.prefill:  # the prefill graph: the new tokens at their maximum, 128 x 128 tiles
+        prefill_kw = {"max_prefill_tokens": max(args.prefill), "prefill_tiles": (128, 128)}
+        cfg = dataclasses.replace(
+            cfg,
+            max_pages=max(cfg.max_pages, -(-max(args.prefill) // PAGE)),
+            max_positions=max(cfg.max_positions, max(args.prefill)),
+        )
+        from cutemk.ops import rope_table
+
+        w["cos_sin"] = wm["cos_sin"] = rope_table(cfg.max_positions, D).cuda()
     megas = {
-        f"mk_{s}": MegaDecoderLayer(wm, cfg, max_batch=max(args.batch), scheduler=s)
+        f"mk_{s}": MegaDecoderLayer(
+            wm, cfg, max_batch=max(args.batch or [1]), scheduler=s, **prefill_kw
+        )
         for s in ("static", "dynamic")
     }
     profiled = None
     if args.trace:  # a separate module: profiling adds a timestamp store per task
-        profiled = MegaDecoderLayer(wm, cfg, max_batch=max(args.batch), scheduler="static")
+        profiled = MegaDecoderLayer(wm, cfg, max_batch=max(args.batch or [1]), scheduler="static")
         profiled.profile = True
     meta = {
         "layer": "Qwen3-8B",
@@ -196,6 +293,8 @@ def main(argv=None) -> int:
                 of_floor=round(fl / us, 3),
                 rel_err=round(errs[name], 5),
             )
+    if args.prefill:
+        run_prefill(res, megas, w, args.prefill, warmup, rep, gen)
     res.add_ratios("torch_graph")
     res.finish(chart=True)
     return 0

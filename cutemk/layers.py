@@ -414,6 +414,41 @@ def decoder_layer_graph(
     its weights w_router (E, H), w_gate_up (E, 2I, H), w_down (E, H, I). With
     ``cfg.fold_norms`` the norm weights are folded into the projections (see
     :class:`DecoderConfig`)."""
+    return _decoder_layer(
+        Graph("qwen3_decoder_layer_decode"), batch, batch, cfg, dtype, moe, prefill=False
+    )
+
+
+def decoder_prefill_graph(
+    tokens: Sym,
+    batch: Sym,
+    cfg: DecoderConfig,
+    dtype: torch.dtype = torch.float32,
+    moe: MoeConfig | None = None,
+) -> Graph:
+    """One prefill step of a Qwen3 decoder layer as one graph: :func:`decoder_layer_graph`'s
+    layer over the new tokens of ``batch`` sequences side by side (variable lengths, each after
+    a cached prefix or none), the append writing every new token's keys and values
+    (``ops.kv_append_varlen``) and causal attention over the pages (``ops.attention_prefill``).
+
+    Leaves: x (T, H), positions (T,) (each token's position in its sequence), k_cache /
+    v_cache, page_table (B, max_pages), seq_lens (B,) (counting the new tokens), cu_seqlens
+    (B + 1,) (sequence b's rows of x are ``[cu_seqlens[b], cu_seqlens[b + 1])``), then the
+    weights as :func:`decoder_layer_graph`'s."""
+    return _decoder_layer(
+        Graph("qwen3_decoder_layer_prefill"), tokens, batch, cfg, dtype, moe, prefill=True
+    )
+
+
+def _decoder_layer(
+    g: Graph,
+    tokens: Sym,
+    batch: Sym,
+    cfg: DecoderConfig,
+    dtype: torch.dtype,
+    moe: MoeConfig | None,
+    prefill: bool,
+) -> Graph:
     _positive(
         hidden=cfg.hidden,
         intermediate=cfg.intermediate,
@@ -424,14 +459,14 @@ def decoder_layer_graph(
         max_pages=cfg.max_pages,
     )
     h, d, hq, hkv = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads
-    g = Graph("qwen3_decoder_layer_decode")
-    x = g.input("x", (batch, h), dtype)
-    positions = g.input("positions", (batch,), torch.int32)
+    x = g.input("x", (tokens, h), dtype)
+    positions = g.input("positions", (tokens,), torch.int32)
     pages = Sym("pages", min=1, max=1 << 24)
     k_cache = g.input("k_cache", (pages, cfg.page_size, hkv, d), dtype)
     v_cache = g.input("v_cache", (pages, cfg.page_size, hkv, d), dtype)
     page_table = g.input("page_table", (batch, cfg.max_pages), torch.int32)
     seq_lens = g.input("seq_lens", (batch,), torch.int32)
+    cu_seqlens = g.input("cu_seqlens", (batch + 1,), torch.int32) if prefill else None
     fold_mlp = cfg.fold_norms and moe is None
     input_norm = None if cfg.fold_norms else g.weight("input_norm", (h,), dtype)
     w_qkv = g.weight("w_qkv", ((hq + 2 * hkv) * d, h), dtype)
@@ -459,17 +494,23 @@ def decoder_layer_graph(
         kv_heads=hkv,
         eps=cfg.eps,
     )
-    k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
-    o = g.call(
-        ops.attention_decode,
-        q,
-        k2,
-        v2,
-        page_table,
-        seq_lens,
-        splits=cfg.attention_splits,
-        align=cfg.attention_align,
-    )[0]
+    if prefill:
+        k2, v2 = g.call(
+            ops.kv_append_varlen, k, v, k_cache, v_cache, page_table, seq_lens, cu_seqlens
+        )
+        o = g.call(ops.attention_prefill, q, k2, v2, page_table, seq_lens, cu_seqlens)
+    else:
+        k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
+        o = g.call(
+            ops.attention_decode,
+            q,
+            k2,
+            v2,
+            page_table,
+            seq_lens,
+            splits=cfg.attention_splits,
+            align=cfg.attention_align,
+        )[0]
     # + residual; folded, its split reduce also hands the MLP's norm h1's sums of squares
     o_proj = linear(g, o, w_o, x, **tiles, sumsq=fold_mlp, name="o_proj")
     h1, h1_ss = o_proj if fold_mlp else (o_proj, None)
@@ -482,7 +523,7 @@ def decoder_layer_graph(
         h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
         norm_eps = None
     if moe is not None:
-        y = g.call(ops.add, moe_block(g, h2, batch, moe, dtype), h1, name="residual")
+        y = g.call(ops.add, moe_block(g, h2, tokens, moe, dtype), h1, name="residual")
     else:
         act = linear(
             g,

@@ -123,8 +123,8 @@ def _live_specs(obj: Any) -> list:
 def _kernel_specs(obj: Any) -> list:
     """The kernel specs of what ``obj`` (a module with regimes, or a compiled graph) launches;
     none for the interpreter."""
-    if hasattr(obj, "regime_starts") and hasattr(obj, "compiled"):
-        graphs = [obj.compiled(regime) for regime, _ in obj.regime_starts()]
+    if hasattr(obj, "regimes") and hasattr(obj, "compiled"):
+        graphs = [obj.compiled(regime) for regime in obj.regimes()]
     else:
         graphs = [obj]
     return [g.spec for g in graphs if getattr(g, "spec", None) is not None]
@@ -152,8 +152,11 @@ def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> Warmu
         if not 1 <= t <= module.max_tokens:
             raise ShapeError(f"warmup token count {t} is outside [1, {module.max_tokens}]")
     starts = module.regime_starts()
+    # regimes not chosen by a token count (MegaDecoderLayer's prefill steps): a step of
+    # their own inputs
+    others = [r for r in module.regimes() if r not in {r for r, _ in starts}]
     report = WarmupReport()
-    bar = _progress(len(starts) + len(tokens), progress)
+    bar = _progress(len(starts) + len(others) + len(tokens), progress)
     w = module.w_down
     with torch.no_grad():
         for regime, t in starts:
@@ -167,6 +170,16 @@ def _warm_module(module: Any, tokens: list[int], progress: bool | None) -> Warmu
                 torch.cuda.synchronize(w.device)
             how = _kernel_step(before, _kernel_counts())
             report.steps.append((f"{regime}: {how}launch at T={t}", time.perf_counter() - t0))
+            if bar is not None:
+                bar.update(1)
+        for regime in others:
+            t0 = time.perf_counter()
+            before = _kernel_counts()
+            module.warm_step(regime)
+            if w.is_cuda:
+                torch.cuda.synchronize(w.device)
+            how = _kernel_step(before, _kernel_counts())
+            report.steps.append((f"{regime}: {how}launch", time.perf_counter() - t0))
             if bar is not None:
                 bar.update(1)
         for t in tokens:

@@ -10,6 +10,7 @@ from .attention_decode import (
     AttentionDecodeTile,
     attention_decode,
 )
+from .attention_prefill import AttentionPrefillTile, attention_prefill
 from .gemm import GemmTile, gemm
 from .gemm_splitk import (
     GemmPartialTile,
@@ -23,6 +24,7 @@ from .gemm_splitk import (
     gemm_split_reduce,
 )
 from .kv_append import KvAppendTile, kv_append
+from .kv_append_varlen import KvAppendVarlenTile, kv_append_varlen
 from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
 from .moe_permute import MoePermuteTile, moe_permute
@@ -49,6 +51,8 @@ __all__ = [
     "all_gather",
     "AttentionDecodeTile",
     "attention_decode",
+    "AttentionPrefillTile",
+    "attention_prefill",
     "ReduceScatterTile",
     "reduce_scatter",
     "GemmTile",
@@ -64,6 +68,8 @@ __all__ = [
     "wave_fit_width",
     "KvAppendTile",
     "kv_append",
+    "KvAppendVarlenTile",
+    "kv_append_varlen",
     "MoeCombineTile",
     "moe_combine",
     "MoeGroupedGemmTile",

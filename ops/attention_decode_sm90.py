@@ -281,14 +281,29 @@ def load_kv(
     if cutlass.const_expr(dependent):
         go = last
     if go:
-        _slice_boxes(cfg, tensors, coord0, h, base, word, idx, bar, ring, slot)
+        slice_boxes(cfg, tensors, coord0, h, base, word, idx, bar, ring, slot, T_TMA)
 
 
 @cute.jit
-def _slice_boxes(cfg: cutlass.Constexpr, tensors, coord0, h, base, word, idx, bar, ring, slot):
-    """Lane r reads box r's page id; the warp issues the slice's K and V boxes."""
+def slice_boxes(
+    cfg: cutlass.Constexpr,
+    tensors,
+    coord0,
+    h,
+    base,
+    word,
+    idx,
+    bar,
+    ring,
+    slot,
+    tma_at: cutlass.Constexpr,
+):
+    """Lane r reads box r's page id; the warp issues the slice's K and V boxes (tokens
+    ``[base, base + slice)`` of sequence ``coord0``, those at or past ``word`` zeros).
+    ``tensors``: K at 1, the page table at 3, the four TMA arguments from ``tma_at`` (the
+    prefill tile, ``ops.attention_prefill_sm90``, streams its slices with this too)."""
     mK, mPT = tensors[1], tensors[3]
-    atom_k, tma_k, atom_v, tma_v = (tensors[T_TMA + i] for i in range(4))
+    atom_k, tma_k, atom_v, tma_v = (tensors[tma_at + i] for i in range(4))
     lane = cute.arch.lane_idx()
     num_pages = mK.shape[0]
     pos = base + lane * cfg.box_rows
@@ -306,13 +321,13 @@ def _slice_boxes(cfg: cutlass.Constexpr, tensors, coord0, h, base, word, idx, ba
         for hf in cutlass.range(
             cfg.halves, unroll=1
         ):  # unrolled, the producer's 40 registers spill
-            off = _elem_offset(cfg, hf, r * cfg.box_rows) * cfg.es
+            off = elem_offset(cfg, hf, r * cfg.box_rows) * cfg.es
             _copy_box(cfg, atom_k, tma_k, slot_ptr + off, h, p_r, blk, hf, bar)
             v_off = cfg.v_offset * cfg.es + off
             _copy_box(cfg, atom_v, tma_v, slot_ptr + v_off, h, p_r, blk, hf, bar)
 
 
-def _elem_offset(cfg: Sm90DecodeConfig, half: int, row: int) -> int:
+def elem_offset(cfg: Sm90DecodeConfig, half: int, row: int) -> int:
     """Element offset of row ``row``'s ``half``-th 64-dimension block in a slot's K (or V)
     rows: the blocks are (slice tokens, 64) swizzled tiles, one after the other."""
     return half * cfg.slice_tokens * SWIZZLE_DIMS + row * SWIZZLE_DIMS
@@ -429,7 +444,7 @@ def compute(
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
             for kq in cutlass.range_constexpr(d // 32):
-                off = _elem_offset(cfg, kq // 2, 0) * cfg.es
+                off = elem_offset(cfg, kq // 2, 0) * cfg.es
                 chunk = (kq % 2) * 4 + lane // 8
                 kb = ldmatrix_x4(row_k + off + ((chunk ^ (lane % 8)) * 16))
                 for k2 in cutlass.range_constexpr(2):
@@ -447,46 +462,33 @@ def compute(
                 sc[tb, i] = sv
         # online softmax of rows r (i = 0, 1) and r + 8 (i = 2, 3): the quad's 4 lanes hold a
         # row's 8 tokens of a block
-        for half in cutlass.range_constexpr(2 if two else 1):
-            mx = sc[0, 2 * half]
-            for tb in cutlass.range_constexpr(blocks):
-                for i in cutlass.range_constexpr(2):
-                    mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-            m_new = cute.arch.fmax(m[half], mx)
-            m_use = m_new
-            if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
-                m_use = Float32(0.0)
-            rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
-            psum = Float32(0.0)
-            for tb in cutlass.range_constexpr(blocks):
-                for i in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
-                    psum = psum + p
-                    sc[tb, 2 * half + i] = p
-            lsum[half] = lsum[half] * rescale + psum
-            for j in cutlass.range_constexpr(d // 8):
-                for i in cutlass.range_constexpr(2):
-                    o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
-            m[half] = m_new
+        online_softmax(sc, m, lsum, o, blocks, 2 if two else 1, d // 8)
         # o += P V: P (heads x 8 tokens) is the scores' D layout, packed: the A fragment; V's
         # B fragment (tokens 2c, 2c + 1 of dimension r of a column block) by ldmatrix.trans
         for tb in cutlass.range_constexpr(blocks):
             row0 = warp * rw + tb * 8
+            # this lane's V tokens are tok2, tok2 + 1: those at or past the range's end are
+            # zeroed (a last page's slots past the sequence are not its own: garbage, maybe
+            # NaN, and 0 * NaN is NaN in the mma)
+            tok2 = t0 + kt * cfg.slice_tokens + row0 + 2 * c
+            vmask = Int32(-1)
+            if tok2 + 1 >= t1:
+                vmask = Int32(0xFFFF)
+            if tok2 >= t1:
+                vmask = Int32(0)
             pa0 = pack2(kind, sc[tb, 0], sc[tb, 1])
             pa1 = Int32(0)
             if cutlass.const_expr(two):
                 pa1 = pack2(kind, sc[tb, 2], sc[tb, 3])
             row_v = base + (cfg.v_offset + (row0 + lane % 8) * SWIZZLE_DIMS) * cfg.es
             for jq in cutlass.range_constexpr(d // 32):
-                off = _elem_offset(cfg, jq // 2, 0) * cfg.es
+                off = elem_offset(cfg, jq // 2, 0) * cfg.es
                 chunk = (jq % 2) * 4 + lane // 8
                 vb = ldmatrix_x4(row_v + off + ((chunk ^ (lane % 8)) * 16), trans=True)
                 for m4 in cutlass.range_constexpr(4):
                     j = 4 * jq + m4
                     c_ = (o[j, 0], o[j, 1], o[j, 2] if two else zero, o[j, 3] if two else zero)
-                    d_ = mma_1688(kind, (pa0, pa1), (vb[m4],), c_)
+                    d_ = mma_1688(kind, (pa0, pa1), (vb[m4] & vmask,), c_)
                     for i in cutlass.range_constexpr(4 if two else 2):
                         o[j, i] = d_[i]
         cute.arch.sync_warp()  # every lane is done with the slot
@@ -547,3 +549,37 @@ def compute(
 @cute.jit
 def _consumer_sync():
     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def online_softmax(
+    sc, m, lsum, o, blocks: cutlass.Constexpr, halves: cutlass.Constexpr, cols: cutlass.Constexpr
+):
+    """One slice's step of the online softmax on the m16n8 accumulators ``sc`` (``blocks`` x
+    4: rows r (i = 0, 1) and r + 8 (i = 2, 3), a row's 8 tokens of a block on the quad's 4
+    lanes), in place: ``sc`` becomes P, the running max ``m`` and sum ``lsum`` of each half
+    (``halves``: 1 where the rows r + 8 hold nothing) advance and ``o``'s ``cols`` column
+    blocks are rescaled. Shared by the decode tile and the prefill tile."""
+    for half in cutlass.range_constexpr(halves):
+        mx = sc[0, 2 * half]
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+        m_new = cute.arch.fmax(m[half], mx)
+        m_use = m_new
+        if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
+            m_use = Float32(0.0)
+        rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
+        psum = Float32(0.0)
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
+                psum = psum + p
+                sc[tb, 2 * half + i] = p
+        lsum[half] = lsum[half] * rescale + psum
+        for j in cutlass.range_constexpr(cols):
+            for i in cutlass.range_constexpr(2):
+                o[j, 2 * half + i] = o[j, 2 * half + i] * rescale
+        m[half] = m_new

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import cutlass
 import torch
 from cutlass import Int32, cute
 
@@ -34,6 +35,27 @@ from cutemk.tileop import (
     full_box,
     register_op,
 )
+
+
+def check_rows_and_caches(op) -> None:
+    """The checks an append op (``op.name``, its ``k_new`` / ``v_new`` rows of keys and values
+    and its ``k_cache`` / ``v_cache``) makes of those four: ranks, one dtype, the caches'
+    shapes equal, the rows' heads and head dim the caches'."""
+    name = op.name
+    for arg in ("k_new", "v_new"):
+        expect_ndim(getattr(op, arg), 3, f"{name} {arg}")
+    for arg in ("k_cache", "v_cache"):
+        expect_ndim(getattr(op, arg), 4, f"{name} {arg}")
+    expect_dtype(op.k_new, FLOAT_DTYPES, f"{name} k_new")
+    for arg in ("v_new", "k_cache", "v_cache"):
+        if getattr(op, arg).dtype != op.k_new.dtype:
+            raise TypeError(f"{name} {arg} must have k_new's dtype {op.k_new.dtype}")
+    for i in range(4):
+        expect_same_dim(op.k_cache.shape[i], op.v_cache.shape[i], f"{name} cache dim {i}")
+    for i in (1, 2):
+        expect_same_dim(op.k_new.shape[i], op.k_cache.shape[i + 1], f"{name} new dim {i}")
+        expect_same_dim(op.v_new.shape[i], op.k_cache.shape[i + 1], f"{name} new dim {i}")
+    expect_same_dim(op.v_new.shape[0], op.k_new.shape[0], f"{name} batch")
 
 
 @register_op
@@ -61,26 +83,7 @@ class KvAppendTile(TileOp):
     data_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
 
     def __post_init__(self) -> None:
-        for name in ("k_new", "v_new"):
-            expect_ndim(getattr(self, name), 3, f"kv_append {name}")
-        for name in ("k_cache", "v_cache"):
-            expect_ndim(getattr(self, name), 4, f"kv_append {name}")
-        expect_dtype(self.k_new, FLOAT_DTYPES, "kv_append k_new")
-        for name in ("v_new", "k_cache", "v_cache"):
-            if getattr(self, name).dtype != self.k_new.dtype:
-                raise TypeError(f"kv_append {name} must have k_new's dtype {self.k_new.dtype}")
-        for i in range(4):
-            expect_same_dim(
-                self.k_cache.shape[i], self.v_cache.shape[i], f"kv_append cache dim {i}"
-            )
-        for i in (1, 2):
-            expect_same_dim(
-                self.k_new.shape[i], self.k_cache.shape[i + 1], f"kv_append new dim {i}"
-            )
-            expect_same_dim(
-                self.v_new.shape[i], self.k_cache.shape[i + 1], f"kv_append new dim {i}"
-            )
-        expect_same_dim(self.v_new.shape[0], self.k_new.shape[0], "kv_append batch")
+        check_rows_and_caches(self)
         expect_same_dim(self.page_table.shape[0], self.k_new.shape[0], "kv_append page_table batch")
         expect_same_dim(self.seq_lens.shape[0], self.k_new.shape[0], "kv_append seq_lens batch")
         expect_dtype(self.page_table, (torch.int32,), "kv_append page_table")
@@ -146,16 +149,7 @@ class KvAppendTile(TileOp):
         mKo / mVo the caches themselves."""
         mKn, mVn, _, _, mPT, mLen, mKo, mVo = tensors
         page = self.k_cache.shape[1]
-        hkv, d = self.k_new.shape[1], self.k_new.shape[2]
-        row = hkv * d  # one token's keys (or values): contiguous in both layouts
-        vec = vec16(self.k_new.dtype.itemsize, row)
-        nv = row // vec
-        # (rows, vectors, vec) views of the new rows and of the caches' token slots
-        kn = row_vectors(mKn, mKn.shape[0], row, vec)
-        vn = row_vectors(mVn, mVn.shape[0], row, vec)
-        slots = mKo.shape[0] * page
-        ko = row_vectors(mKo, slots, row, vec)
-        vo = row_vectors(mVo, slots, row, vec)
+        kn, vn, ko, vo, vec, nv = kv_vectors(self, mKn, mVn, mKo, mVo)
         pos = mLen[coord0] - 1
         cap = mPT.shape[1] * page
         if pos >= 0 and pos < cap:
@@ -163,12 +157,36 @@ class KvAppendTile(TileOp):
             if pg >= 0 and pg < mKo.shape[0]:
                 dst = pg * page + pos % page
                 for i in range(tidx, nv, NUM_THREADS):
-                    kr = cute.make_rmem_tensor((vec,), mKn.element_type)
-                    vr = cute.make_rmem_tensor((vec,), mVn.element_type)
-                    cute.autovec_copy(kn[coord0, i, None], kr)
-                    cute.autovec_copy(vn[coord0, i, None], vr)
-                    cute.autovec_copy(kr, ko[dst, i, None])
-                    cute.autovec_copy(vr, vo[dst, i, None])
+                    copy_kv_vector(kn, vn, ko, vo, coord0, dst, i, vec)
+
+
+def kv_vectors(op, mKn, mVn, mKo, mVo):
+    """(rows, vectors, vec) views of the new rows (``mKn`` / ``mVn``, a token a row) and of the
+    caches' token slots (``mKo`` / ``mVo``), the vector width and the vectors a row: one
+    token's keys (or values) are contiguous in both layouts. ``op``: an append op (its
+    ``k_new`` / ``k_cache`` specs)."""
+    row = op.k_new.shape[1] * op.k_new.shape[2]
+    vec = vec16(op.k_new.dtype.itemsize, row)
+    slots = mKo.shape[0] * op.k_cache.shape[1]
+    return (
+        row_vectors(mKn, mKn.shape[0], row, vec),
+        row_vectors(mVn, mVn.shape[0], row, vec),
+        row_vectors(mKo, slots, row, vec),
+        row_vectors(mVo, slots, row, vec),
+        vec,
+        row // vec,
+    )
+
+
+@cute.jit
+def copy_kv_vector(kn, vn, ko, vo, src, dst, i, vec: cutlass.Constexpr):
+    """Vector ``i`` of new row ``src``'s keys and values into cache slot ``dst``."""
+    kr = cute.make_rmem_tensor((vec,), kn.element_type)
+    vr = cute.make_rmem_tensor((vec,), vn.element_type)
+    cute.autovec_copy(kn[src, i, None], kr)
+    cute.autovec_copy(vn[src, i, None], vr)
+    cute.autovec_copy(kr, ko[dst, i, None])
+    cute.autovec_copy(vr, vo[dst, i, None])
 
 
 def kv_append(

@@ -48,6 +48,12 @@ def _inputs(lens, hq, hkv, d, page, max_pages, dtype, gen, device="cpu"):
         "page_table": table,
         "seq_lens": torch.tensor(lens, dtype=torch.int32),
     }
+    # a last page's slots past the sequence are not its own: NaN there must reach no result
+    for r, n in enumerate(lens):
+        if 0 < n <= max_pages * page and n % page:
+            last = int(table[r, n // page])
+            args["k_cache"][last, n % page :] = float("nan")
+            args["v_cache"][last, n % page :] = float("nan")
     return {k: v.to(device) for k, v in args.items()}
 
 

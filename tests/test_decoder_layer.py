@@ -15,7 +15,7 @@ import torch
 
 import cutemk as mk
 from cutemk import ops
-from cutemk.layers import DecoderConfig, decoder_layer_graph, fold_norm
+from cutemk.layers import DecoderConfig, decoder_layer_graph, decoder_prefill_graph, fold_norm
 from cutemk.runtime import compile_offline
 
 CFG = DecoderConfig(
@@ -89,43 +89,57 @@ def _weights(layer, cfg):
 def _step_case(layer, rotary, cfg, lens, gen):
     """Graph inputs for one decode step over sequences of ``lens`` tokens (the last one new),
     and HF's output for each sequence's last token."""
+    inputs, want = _case(layer, rotary, cfg, [(n, 1) for n in lens], gen)
+    del inputs["cu_seqlens"]
+    return inputs, want
+
+
+def _case(layer, rotary, cfg, seqs, gen):
+    """Graph inputs for one step over sequences of ``(length, new)`` tokens (the last ``new``
+    of each new, side by side in x), and HF's output for the new tokens."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     a, hkv, d, page = layer.self_attn, cfg.kv_heads, cfg.head_dim, cfg.page_size
-    pages = [-(-n // page) for n in lens]
+    pages = [-(-n // page) for n, _ in seqs]
     total = sum(pages) + 1
     perm = torch.randperm(total, generator=gen).tolist()
     k_cache = torch.randn(total, page, hkv, d, generator=gen)  # garbage outside the sequences
     v_cache = torch.randn(total, page, hkv, d, generator=gen)
-    table = torch.zeros(len(lens), cfg.max_pages, dtype=torch.int32)
-    xs, want, i = [], [], 0
+    table = torch.zeros(len(seqs), cfg.max_pages, dtype=torch.int32)
+    xs, want, positions, i = [], [], [], 0
     with torch.no_grad():
-        for b, n in enumerate(lens):
+        for b, (n, new) in enumerate(seqs):
             table[b, : pages[b]] = torch.tensor(perm[i : i + pages[b]], dtype=torch.int32)
             i += pages[b]
             x = torch.randn(1, n, cfg.hidden, generator=gen)
             pos = torch.arange(n)[None]
             cos, sin = rotary(x, pos)
-            want.append(layer(x, position_ids=pos, position_embeddings=(cos, sin))[0, -1])
-            xs.append(x[0, -1])
-            if n > 1:  # the earlier tokens' keys and values, as HF's attention makes them
-                hn = layer.input_layernorm(x[:, :-1])
-                k = a.k_norm(a.k_proj(hn).view(1, n - 1, hkv, d)).transpose(1, 2)
-                v = a.v_proj(hn).view(1, n - 1, hkv, d)
-                _, k = apply_rotary_pos_emb(k, k, cos[:, :-1], sin[:, :-1])
+            want.append(layer(x, position_ids=pos, position_embeddings=(cos, sin))[0, n - new :])
+            xs.append(x[0, n - new :])
+            positions += list(range(n - new, n))
+            old = n - new
+            if old:  # the earlier tokens' keys and values, as HF's attention makes them
+                hn = layer.input_layernorm(x[:, :old])
+                k = a.k_norm(a.k_proj(hn).view(1, old, hkv, d)).transpose(1, 2)
+                v = a.v_proj(hn).view(1, old, hkv, d)
+                _, k = apply_rotary_pos_emb(k, k, cos[:, :old], sin[:, :old])
                 k = k.transpose(1, 2)[0]
-                for p_ in range(n - 1):
+                for p_ in range(old):
                     pg, slot = int(table[b, p_ // page]), p_ % page
                     k_cache[pg, slot], v_cache[pg, slot] = k[p_], v[0, p_]
+    cu = [0]
+    for _, new in seqs:
+        cu.append(cu[-1] + new)
     inputs = {
-        "x": torch.stack(xs),
-        "positions": torch.tensor([n - 1 for n in lens], dtype=torch.int32),
+        "x": torch.cat(xs),
+        "positions": torch.tensor(positions, dtype=torch.int32),
         "k_cache": k_cache,
         "v_cache": v_cache,
         "page_table": table,
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "seq_lens": torch.tensor([n for n, _ in seqs], dtype=torch.int32),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
     }
-    return inputs, torch.stack(want)
+    return inputs, torch.cat(want)
 
 
 def _folded(w):
@@ -170,6 +184,26 @@ def test_decode_step_matches_hf_layer(scheduler, which):
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("which", ["plain", "folded_split"])
+def test_prefill_step_matches_hf_layer(scheduler, which):
+    """A prefill step (``decoder_prefill_graph``): whole prompts, new tokens after a cached
+    prefix, one new token, side by side; every new token's output is HF's."""
+    pytest.importorskip("transformers")
+    cfg = LAYERS[which]
+    layer, rotary = _hf(cfg)
+    g = decoder_prefill_graph(mk.sym("T", max=256), mk.sym("B", max=8), cfg)
+    c = g.compile("interpret", num_sms=8, scheduler=scheduler)
+    w = _weights(layer, cfg)
+    if cfg.fold_norms:
+        w = _folded(w)
+    gen = torch.Generator().manual_seed(3)
+    for seqs in ([(9, 9)], [(30, 12), (5, 1), (17, 17)]):
+        inputs, want = _case(layer, rotary, cfg, seqs, gen)
+        y = c(**inputs, **w)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
 def test_mega_decoder_layer_from_hf():
     pytest.importorskip("transformers")
     from cutemk.nn import MegaDecoderLayer
@@ -206,6 +240,38 @@ def test_mega_decoder_layer_from_hf():
     assert sorted(k[1] for k in fresh._compiled) == ["batch", "gemv"]
     with pytest.raises(ValueError, match="page count"):
         mk.warmup(fresh, tokens=[4], progress=False)
+
+
+def test_mega_decoder_layer_prefill_from_hf():
+    """``MegaDecoderLayer.forward(..., cu_seqlens=)``: a prefill step matches HF's layer; a
+    module built without ``max_prefill_tokens`` refuses it, and so does a step past it."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = _hf(CFG)
+    kw = dict(page_size=CFG.page_size, max_pages=CFG.max_pages, max_positions=256)
+    mega = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=4, max_prefill_tokens=64, backend="interpret"
+    )
+    gen = torch.Generator().manual_seed(4)
+    inputs, want = _case(layer, rotary, CFG, [(20, 20), (40, 7)], gen)
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    assert "prefill" in mega.regimes()
+    decode_only = MegaDecoderLayer.from_hf(layer, **kw, max_batch=4, backend="interpret")
+    with pytest.raises(mk.CuteMKError, match="max_prefill_tokens"):
+        decode_only(**inputs)
+    big, _ = _case(layer, rotary, CFG, [(70, 65)], gen)
+    with pytest.raises(mk.errors.ShapeError, match="max_prefill_tokens=64"):
+        mega(**big)
+    with pytest.raises(ValueError, match="prefill_tiles"):
+        MegaDecoderLayer.from_hf(layer, **kw, max_prefill_tokens=8, prefill_tiles=(16,))
+    # warm-up runs a step of every regime, the prefill one included
+    fresh = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=3, max_prefill_tokens=32, backend="interpret"
+    )
+    names = [name for name, _ in mk.warmup(fresh, progress=False).steps]
+    assert any(n.startswith("prefill: ") for n in names), names
+    assert "prefill" in {k[1] for k in fresh._compiled}
 
 
 @pytest.mark.gpu
@@ -303,6 +369,19 @@ def test_moe_decode_step_matches_hf_layer():
     )
     inputs, want = _step_case(layer, rotary, CFG, [4, 12], gen)
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    # a prefill step of the MoE layer: MegaMoE's prefill routing (chunks over SMs)
+    mega = MegaDecoderLayer.from_hf(
+        layer,
+        page_size=CFG.page_size,
+        max_pages=CFG.max_pages,
+        max_positions=256,
+        tiles=(16, 32),
+        max_batch=8,
+        max_prefill_tokens=96,
+        backend="interpret",
+    )
+    inputs, want = _case(layer, rotary, CFG, [(40, 40), (50, 21), (3, 1)], gen)
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -354,3 +433,58 @@ def test_decode_layer_compiles_for_hopper(tmp_path, which, scheduler, max_batch,
     assert "wgmma.mma_async" in ptx  # the projections on the Hopper GEMM
     if which == "qwen3_8b" and scheduler == "static":
         assert spill_stores(ptx_file) == 0
+
+
+def test_prefill_layer_compiles_for_hopper(tmp_path):
+    """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
+    projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
+    (Register spills of this kernel: tens of bytes, see benchmarks/NOTES.md.)"""
+    cfg = DecoderConfig(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        max_pages=1025,
+        max_positions=16385,
+        block_m=128,
+        block_n=128,
+        fold_norms=True,
+    )
+    g = decoder_prefill_graph(mk.sym("T", max=8192), mk.sym("B", max=64), cfg, torch.bfloat16)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert "wgmma.mma_async" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_mega_decoder_layer_prefill_on_the_gpu(scheduler):
+    """A prefill step of the layer as one megakernel on the GPU (bf16) against HF's layer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    cfg = replace(CFG, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=64)
+    layer, rotary = _hf(cfg)
+    mega = MegaDecoderLayer.from_hf(
+        layer.to(torch.bfloat16).cuda(),
+        page_size=cfg.page_size,
+        max_pages=cfg.max_pages,
+        max_positions=256,
+        max_batch=4,
+        max_prefill_tokens=128,
+        scheduler=scheduler,
+    )
+    gen = torch.Generator().manual_seed(5)
+    inputs, want = _case(layer.float().cpu(), rotary, cfg, [(64, 64), (100, 30), (9, 1)], gen)
+    args = {
+        k: (v.cuda().bfloat16() if v.is_floating_point() else v.cuda()) for k, v in inputs.items()
+    }
+    y = mega(**args).float().cpu()
+    err = ((y - want).norm() / want.norm()).item()
+    assert err < 3e-2, err

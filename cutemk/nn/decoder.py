@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import torch_ops
-from ..errors import ShapeError
-from ..regimes import DECODER_REGIME_LIMITS
+from ..errors import CuteMKError, ShapeError
+from ..regimes import DECODER_REGIME_LIMITS, MOE_TILES
 from ..symbolic import sym
 from ..tileop import expect_positive_int
 from .base import _KeyedModule
@@ -27,6 +28,10 @@ class MegaDecoderLayer(_KeyedModule):
     Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
     sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
     Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use.
+    With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
+    :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
+    dense GEMMs' tiles (default: the decode ones); a MoE layer's sparse block takes
+    :data:`cutemk.regimes.MOE_TILES`' prefill tiles and routing there.
     """
 
     regime_limits = DECODER_REGIME_LIMITS
@@ -40,9 +45,20 @@ class MegaDecoderLayer(_KeyedModule):
         backend: str | None = None,
         scheduler: Any = "static",
         num_sms: int | None = None,
+        max_prefill_tokens: int = 0,
+        prefill_tiles: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         expect_positive_int(max_batch, "max_batch")
+        if max_prefill_tokens:
+            expect_positive_int(max_prefill_tokens, "max_prefill_tokens")
+        if prefill_tiles is not None:
+            if len(tuple(prefill_tiles)) != 2:
+                raise ValueError(f"prefill_tiles must be (block_m, block_n), got {prefill_tiles}")
+            for v in prefill_tiles:
+                expect_positive_int(v, "prefill_tiles")
+            prefill_tiles = tuple(int(v) for v in prefill_tiles)
+        self.max_prefill_tokens, self.prefill_tiles = max_prefill_tokens, prefill_tiles
         if backend not in (None, "cute", "interpret"):
             raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
         self.cfg, self.moe, self.max_batch = cfg, moe, max_batch
@@ -52,7 +68,8 @@ class MegaDecoderLayer(_KeyedModule):
             self.register_buffer(name, w.detach().contiguous())
         self._cutemk_key = (
             f"MegaDecoderLayer({cfg!r}, moe={moe!r}, weights={self._names}, max={max_batch}, "
-            f"backend={backend}, scheduler={scheduler!r}, sms={num_sms})"
+            f"backend={backend}, scheduler={scheduler!r}, sms={num_sms}, "
+            f"prefill={max_prefill_tokens}, prefill_tiles={prefill_tiles})"
         )
         torch_ops.key_of(self)
 
@@ -153,8 +170,16 @@ class MegaDecoderLayer(_KeyedModule):
         one)."""
 
         def build(dtype, device, backend):
-            from ..layers import decoder_layer_graph
+            from ..layers import decoder_layer_graph, decoder_prefill_graph
 
+            if regime == "prefill":
+                cfg, moe = self.cfg, self.moe
+                if self.prefill_tiles is not None:
+                    cfg = replace(cfg, block_m=self.prefill_tiles[0], block_n=self.prefill_tiles[1])
+                if moe is not None:  # the sparse block: MegaMoE's prefill tiles and routing
+                    moe = replace(moe, **MOE_TILES[(backend, "prefill")])
+                tokens = sym("T", max=self.max_prefill_tokens)
+                return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
             limit = self.regime_limits[regime]
             limit = self.max_batch if limit is None else min(self.max_batch, limit)
             return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, self.moe)
@@ -177,7 +202,26 @@ class MegaDecoderLayer(_KeyedModule):
             torch.ones(batch, dtype=torch.int32, **kw),
         )
 
-    def forward(self, x, positions, k_cache, v_cache, page_table, seq_lens) -> torch.Tensor:
+    def warm_step(self, regime: str) -> None:
+        """A step of ``regime`` on its own inputs, for :func:`cutemk.warmup` (the prefill
+        regime: one sequence of one token at position 0 of a one-page cache of zeros)."""
+        if regime != "prefill":
+            raise ValueError(f"no warm-up step for regime {regime!r}")
+        x, positions, k, v, table, lens = self.warm_inputs(1)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=x.device)
+        self.prefill(x, positions, k, v, table, lens, cu)
+
+    def regimes(self) -> tuple[str, ...]:
+        """The decode regimes, and 'prefill' where the module takes prefill steps."""
+        decode = super().regimes()
+        return decode + ("prefill",) if self.max_prefill_tokens else decode
+
+    def forward(
+        self, x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens=None
+    ) -> torch.Tensor:
+        """A decode step, or with ``cu_seqlens`` a prefill step (:meth:`prefill`)."""
+        if cu_seqlens is not None:
+            return self.prefill(x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens)
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
             raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
         if x.shape[0] > self.max_batch:
@@ -202,5 +246,46 @@ class MegaDecoderLayer(_KeyedModule):
                 v_cache=v_cache,
                 page_table=page_table,
                 seq_lens=seq_lens,
+                **named,
+            )
+
+    def prefill(self, x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens):
+        """A prefill step (:func:`cutemk.layers.decoder_prefill_graph`): ``x`` (T, H) the new
+        tokens of B sequences side by side, sequence b's rows ``[cu_seqlens[b], cu_seqlens[b +
+        1])`` (int32, B + 1), ``positions`` (T,) int32 each token's position, ``seq_lens`` (B,)
+        counting the new tokens, the caches and page table as a decode step's (every new
+        token's keys and values are written into the caches, in place). Needs a module built
+        with ``max_prefill_tokens``; eager only (no custom op for ``torch.compile`` yet)."""
+        if not self.max_prefill_tokens:
+            raise CuteMKError(
+                "this MegaDecoderLayer takes no prefill steps: build it with max_prefill_tokens"
+            )
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
+            raise ShapeError(f"x must be (T, {self.cfg.hidden}), got {tuple(x.shape)}")
+        if x.shape[0] > self.max_prefill_tokens:
+            raise ShapeError(
+                f"{x.shape[0]} new tokens is more than max_prefill_tokens={self.max_prefill_tokens}"
+            )
+        if seq_lens.dim() != 1 or seq_lens.shape[0] > self.max_batch:
+            raise ShapeError(
+                f"seq_lens must be (B,) with B <= max_batch={self.max_batch}, got "
+                f"{tuple(seq_lens.shape)}"
+            )
+        x = x.detach()
+        if not torch_ops.direct(x):
+            raise CuteMKError(
+                "MegaDecoderLayer.prefill runs eagerly only: it has no custom op for "
+                "torch.compile or tracing yet"
+            )
+        named = {n: getattr(self, n) for n in self._names}
+        with torch.no_grad():
+            return self.compiled("prefill", like=named["w_down"])(
+                x=x,
+                positions=positions,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                page_table=page_table,
+                seq_lens=seq_lens,
+                cu_seqlens=cu_seqlens,
                 **named,
             )
