@@ -315,7 +315,19 @@ class AttentionPrefillTile(TileOp):
         self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
     ):
         return psm90.compute(
-            self.sm90(), tensors, coord1, word, full, empty, count, ring, stages, slot, ctid, wait
+            self.sm90(),
+            tensors,
+            coord1,
+            word,
+            full,
+            empty,
+            count,
+            ring,
+            stages,
+            slot,
+            epi,
+            ctid,
+            wait,
         )
 
     @cute.jit

@@ -1,19 +1,20 @@
 """Hopper (sm_90a) device path of the causal prefill attention tile (``ops.attention_prefill``).
 
-A tile is one (sequence, block of query rows) pair and one KV head: ``QB = 16 * 8 / G`` rows of
-the G query heads. Its keys and values, positions ``[0, the block's last position]``, stream
+A tile is one (sequence, block of query rows) pair and one KV head: ``QB = 128 / G`` rows of
+each of the G query heads, 128 rows in all (tile row ``R`` is head ``R // QB`` at the block's
+row ``R % QB``). Its keys and values, positions ``[0, the block's last position]``, stream
 through the megakernel's shared-memory ring as the decode tile streams them
 (``ops.attention_decode_sm90``: 64-token slices, a slot holding the slice's K rows then its V
 rows, each as (64, 64) tiles with the 128-byte swizzle, one TMA box per page and 64-dimension
 block); the producer, the box layout and the descriptors are that tile's.
 
-Consumers (8 warps): warp w takes query head ``w % G`` of the KV head and rows
-``16 (w // G) ..`` of the block, every token of every slice, on the tensor cores
-(``mma.sync``, :mod:`cutemk.device.mma`): scores S = q K^T as m16n8k16 products (the warp's 16
-query rows; q's A fragments in registers, loaded once from global memory; K's B fragments by
-``ldmatrix``), the online softmax on S's accumulators with the causal mask on the slices that
-cross the rows' positions, P rounded to 16 bits as the A fragment of o += P V (m16n8k8, V by
-``ldmatrix.trans``). Each warp owns its rows: no merge, the rows go from registers to ``out``.
+Consumers (two warpgroups, 64 tile rows each), on ``wgmma``: q goes once into the op's staging
+buffer (swizzled, K-major); per slice S = q K^T (m64 n64, q and K from shared memory), the
+causal mask on the slices that reach past the block's first position, the online softmax on
+S's accumulators (a warp's rows are the m16n8 layout, a row on a quad of lanes), P rounded to
+16 bits stays in registers as the A operand of o += P V (m64 n(head dim); V from the slot as an
+MN-major operand: the slot's token-major rows are exactly that layout). Each warpgroup owns its
+rows: no merge, o / l goes from registers to ``out``.
 
 The task word packs the block: ``(index in its sequence) << 12 | sequence`` (the producer finds
 it from ``cu_seqlens`` once; the consumers unpack it).
@@ -25,23 +26,29 @@ import math
 from dataclasses import dataclass
 
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Boolean, Float32, Int32, cute
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import EPI_EMPTY_BARRIER, WARP_SIZE
-from cutemk.device.mma import ldmatrix_x4, mma_1688, mma_16816, pack2
+from cutemk.device.config import CONSUMER_BARRIER, EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
+from cutemk.device.mma import pack2
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
 from . import attention_decode_sm90 as dsm90
+from . import gemm_sm90 as gsm90
 from . import varlen
 
 SLICE_TOKENS = 64
-PART = 32
-"""Tokens of a slice whose scores a warp holds at once."""
 SWIZZLE_DIMS = dsm90.SWIZZLE_DIMS
 CONSUMER_WARPS = dsm90.CONSUMER_WARPS
 STORE_THREADS = dsm90.STORE_THREADS
 MMA_ROWS = 16
+"""Rows of a warp's accumulators."""
+WG_ROWS = 64
+"""Tile rows of a consumer warpgroup (wgmma's M)."""
+CONSUMER_THREADS = CONSUMER_WARPS * WARP_SIZE
 SEQ_BITS = 12
 T_TMA = 7
 """Index of the first TMA argument in the op's tensors: after (q, k_cache, v_cache, page_table,
@@ -69,8 +76,8 @@ class Sm90PrefillConfig:
 
     @property
     def rows(self) -> int:
-        """Query rows of a block: 16 a warp, the G heads' warps side by side."""
-        return MMA_ROWS * CONSUMER_WARPS // self.group
+        """Query rows of a block (QB): the G heads' rows make the tile's 128."""
+        return WG_ROWS * (CONSUMER_WARPS // 4) // self.group
 
     @property
     def box_rows(self) -> int:
@@ -102,7 +109,8 @@ class Sm90PrefillConfig:
 
     @property
     def epi_bytes(self) -> int:
-        return 0  # the rows go from registers to global memory
+        """q's rows, staged for wgmma (the output goes from registers to global memory)."""
+        return WG_ROWS * (CONSUMER_WARPS // 4) * self.head_dim * self.es
 
 
 def tma_args(cfg: Sm90PrefillConfig, mK: cute.Tensor, mV: cute.Tensor) -> tuple:
@@ -170,6 +178,96 @@ def load_kv(
     dsm90.slice_boxes(cfg, tensors, b, h, kt * SLICE_TOKENS, keys, idx, bar, ring, slot, T_TMA)
 
 
+def _q_layout(cfg: Sm90PrefillConfig):
+    """One consumer warpgroup's 64 query rows in shared memory: K-major (dimensions
+    contiguous), 128-byte swizzled (64-dimension blocks of 8-row atoms, rows first)."""
+    ab = dsm90._CUTE_DTYPES[cfg.dtype]
+    a = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (WG_ROWS, 64, cfg.head_dim), ab, 1)
+    return cute.slice_(a, (None, None, 0))
+
+
+def _slot_views(cfg: Sm90PrefillConfig, ring, stages: int, slot: int):
+    """K and V of every ring slot as wgmma B operands: K (slice tokens, head dim) K-major, V
+    (head dim, slice tokens) MN-major; both are the decode producer's slot layout (64-dimension
+    blocks of (64 tokens, 64) swizzled tiles, one block after the other)."""
+    ab = dsm90._CUTE_DTYPES[cfg.dtype]
+    d, es = cfg.head_dim, cfg.es
+    k_one = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_ROWS, SLICE_TOKENS, d), ab, 1)
+    v_one = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_ROWS, d, SLICE_TOKENS), ab, 1)
+    k_l = gsm90._staged(k_one, stages, slot, es)
+    v_l = gsm90._staged(v_one, stages, slot, es)
+    sK = cute.make_tensor(cute.recast_ptr(ring, k_l.inner, dtype=ab), k_l.outer)
+    sV = cute.make_tensor(cute.recast_ptr(ring + cfg.v_offset * es, v_l.inner, dtype=ab), v_l.outer)
+    return sK, sV
+
+
+def _tiled_mmas(cfg: Sm90PrefillConfig):
+    """S = q K^T (q and K from shared memory) and o += P V (P from registers), one warpgroup
+    each: m64 n64 and m64 n(head dim), k16 steps."""
+    ab = dsm90._CUTE_DTYPES[cfg.dtype]
+    mma_s = sm90_utils.make_trivial_tiled_mma(
+        ab, ab, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (WG_ROWS, SLICE_TOKENS)
+    )
+    mma_o = sm90_utils.make_trivial_tiled_mma(
+        ab,
+        ab,
+        OperandMajorMode.K,
+        OperandMajorMode.MN,
+        Float32,
+        (1, 1, 1),
+        (WG_ROWS, cfg.head_dim),
+        a_source=warpgroup.OperandSource.RMEM,
+    )
+    return mma_s, mma_o
+
+
+@cute.jit
+def _load_q(cfg: cutlass.Constexpr, mQ, q_base, h: Int32, first: Int32, rows: Int32, bad, wg, wtid):
+    """The warpgroup's 64 rows of q into its shared-memory block (``_q_layout``), 16 bytes a
+    thread a step; rows past the block (or of a bad block) are zeros. Tile row R is query head
+    ``R // QB`` of the KV head at the block's row ``R % QB``."""
+    d, g_n = cfg.head_dim, cfg.group
+    hq = g_n * cfg.kv_heads
+    chunks = d // 8  # 16-byte chunks of a row
+    gQ = cute.make_tensor(
+        cute.recast_ptr(mQ.iterator, dtype=Int32),
+        cute.make_layout((mQ.shape[0], hq, d // 2), stride=(hq * d // 2, d // 2, 1)),
+    )
+    sQ = cute.make_tensor(cute.recast_ptr(q_base, dtype=Int32), cute.make_layout(WG_ROWS * d // 2))
+    for i in cutlass.range_constexpr(WG_ROWS * chunks // WARPGROUP):
+        cid = wtid + i * WARPGROUP
+        row = cid // chunks
+        ch = cid % chunks
+        big = WG_ROWS * wg + row  # the tile's row
+        pr = big % cfg.rows
+        head = h * g_n + big // cfg.rows
+        live = pr < rows and not bad
+        # the swizzled place of the chunk: 64-dimension block, row, chunk ^ (row % 8)
+        word = ((ch // 8) * WG_ROWS * 64 + row * 64 + ((ch % 8) ^ (row % 8)) * 8) // 2
+        for w in cutlass.range_constexpr(4):
+            v = Int32(0)
+            if live:
+                v = gQ[first + pr, head, ch * 4 + w]
+            sQ[word + w] = v
+
+
+@cute.jit
+def _zero_v_tail(cfg: cutlass.Constexpr, base, t0: Int32, ctid: Int32):
+    """Zero V's rows ``[t0, SLICE_TOKENS)`` of a slot (whole 128-byte rows of each 64-dimension
+    block, so the swizzle does not matter): a last page's slots past a sequence's end are not
+    the sequence's, and 0 x NaN in P V would be NaN."""
+    words = SWIZZLE_DIMS * cfg.es // 4  # 32-bit words of a row of a block
+    v = cute.make_tensor(
+        cute.recast_ptr(base + cfg.v_offset * cfg.es, dtype=Int32),
+        cute.make_layout(cfg.halves * SLICE_TOKENS * words),
+    )
+    total = cfg.halves * (SLICE_TOKENS - t0) * words
+    for i in cutlass.range(ctid, total, CONSUMER_THREADS, unroll=1):
+        hf = i // ((SLICE_TOKENS - t0) * words)
+        rest = i % ((SLICE_TOKENS - t0) * words)
+        v[hf * SLICE_TOKENS * words + t0 * words + rest] = Int32(0)
+
+
 @cute.jit
 def compute(
     cfg: cutlass.Constexpr,
@@ -182,51 +280,62 @@ def compute(
     ring,
     stages: cutlass.Constexpr,
     slot: cutlass.Constexpr,
+    epi,
     ctid: Int32,
     wait=plain_wait,
 ) -> Int32:
-    """Consumer warps: the block's slices ``count ..``, then its rows of ``out``; returns the
-    ring count after the tile."""
+    """Consumer warpgroups: the block's slices ``count ..``, then its rows of ``out``; returns
+    the ring count after the tile."""
     mQ, mK, mPT, mOut = tensors[0], tensors[1], tensors[3], tensors[6]
     g_n, d = cfg.group, cfg.head_dim
     kind = _MMA_KIND[cfg.dtype]
-    warp = cute.arch.make_warp_uniform(ctid // WARP_SIZE)
+    wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
+    wtid = ctid % WARPGROUP
+    warp = cute.arch.make_warp_uniform(wtid // WARP_SIZE)  # the warp in its warpgroup
     lane = ctid % WARP_SIZE
-    r = lane // 4  # the fragments' row (and K's token within an 8-block)
-    c = lane % 4
-    head = h * g_n + warp % g_n
+    r = lane // 4  # the accumulators' row (and r + 8)
+    c = lane % 4  # their column pair
     b, first, rows, p0, keys, bad = block_span(cfg, tensors, word)
     n = (keys + SLICE_TOKENS - 1) // SLICE_TOKENS
-    mine = (warp // g_n) * MMA_ROWS  # the warp's first row in the block
     num_pages = mK.shape[0]
     pid = Int32(0)
 
-    # q as the A fragments of the scores' mma (rows: the warp's 16 query rows of its head;
-    # k: dimensions), two 16-bit elements a register; rows past the block hold zeros
-    hq = g_n * cfg.kv_heads
-    gQ = cute.make_tensor(
-        cute.recast_ptr(mQ.iterator, dtype=Int32),
-        cute.make_layout((mQ.shape[0], hq, d // 2), stride=(hq * d // 2, d // 2, 1)),
-    )
-    qa = cute.make_rmem_tensor((d // 16, 4), Int32)
-    for ks in cutlass.range_constexpr(d // 16):
-        for j in cutlass.range_constexpr(4):
-            row = mine + r + 8 * (j % 2)
-            qv = Int32(0)
-            if row < rows and not bad:
-                qv = gQ[first + row, head, ks * 8 + 4 * (j // 2) + c]
-            qa[ks, j] = qv
+    # q: the previous tile's staging (epi) is free once the storer's barrier passes
+    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    q_base = epi + wg * (WG_ROWS * d * cfg.es)
+    _load_q(cfg, mQ, q_base, h, first, rows, bad, wg, wtid)
+    cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
 
+    mma_s, mma_o = _tiled_mmas(cfg)
+    ab = dsm90._CUTE_DTYPES[cfg.dtype]
+    q_l = _q_layout(cfg)
+    sQ = cute.make_tensor(cute.recast_ptr(q_base, q_l.inner, dtype=ab), q_l.outer)
+    sK, sV = _slot_views(cfg, ring, stages, slot)
+    thr_s = mma_s.get_slice(wtid)
+    thr_o = mma_o.get_slice(wtid)
+    tSrQ = mma_s.make_fragment_A(thr_s.partition_A(sQ))
+    tSrK = mma_s.make_fragment_B(thr_s.partition_B(sK))
+    tOrV = mma_o.make_fragment_B(thr_o.partition_B(sV))
+    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((WG_ROWS, SLICE_TOKENS)), Float32)
+    acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((WG_ROWS, d)), Float32)
+    tOrP = mma_o.make_fragment_A(thr_o.partition_shape_A((WG_ROWS, SLICE_TOKENS)))
+    # the m64 accumulators per warp are the m16n8 layout of 8-column blocks: (block, i) views
+    blocks = SLICE_TOKENS // 8
+    sc = cute.make_tensor(acc_s.iterator, cute.make_layout((blocks, 4), stride=(4, 1)))
+    o = cute.make_tensor(acc_o.iterator, cute.make_layout((d // 8, 4), stride=(4, 1)))
     m = cute.make_rmem_tensor((2,), Float32)
     lsum = cute.make_rmem_tensor((2,), Float32)
-    o = cute.make_rmem_tensor((d // 8, 4), Float32)  # o's column block j: the mma's D layout
     m.fill(-math.inf)
     lsum.fill(0.0)
-    o.fill(0.0)
-    # one arrive a ring tile on the storer's barrier, as every ring tile does (nothing staged)
-    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    acc_o.fill(0.0)
+    # each value's row: its place in the block (R % QB) and so its position
+    rpos = cute.make_rmem_tensor((2,), Int32)
+    for half in cutlass.range_constexpr(2):
+        big = WG_ROWS * wg + MMA_ROWS * warp + r + 8 * half
+        rpos[half] = p0 + big % cfg.rows
+    tail = keys % SLICE_TOKENS
 
-    blocks = PART // 8  # 8-token column blocks of a part
     for kt in cutlass.range(n, unroll=1):
         if pid < 0 or pid >= num_pages:  # the previous slice's page ids, read a slice ago
             bad = Boolean(True)
@@ -235,76 +344,57 @@ def compute(
         if lane < cfg.boxes and pos < keys:  # every warp checks the slice's pages itself
             pid = mPT[b, pos // cfg.page]
         idx = consumer_wait(full, count + kt, stages, wait)
-        base = ring + idx * slot
-        # the slice in parts of PART tokens (the scores of a part in registers: fewer of them
-        # live at once, so the consumer's body fits the kernel's 168 registers)
-        for part in cutlass.range_constexpr(SLICE_TOKENS // PART):
-            sc = cute.make_rmem_tensor((blocks, 4), Float32)
+        if kt == n - 1 and tail != 0:
+            _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+        # S = q K^T
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(d // 16):
+            mma_s.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_s, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, idx], acc_s)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        # scaled; the causal mask only where the slice reaches past the block's first row
+        t_lo = kt * SLICE_TOKENS
+        if t_lo + SLICE_TOKENS - 1 > p0 or t_lo + SLICE_TOKENS > keys:
             for tb in cutlass.range_constexpr(blocks):
-                t8 = part * PART + tb * 8  # the block's first token in the slice
-                row_k = base + (t8 + lane % 8) * SWIZZLE_DIMS * cfg.es
-                acc = cute.make_rmem_tensor((4,), Float32)
-                acc.fill(0.0)
-                for kq in cutlass.range_constexpr(d // 32):
-                    off = dsm90.elem_offset(cfg, kq // 2, 0) * cfg.es
-                    chunk = (kq % 2) * 4 + lane // 8
-                    kb = ldmatrix_x4(row_k + off + ((chunk ^ (lane % 8)) * 16))
-                    for k2 in cutlass.range_constexpr(2):
-                        ks = 2 * kq + k2
-                        a_ = (qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3])
-                        c_ = (acc[0], acc[1], acc[2], acc[3])
-                        d_ = mma_16816(kind, a_, (kb[2 * k2], kb[2 * k2 + 1]), c_)
-                        for i in cutlass.range_constexpr(4):
-                            acc[i] = d_[i]
                 for i in cutlass.range_constexpr(4):
-                    tok = kt * SLICE_TOKENS + t8 + 2 * c + i % 2
-                    at = p0 + mine + r + 8 * (i // 2)  # the row's position
-                    sv = acc[i] * cfg.scale_log2
-                    if tok > at or tok >= keys:
+                    tok = t_lo + tb * 8 + 2 * c + i % 2
+                    sv = sc[tb, i] * cfg.scale_log2
+                    if tok > rpos[i // 2] or tok >= keys:
                         sv = Float32(-math.inf)
                     sc[tb, i] = sv
-            # online softmax of rows r (i = 0, 1) and r + 8 (i = 2, 3): a row's 8 tokens of
-            # a block on the quad's 4 lanes
-            dsm90.online_softmax(sc, m, lsum, o, blocks, 2, d // 8)
-            # o += P V: P (16 rows x 8 tokens) is the scores' D layout, packed: the A
-            # fragment; V's B fragments by ldmatrix.trans
+        else:
             for tb in cutlass.range_constexpr(blocks):
-                t8 = part * PART + tb * 8
-                # this lane's V tokens are tok2, tok2 + 1 (of dimension r): those past the keys
-                # are zeroed (a page's slots past the sequence's end are not the sequence's:
-                # garbage, maybe NaN, and 0 * NaN is NaN in the mma)
-                tok2 = kt * SLICE_TOKENS + t8 + 2 * c
-                vmask = Int32(-1)
-                if tok2 + 1 >= keys:
-                    vmask = Int32(0xFFFF)
-                if tok2 >= keys:
-                    vmask = Int32(0)
-                pa0 = pack2(kind, sc[tb, 0], sc[tb, 1])
-                pa1 = pack2(kind, sc[tb, 2], sc[tb, 3])
-                row_v = base + (cfg.v_offset + (t8 + lane % 8) * SWIZZLE_DIMS) * cfg.es
-                for jq in cutlass.range_constexpr(d // 32):
-                    off = dsm90.elem_offset(cfg, jq // 2, 0) * cfg.es
-                    chunk = (jq % 2) * 4 + lane // 8
-                    vb = ldmatrix_x4(row_v + off + ((chunk ^ (lane % 8)) * 16), trans=True)
-                    for m4 in cutlass.range_constexpr(4):
-                        j = 4 * jq + m4
-                        c_ = (o[j, 0], o[j, 1], o[j, 2], o[j, 3])
-                        d_ = mma_1688(kind, (pa0, pa1), (vb[m4] & vmask,), c_)
-                        for i in cutlass.range_constexpr(4):
-                            o[j, i] = d_[i]
-        cute.arch.sync_warp()  # every lane is done with the slot
+                for i in cutlass.range_constexpr(4):
+                    sc[tb, i] = sc[tb, i] * cfg.scale_log2
+        dsm90.online_softmax(sc, m, lsum, o, blocks, 2, d // 8)
+        # P, rounded to 16 bits: the accumulators' order is the A fragments' order
+        for i in cutlass.range_constexpr(cute.size(tOrP)):
+            tOrP[i] = acc_s[i].to(ab)
+        # o += P V
+        warpgroup.fence()
+        mma_o.set(warpgroup.Field.ACCUMULATE, True)
+        for kb in cutlass.range_constexpr(SLICE_TOKENS // 16):
+            cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, idx], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
         consumer_release(empty, count + kt, stages, lane)
 
     if pid < 0 or pid >= num_pages:
         bad = Boolean(True)
     bad = cute.arch.vote_any_sync(bad)
     # the rows: o / l, two 16-bit elements a 32-bit store
+    hq = g_n * cfg.kv_heads
     gOut = cute.make_tensor(
         cute.recast_ptr(mOut.iterator, dtype=Int32),
         cute.make_layout((mOut.shape[0], hq * d // 2), stride=(hq * d // 2, 1)),
     )
     for half in cutlass.range_constexpr(2):
-        row = mine + r + 8 * half
+        big = WG_ROWS * wg + MMA_ROWS * warp + r + 8 * half
+        row = big % cfg.rows
+        head = h * g_n + big // cfg.rows
         tot = lsum[half]
         tot = tot + cute.arch.shuffle_sync_bfly(tot, 1)
         tot = tot + cute.arch.shuffle_sync_bfly(tot, 2)

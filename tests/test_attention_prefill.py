@@ -8,6 +8,8 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import re
+
 import pytest
 import torch
 
@@ -134,8 +136,10 @@ def test_prefill_attention_compiles_for_hopper(tmp_path, spill_stores):
     assert spill_stores(ptx_file) == 0
     ptx = ptx_file.read_text()
     assert "cp.async.bulk.tensor" in ptx
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-    assert "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32" in ptx
+    # S = q K^T from shared memory; o += P V with P from registers (A as 4 registers)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert re.search(r"m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd", ptx)
+    assert "mma.sync" not in ptx
     assert ".local" not in ptx
 
 
