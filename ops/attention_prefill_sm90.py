@@ -32,7 +32,13 @@ from cutlass import Boolean, Float32, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import CONSUMER_BARRIER, EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
+from cutemk.device.config import (
+    CONSUMER_BARRIER,
+    EPI_EMPTY_BARRIER,
+    MMA_TURN_BARRIER,
+    WARP_SIZE,
+    WARPGROUP,
+)
 from cutemk.device.mma import pack2
 from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 
@@ -269,6 +275,55 @@ def _zero_v_tail(cfg: cutlass.Constexpr, base, t0: Int32, ctid: Int32):
 
 
 @cute.jit
+def _turn_sync(wg):
+    """Wait for warpgroup ``wg``'s turn (``MMA_TURN_BARRIER``)."""
+    cute.arch.barrier(barrier_id=MMA_TURN_BARRIER + wg, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def _turn_arrive(wg):
+    """Hand the turn to warpgroup ``wg``."""
+    cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER + wg, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
+def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr):
+    """One slice's online-softmax step on S's accumulators ``sc`` ((block, i) view: rows r for
+    i = 0, 1 and r + 8 for i = 2, 3, a row's 8 tokens of a block on a quad's 4 lanes), in
+    place: ``sc`` becomes P, each row half's running max ``m`` and partial sum ``lsum``
+    advance, and ``scale`` is what o must be multiplied by before P V is added."""
+    for half in cutlass.range_constexpr(2):
+        mx = sc[0, 2 * half]
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+        m_new = cute.arch.fmax(m[half], mx)
+        m_use = m_new
+        if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
+            m_use = Float32(0.0)
+        rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
+        psum = Float32(0.0)
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
+                psum = psum + p
+                sc[tb, 2 * half + i] = p
+        lsum[half] = lsum[half] * rescale + psum
+        scale[half] = rescale
+        m[half] = m_new
+
+
+@cute.jit
+def _rescale(o, scale, cols: cutlass.Constexpr):
+    for j in cutlass.range_constexpr(cols):
+        for i in cutlass.range_constexpr(4):
+            o[j, i] = o[j, i] * scale[i // 2]
+    scale.fill(1.0)
+
+
+@cute.jit
 def compute(
     cfg: cutlass.Constexpr,
     tensors,
@@ -334,8 +389,17 @@ def compute(
     for half in cutlass.range_constexpr(2):
         big = WG_ROWS * wg + MMA_ROWS * warp + r + 8 * half
         rpos[half] = p0 + big % cfg.rows
+    scale = cute.make_rmem_tensor((2,), Float32)  # o's rescale by the last softmax step
+    scale.fill(1.0)
     tail = keys % SLICE_TOKENS
+    mma_o.set(warpgroup.Field.ACCUMULATE, True)
 
+    # Pingpong: a warpgroup issues its tensor-core work (S of slice kt, P V of slice kt - 1) on
+    # its turn, then hands the turn over and runs slice kt's softmax while the other's wgmma
+    # run. Warpgroup 1 lets 0 go first; each has n + 1 turns; 0 takes 1's last hand-over.
+    if wg == 1:
+        _turn_arrive(0)
+    prev = Int32(0)  # slice kt - 1's ring slot
     for kt in cutlass.range(n, unroll=1):
         if pid < 0 or pid >= num_pages:  # the previous slice's page ids, read a slice ago
             bad = Boolean(True)
@@ -348,13 +412,19 @@ def compute(
             _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-        # S = q K^T
+        _rescale(o, scale, d // 8)  # P V of slice kt - 2 is done: o is in registers
+        _turn_sync(wg)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(d // 16):
+        for kb in cutlass.range_constexpr(d // 16):  # S = q K^T
             mma_s.set(warpgroup.Field.ACCUMULATE, kb != 0)
             cute.gemm(mma_s, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, idx], acc_s)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if kt > 0:  # o += P V of the previous slice
+            for kb in cutlass.range_constexpr(SLICE_TOKENS // 16):
+                cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
+        warpgroup.commit_group()
+        _turn_arrive(1 - wg)
+        warpgroup.wait_group(1)  # S is in
         # scaled; the causal mask only where the slice reaches past the block's first row
         t_lo = kt * SLICE_TOKENS
         if t_lo + SLICE_TOKENS - 1 > p0 or t_lo + SLICE_TOKENS > keys:
@@ -369,18 +439,28 @@ def compute(
             for tb in cutlass.range_constexpr(blocks):
                 for i in cutlass.range_constexpr(4):
                     sc[tb, i] = sc[tb, i] * cfg.scale_log2
-        dsm90.online_softmax(sc, m, lsum, o, blocks, 2, d // 8)
+        _softmax_step(sc, m, lsum, scale, blocks)
+        warpgroup.wait_group(0)  # P V of the previous slice has read its slot and P
+        if kt > 0:
+            consumer_release(empty, count + kt - 1, stages, lane)
         # P, rounded to 16 bits: the accumulators' order is the A fragments' order
         for i in cutlass.range_constexpr(cute.size(tOrP)):
             tOrP[i] = acc_s[i].to(ab)
-        # o += P V
-        warpgroup.fence()
-        mma_o.set(warpgroup.Field.ACCUMULATE, True)
+        prev = idx
+    # the last slice's P V, on a last turn
+    _rescale(o, scale, d // 8)
+    _turn_sync(wg)
+    warpgroup.fence()
+    if n > 0:
         for kb in cutlass.range_constexpr(SLICE_TOKENS // 16):
-            cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, idx], acc_o)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        consumer_release(empty, count + kt, stages, lane)
+            cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
+    warpgroup.commit_group()
+    _turn_arrive(1 - wg)
+    if wg == 0:
+        _turn_sync(0)
+    warpgroup.wait_group(0)
+    if n > 0:
+        consumer_release(empty, count + n - 1, stages, lane)
 
     if pid < 0 or pid >= num_pages:
         bad = Boolean(True)

@@ -30,6 +30,10 @@ EPI_EMPTY_BARRIER = 4
 """Storer warp -> consumers: the staging buffer has been read by the TMA store."""
 CONSUMER_BARRIER = 5
 """Every consumer thread (both consumer warpgroups), inside a ring op's compute."""
+MMA_TURN_BARRIER = 6
+"""Consumer warpgroup ``w``'s turn to issue its tensor-core work is barrier ``6 + w`` (both
+consumer warpgroups: one syncs, the other arrives), so the two alternate on the tensor cores
+while the other runs its SIMT part (the prefill attention tile's softmax)."""
 STORER_WARP = 2
 """Warp of the producer warpgroup that stores ring tiles and publishes them."""
 
