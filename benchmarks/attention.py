@@ -181,7 +181,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
+    p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
     args = p.parse_args(argv)
+    global PAGE
+    PAGE = args.page
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if args.prefill:
