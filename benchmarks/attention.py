@@ -174,6 +174,7 @@ def _fa4():
 
 
 def main(argv=None) -> int:
+    global PAGE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--splits", type=int, default=16, help="most KV ranges a sequence")
     p.add_argument("--target-tiles", type=int, default=264, help="tiles the split aims for")
@@ -183,7 +184,6 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
     args = p.parse_args(argv)
-    global PAGE
     PAGE = args.page
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
