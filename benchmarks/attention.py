@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
@@ -83,6 +83,11 @@ def run_prefill(args, warmup: int, rep: int) -> int:
     max_len = max(n + c for _, n, c in PREFILL_CASES)
     max_t = max(b * n for b, n, _ in PREFILL_CASES)
     mk_attn = _prefill_graph(max_len, max_t).compile("cute", scheduler=args.scheduler)
+    profiled = None
+    if args.trace:  # a graph of its own: profiling adds a timestamp store per task
+        profiled = _prefill_graph(max_len, max_t).compile(
+            "cute", scheduler=args.scheduler, profile=True
+        )
     fa4 = _fa4()
     res = Results(
         "attention_prefill",
@@ -157,6 +162,19 @@ def run_prefill(args, warmup: int, rep: int) -> int:
                 of_floor=round(fl / us, 3),
                 rel_err_vs_sdpa=round(err, 5),
             )
+        if profiled is not None:
+            run = lambda: profiled(q, kc, vc, table, lens, cu)
+            records = profile_launch(res, case, run, profiled, warmup, rep)
+            # a tile streams ceil(keys / 64) slices: the busy time per slice
+            qb = 128 // (HQ // HKV)
+            slices = HKV * sum(
+                -(-(cached + min((k + 1) * qb, n)) // 64)
+                for _ in range(b)
+                for k in range(-(-n // qb))
+            )
+            busy = sum(r["end_ns"] - r["start_ns"] for r in records) / 1e3
+            res.meta["trace"][f"{case} launch"]["us_per_slice"] = round(busy / slices, 3)
+            print(f"    {slices} slices, {busy / slices:.3f} us of a tile's time per slice")
     res.add_ratios("torch_sdpa")
     if fa4 is not None:
         res.add_ratios("fa4")
@@ -182,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
+    p.add_argument("--trace", action="store_true", help="prefill: a profiled launch's summary")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
     args = p.parse_args(argv)
     PAGE = args.page

@@ -287,11 +287,13 @@ def _turn_arrive(wg):
 
 
 @cute.jit
-def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr):
+def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr, scale_log2: cutlass.Constexpr):
     """One slice's online-softmax step on S's accumulators ``sc`` ((block, i) view: rows r for
     i = 0, 1 and r + 8 for i = 2, 3, a row's 8 tokens of a block on a quad's 4 lanes), in
-    place: ``sc`` becomes P, each row half's running max ``m`` and partial sum ``lsum``
-    advance, and ``scale`` is what o must be multiplied by before P V is added."""
+    place: ``sc`` (unscaled scores, -inf where masked) becomes P, each row half's running max
+    ``m`` (unscaled) and partial sum ``lsum`` advance, and ``scale`` is what o must be
+    multiplied by before P V is added. ``exp2(s * scale_log2 - m * scale_log2)``: one FFMA an
+    element."""
     for half in cutlass.range_constexpr(2):
         mx = sc[0, 2 * half]
         for tb in cutlass.range_constexpr(blocks):
@@ -303,11 +305,12 @@ def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr):
         m_use = m_new
         if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
             m_use = Float32(0.0)
-        rescale = cute.math.exp2(m[half] - m_use, fastmath=True)
+        m_scaled = m_use * scale_log2
+        rescale = cute.math.exp2(m[half] * scale_log2 - m_scaled, fastmath=True)
         psum = Float32(0.0)
         for tb in cutlass.range_constexpr(blocks):
             for i in cutlass.range_constexpr(2):
-                p = cute.math.exp2(sc[tb, 2 * half + i] - m_use, fastmath=True)
+                p = cute.math.exp2(sc[tb, 2 * half + i] * scale_log2 - m_scaled, fastmath=True)
                 psum = psum + p
                 sc[tb, 2 * half + i] = p
         lsum[half] = lsum[half] * rescale + psum
@@ -317,6 +320,8 @@ def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr):
 
 @cute.jit
 def _rescale(o, scale, cols: cutlass.Constexpr):
+    """o's rows times their ``scale`` (then 1), skipped by a warp none of whose rows' maxima
+    moved (most slices once a row has seen its largest scores)."""
     for j in cutlass.range_constexpr(cols):
         for i in cutlass.range_constexpr(4):
             o[j, i] = o[j, i] * scale[i // 2]
@@ -425,21 +430,16 @@ def compute(
         warpgroup.commit_group()
         _turn_arrive(1 - wg)
         warpgroup.wait_group(1)  # S is in
-        # scaled; the causal mask only where the slice reaches past the block's first row
+        # the causal mask, only where the slice reaches past the block's first row (the
+        # softmax scale is applied inside its exponentials)
         t_lo = kt * SLICE_TOKENS
         if t_lo + SLICE_TOKENS - 1 > p0 or t_lo + SLICE_TOKENS > keys:
             for tb in cutlass.range_constexpr(blocks):
                 for i in cutlass.range_constexpr(4):
                     tok = t_lo + tb * 8 + 2 * c + i % 2
-                    sv = sc[tb, i] * cfg.scale_log2
                     if tok > rpos[i // 2] or tok >= keys:
-                        sv = Float32(-math.inf)
-                    sc[tb, i] = sv
-        else:
-            for tb in cutlass.range_constexpr(blocks):
-                for i in cutlass.range_constexpr(4):
-                    sc[tb, i] = sc[tb, i] * cfg.scale_log2
-        _softmax_step(sc, m, lsum, scale, blocks)
+                        sc[tb, i] = Float32(-math.inf)
+        _softmax_step(sc, m, lsum, scale, blocks, cfg.scale_log2)
         warpgroup.wait_group(0)  # P V of the previous slice has read its slot and P
         if kt > 0:
             consumer_release(empty, count + kt - 1, stages, lane)
