@@ -145,7 +145,7 @@ def test_prefill_attention_compiles_for_hopper(tmp_path, spill_stores):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-@pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (16, 2, 64), (8, 8, 16)])
+@pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (16, 2, 64), (8, 8, 16), (16, 8, 32)])
 def test_prefill_attention_on_the_gpu(scheduler, hq, hkv, page):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
