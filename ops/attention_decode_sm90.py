@@ -552,6 +552,20 @@ def _consumer_sync():
 
 
 @cute.jit
+def quad_row_max(scs, half: cutlass.Constexpr, blocks: cutlass.Constexpr) -> Float32:
+    """The largest score of rows ``r + 8 half`` over the m16n8 accumulator views ``scs`` (a
+    tuple of (block, i) views: a row's 8 tokens of a block on a quad's 4 lanes), reduced over
+    the quad."""
+    mx = scs[0][0, 2 * half]
+    for sc in scs:
+        for tb in cutlass.range_constexpr(blocks):
+            for i in cutlass.range_constexpr(2):
+                mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
+    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
+    return cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
+
+
+@cute.jit
 def online_softmax(
     sc, m, lsum, o, blocks: cutlass.Constexpr, halves: cutlass.Constexpr, cols: cutlass.Constexpr
 ):
@@ -561,13 +575,7 @@ def online_softmax(
     (``halves``: 1 where the rows r + 8 hold nothing) advance and ``o``'s ``cols`` column
     blocks are rescaled. Shared by the decode tile and the prefill tile."""
     for half in cutlass.range_constexpr(halves):
-        mx = sc[0, 2 * half]
-        for tb in cutlass.range_constexpr(blocks):
-            for i in cutlass.range_constexpr(2):
-                mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
-        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-        m_new = cute.arch.fmax(m[half], mx)
+        m_new = cute.arch.fmax(m[half], quad_row_max((sc,), half, blocks))
         m_use = m_new
         if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
             m_use = Float32(0.0)

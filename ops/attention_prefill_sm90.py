@@ -295,13 +295,7 @@ def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr, scale_log2: cut
     multiplied by before P V is added. ``exp2(s * scale_log2 - m * scale_log2)``: one FFMA an
     element."""
     for half in cutlass.range_constexpr(2):
-        mx = sc[0, 2 * half]
-        for tb in cutlass.range_constexpr(blocks):
-            for i in cutlass.range_constexpr(2):
-                mx = cute.arch.fmax(mx, sc[tb, 2 * half + i])
-        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1))
-        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 2))
-        m_new = cute.arch.fmax(m[half], mx)
+        m_new = cute.arch.fmax(m[half], dsm90.quad_row_max((sc,), half, blocks))
         m_use = m_new
         if m_new == Float32(-math.inf):  # no live token yet: keep everything at zero
             m_use = Float32(0.0)
