@@ -23,24 +23,49 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_PTXAS: dict[str, str] = {}
+
+
+def _ptxas(path) -> str:
+    """``ptxas -arch=sm_90a -v``'s report of the kernel in ``path`` (once a file); skips the
+    test where ptxas is not installed."""
+    import shutil
+    import subprocess
+
+    key = str(path)
+    if key not in _PTXAS:
+        if shutil.which("ptxas") is None:
+            pytest.skip("ptxas is not installed")
+        _PTXAS[key] = subprocess.run(
+            ["ptxas", "-arch=sm_90a", "-v", key, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return _PTXAS[key]
+
+
 @pytest.fixture
 def spill_stores():
     """``spill_stores(ptx_path)``: the spill-store bytes ``ptxas -v`` reports for the kernel
     (the megakernel's threads have 168 registers: a body that needs more spills to local
     memory, silently and slowly); the test skips where ptxas is not installed."""
     import re
-    import shutil
-    import subprocess
 
     def run(path) -> int:
-        if shutil.which("ptxas") is None:
-            pytest.skip("ptxas is not installed")
-        out = subprocess.run(
-            ["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-        return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out))
+        return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", _ptxas(path)))
+
+    return run
+
+
+@pytest.fixture
+def wgmma_serialized():
+    """``wgmma_serialized(ptx_path)``: whether ptxas serialized the kernel's wgmma (its
+    warning C7515: a non-wgmma instruction defines an accumulator register of a wgmma in
+    flight, e.g. a wgmma or an accumulator's update under a branch), which costs every
+    tensor-core tile of the kernel its overlap."""
+
+    def run(path) -> bool:
+        return "C7515" in _ptxas(path)
 
     return run

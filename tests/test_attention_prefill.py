@@ -129,11 +129,12 @@ def test_a_bad_sequence_cannot_take_the_others_tiles():
     torch.testing.assert_close(out[60:], ref[60:], rtol=1e-4, atol=1e-4)
 
 
-def test_prefill_attention_compiles_for_hopper(tmp_path, spill_stores):
+def test_prefill_attention_compiles_for_hopper(tmp_path, spill_stores, wgmma_serialized):
     g = _graph(32, 8, 128, 16, 1024, torch.bfloat16, max_b=64)
     compile_offline(g, "dynamic", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     assert spill_stores(ptx_file) == 0
+    assert not wgmma_serialized(ptx_file)
     ptx = ptx_file.read_text()
     assert "cp.async.bulk.tensor" in ptx
     # S = q K^T from shared memory; o += P V with P from registers (A as 4 registers)

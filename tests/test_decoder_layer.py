@@ -393,7 +393,9 @@ def test_moe_decode_step_matches_hf_layer():
         ("qwen3_30b_a3b", "static", 64),
     ],
 )
-def test_decode_layer_compiles_for_hopper(tmp_path, which, scheduler, max_batch, spill_stores):
+def test_decode_layer_compiles_for_hopper(
+    tmp_path, which, scheduler, max_batch, spill_stores, wgmma_serialized
+):
     """Qwen3-8B (dense) and Qwen3-30B-A3B (MoE, MegaMoE's decode tiles) layers, bf16, for
     MegaDecoderLayer's two batch ranges. The static dense layer has no register spills (a
     reduce tile holding more partials once spilled 760 bytes and slowed every tile); the
@@ -433,6 +435,7 @@ def test_decode_layer_compiles_for_hopper(tmp_path, which, scheduler, max_batch,
     assert "wgmma.mma_async" in ptx  # the projections on the Hopper GEMM
     if which == "qwen3_8b" and scheduler == "static":
         assert spill_stores(ptx_file) == 0
+        assert not wgmma_serialized(ptx_file)
 
 
 def test_prefill_layer_compiles_for_hopper(tmp_path):
