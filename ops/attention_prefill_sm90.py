@@ -314,8 +314,9 @@ def _softmax_step(sc, m, lsum, scale, blocks: cutlass.Constexpr, scale_log2: cut
 
 @cute.jit
 def _rescale(o, scale, cols: cutlass.Constexpr):
-    """o's rows times their ``scale`` (then 1), skipped by a warp none of whose rows' maxima
-    moved (most slices once a row has seen its largest scores)."""
+    """o's rows times their ``scale`` (then 1). Always: skipping it where no row's maximum
+    moved (a warp vote) puts o's update under a branch, and ptxas then serializes every wgmma
+    of the kernel (C7515)."""
     for j in cutlass.range_constexpr(cols):
         for i in cutlass.range_constexpr(4):
             o[j, i] = o[j, i] * scale[i // 2]
