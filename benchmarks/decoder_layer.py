@@ -18,6 +18,7 @@ node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 ``--prefill 2048``: also prefill steps (one sequence of that many new tokens, no cached prefix)
 as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the same layer in torch
 (cuBLAS, causal SDPA), eager and under a CUDA graph; ``--batch`` with no count runs only those.
+With ``--trace`` the prefill steps are traced too.
 
 Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [--records DIR]]
 [--unfolded-norms] [--attention-align 64|128]
@@ -131,9 +132,10 @@ def torch_prefill(x, kc, vc, w, fp32=False):
     return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
 
 
-def run_prefill(res, megas, w, tokens, warmup, rep, gen) -> None:
+def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
     """Prefill steps of one sequence of ``tokens`` new tokens: the layer as one megakernel
-    (``MegaDecoderLayer.prefill``) vs the same layer in torch, eager and under a CUDA graph."""
+    (``MegaDecoderLayer.prefill``) vs the same layer in torch, eager and under a CUDA graph;
+    with ``profiled`` (a module with ``profile`` set) the per-node trace of a step too."""
     weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
     params = sum(w[k].numel() for k in ("w_qkv", "w_o", "w_gate_up", "w_down"))
     for t in tokens:
@@ -154,6 +156,15 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen) -> None:
             name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens, cu_seqlens=cu))
             for name, m in megas.items()
         }
+        if profiled is not None:
+            profile_launch(
+                res,
+                case,
+                lambda: profiled(x, pos, k_pages, v_pages, table, lens, cu_seqlens=cu),
+                profiled.compiled("prefill"),
+                warmup,
+                rep,
+            )
         impls["torch_graph"] = lambda: torch_prefill(x, kc, vc, w)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
@@ -235,7 +246,9 @@ def main(argv=None) -> int:
     }
     profiled = None
     if args.trace:  # a separate module: profiling adds a timestamp store per task
-        profiled = MegaDecoderLayer(wm, cfg, max_batch=max(args.batch or [1]), scheduler="static")
+        profiled = MegaDecoderLayer(
+            wm, cfg, max_batch=max(args.batch or [1]), scheduler="static", **prefill_kw
+        )
         profiled.profile = True
     meta = {
         "layer": "Qwen3-8B",
@@ -294,7 +307,7 @@ def main(argv=None) -> int:
                 rel_err=round(errs[name], 5),
             )
     if args.prefill:
-        run_prefill(res, megas, w, args.prefill, warmup, rep, gen)
+        run_prefill(res, megas, w, args.prefill, warmup, rep, gen, profiled)
     res.add_ratios("torch_graph")
     res.finish(chart=True)
     return 0
