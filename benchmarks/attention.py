@@ -145,23 +145,7 @@ def run_prefill(args, warmup: int, rep: int) -> int:
         ref = sdpa().float()
         flops = 4.0 * b * HQ * D * (n * cached + n * (n + 1) / 2)
         fl = floor_us(flops, 2.0 * (2 * b * length * HKV * D + 2 * b * n * HQ * D))
-        for name, fn in impls.items():
-            try:
-                err = ((fn().float() - ref).norm() / ref.norm()).item()
-                us = time_us(graphed(fn), warmup=warmup, rep=rep)
-            except Exception as e:  # noqa: BLE001  (a peer failing one case is reported)
-                res.meta.setdefault("skipped", []).append(f"{case} {name}: {e}")
-                print(f"{case} {name} skipped: {e}")
-                continue
-            res.add(
-                case,
-                name,
-                us,
-                tflops=round(flops / us / 1e6, 1),
-                floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3),
-                rel_err_vs_sdpa=round(err, 5),
-            )
+        _time_impls(res, case, impls, ref, fl, warmup, rep, flops=flops, err_key="rel_err_vs_sdpa")
         if profiled is not None:
             run = lambda: profiled(q, kc, vc, table, lens, cu)
             records = profile_launch(res, case, run, profiled, warmup, rep)
@@ -180,6 +164,30 @@ def run_prefill(args, warmup: int, rep: int) -> int:
         res.add_ratios("fa4")
     res.finish(chart=True)
     return 0
+
+
+def _time_impls(res, case, impls, ref, fl, warmup, rep, flops=None, err_key="rel_err"):
+    """Each of ``impls`` checked against ``ref`` and timed (CUDA-graph replays) into a row of
+    ``res``, with its share of the floor ``fl`` (and TFLOP/s given ``flops``); a peer failing
+    a case is reported in the JSON, not fatal."""
+    for name, fn in impls.items():
+        try:
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            us = time_us(graphed(fn), warmup=warmup, rep=rep)
+        except Exception as e:  # noqa: BLE001  (a peer failing one case is reported)
+            res.meta.setdefault("skipped", []).append(f"{case} {name}: {e}")
+            print(f"{case} {name} skipped: {e}")
+            continue
+        extra = {} if flops is None else {"tflops": round(flops / us / 1e6, 1)}
+        res.add(
+            case,
+            name,
+            us,
+            **extra,
+            floor_us=round(fl, 2),
+            of_floor=round(fl / us, 3),
+            **{err_key: round(err, 5)},
+        )
 
 
 def _fa4():
@@ -258,22 +266,7 @@ def main(argv=None) -> int:
             impls["fa4"] = lambda: fa4(q.unsqueeze(1), k_flat, v_flat)[0].reshape(b, HQ * D)
         nbytes = 2.0 * (2 * b * n * HKV * D + 2 * b * HQ * D)
         fl = floor_us(4.0 * b * HQ * n * D, nbytes)
-        for name, fn in impls.items():
-            try:
-                err = ((fn().float() - ref).norm() / ref.norm()).item()
-                us = time_us(graphed(fn), warmup=warmup, rep=rep)
-            except Exception as e:  # noqa: BLE001  (a peer failing one case is reported)
-                res.meta.setdefault("skipped", []).append(f"{case} {name}: {e}")
-                print(f"{case} {name} skipped: {e}")
-                continue
-            res.add(
-                case,
-                name,
-                us,
-                floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3),
-                rel_err=round(err, 5),
-            )
+        _time_impls(res, case, impls, ref, fl, warmup, rep)
     res.add_ratios("torch_sdpa")
     res.finish(chart=True)
     return 0

@@ -132,6 +132,25 @@ def torch_prefill(x, kc, vc, w, fp32=False):
     return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
 
 
+def _time_impls(res, case, impls, errs, fl, warmup, rep, flops=None) -> None:
+    """Each of ``impls`` timed into a row of ``res`` (CUDA-graph replays from a cold L2, but
+    'torch_eager', called as it is), with its error ``errs[name]``, its share of the floor
+    ``fl`` and, given ``flops``, its TFLOP/s."""
+    for name, fn in impls.items():
+        eager = name == "torch_eager"
+        us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
+        extra = {} if flops is None else {"tflops": round(flops / us / 1e6, 1)}
+        res.add(
+            case,
+            name,
+            us,
+            **extra,
+            floor_us=round(fl, 2),
+            of_floor=round(fl / us, 3),
+            rel_err=round(errs[name], 5),
+        )
+
+
 def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
     """Prefill steps of one sequence of ``tokens`` new tokens: the layer as one megakernel
     (``MegaDecoderLayer.prefill``) vs the same layer in torch, eager and under a CUDA graph;
@@ -170,18 +189,7 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
         flops = 2.0 * t * params + 2.0 * t * t * D * HQ  # projections; causal attention
         fl = floor_us(flops, weight_bytes + 2.0 * 2 * t * HKV * D)
-        for name, fn in impls.items():
-            eager = name == "torch_eager"
-            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
-            res.add(
-                case,
-                name,
-                us,
-                tflops=round(flops / us / 1e6, 1),
-                floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3),
-                rel_err=round(errs[name], 5),
-            )
+        _time_impls(res, case, impls, errs, fl, warmup, rep, flops=flops)
 
 
 def main(argv=None) -> int:
@@ -295,17 +303,7 @@ def main(argv=None) -> int:
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
         fl = floor_us(0.0, weight_bytes + 2.0 * 2 * b * KV * HKV * D)
-        for name, fn in impls.items():
-            eager = name == "torch_eager"
-            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
-            res.add(
-                case,
-                name,
-                us,
-                floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3),
-                rel_err=round(errs[name], 5),
-            )
+        _time_impls(res, case, impls, errs, fl, warmup, rep)
     if args.prefill:
         run_prefill(res, megas, w, args.prefill, warmup, rep, gen, profiled)
     res.add_ratios("torch_graph")
