@@ -45,6 +45,10 @@ class MoeConfig:
     route_chunk: int | None = None
     # tokens per combine tile (512 columns each): a few, so small token counts spread over SMs
     combine_block_m: int = 4
+    # K ranges of the router GEMM (1: whole rows): split, its fp32 partials go straight to the
+    # top-k, which sums them (no reduce phase), so a few tokens' router weight streams over
+    # this many times as many SMs
+    router_split: int = 1
 
 
 def _positive(**sizes: int) -> None:
@@ -250,6 +254,7 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
         top_k=cfg.top_k,
         block_m=cfg.block_m,
         block_n=cfg.block_n,
+        router_split=cfg.router_split,
     )
     if cfg.top_k > cfg.num_experts:
         raise ValueError(f"top_k={cfg.top_k} exceeds num_experts={cfg.num_experts}")
@@ -266,19 +271,34 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
     w_router = g.weight("w_router", (e, h), dtype)
     w_gu = g.weight("w_gate_up", (e, 2 * i, h), dtype)
     w_down = g.weight("w_down", (e, h, i), dtype)
-    logits = g.call(
-        ops.gemm,
-        x,
-        w_router,
-        block_m=cfg.block_m,
-        block_n=cfg.router_block_n or min(e, ROUTER_BLOCK_N),
-        out_dtype=cfg.router_dtype or dtype,
-        name="router",
-    )
+    router_n = cfg.router_block_n or min(e, ROUTER_BLOCK_N)
+    logits_dtype = cfg.router_dtype or dtype
+    split = {}
+    if cfg.router_split == 1:
+        logits = g.call(
+            ops.gemm,
+            x,
+            w_router,
+            block_m=cfg.block_m,
+            block_n=router_n,
+            out_dtype=logits_dtype,
+            name="router",
+        )
+    else:  # fp32 partials, summed (and rounded to the logits' dtype) by the top-k
+        logits = g.call(
+            ops.gemm_partial,
+            x,
+            w_router,
+            split_k=cfg.router_split,
+            block_m=cfg.block_m,
+            block_n=router_n,
+            name="router",
+        )
+        split = {"logits_dtype": None if logits_dtype == torch.float32 else logits_dtype}
     # a warp per token and a few tokens a tile: one token's picks are a ~2 us chain of shuffles,
     # so tokens go to many SMs rather than one after another through a warp
     weights, ids = g.call(
-        ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob, block_m=4
+        ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob, block_m=4, **split
     )
     if cfg.route_chunk is None:
         tile_info, row_token, slot_row, _ = g.call(

@@ -19,6 +19,7 @@ import torch
 from .graph import Graph
 from .layers import MoeConfig, mlp_graph, moe_graph
 from .ops import DECODE_GATE_UP_WIDTHS, wave_fit_width  # noqa: F401 (re-exported)
+from .ops.gemm_splitk import SLICE as SPLIT_SLICE
 from .symbolic import sym
 
 DECODE_MAX_TOKENS = 128
@@ -102,10 +103,16 @@ so 'gemv' (decode compiled for T <= 16) loads 16-row A boxes instead of 64."""
 MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
     # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
-    # router's 128 expert columns over 8 SMs. Prefill: 128-row tiles, wider columns, the
+    # router's 128 expert columns over 8 SMs and its K over 8 ranges (64 SMs, a few slices
+    # each, where one range was a 32-slice latency chain; ``moe_regime_graph`` halves the split
+    # until it divides the hidden size into whole slices). Prefill: 128-row tiles, wider columns, the
     # routing spread over SMs in chunks of 64 tokens (one task routes 32K slots in ~100 us).
-    ("cute", "gemv"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
-    ("cute", "decode"): dict(block_m=64, block_n=64, down_block_n=128, router_block_n=16),
+    ("cute", "gemv"): dict(
+        block_m=64, block_n=64, down_block_n=128, router_block_n=16, router_split=8
+    ),
+    ("cute", "decode"): dict(
+        block_m=64, block_n=64, down_block_n=128, router_block_n=16, router_split=8
+    ),
     ("cute", "prefill"): dict(
         block_m=128,
         block_n=64,
@@ -190,6 +197,11 @@ def moe_regime_graph(
     routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
+    tiles = dict(MOE_TILES[(backend, regime)])
+    split = tiles.get("router_split", 1)
+    while split > 1 and hidden % (split * SPLIT_SLICE):  # whole k-slices a range
+        split //= 2
+    tiles["router_split"] = split
     cfg = MoeConfig(
         hidden,
         intermediate,
@@ -197,6 +209,6 @@ def moe_regime_graph(
         top_k,
         norm_topk_prob,
         router_dtype=None,
-        **MOE_TILES[(backend, regime)],
+        **tiles,
     )
     return moe_graph(sym("T", max=limit), cfg, dtype)

@@ -74,7 +74,7 @@ class MoeRouteTile(TileOp):
     def check_producers(self, producers) -> None:
         src = producers.get("ids")
         if getattr(src, "name", None) == "topk_softmax":
-            width = src.logits.shape[1]
+            width = src.num_experts
             if width != self.num_experts:
                 raise GraphError(
                     f"moe_route routes to {self.num_experts} experts but its ids come from a "

@@ -151,10 +151,10 @@ class MoeRouteCountTile(_ChunkedIds, TileOp):
 
     def check_producers(self, producers) -> None:
         src = producers.get("ids")
-        if getattr(src, "name", None) == "topk_softmax" and src.logits.shape[1] != self.num_experts:
+        if getattr(src, "name", None) == "topk_softmax" and src.num_experts != self.num_experts:
             raise GraphError(
                 f"moe_route_count routes to {self.num_experts} experts but its ids come from a "
-                f"top-k over {src.logits.shape[1]} router logits"
+                f"top-k over {src.num_experts} router logits"
             )
 
     def output_specs(self):

@@ -2,6 +2,11 @@
 
 One block of tokens a task, one warp per token. Outputs ``weights`` (T, k) fp32 and ``ids``
 (T, k) int32, ordered by decreasing weight (ties go to the lower expert id, on every backend).
+
+The logits are (T, E), or the router's split-K partials (S, T, E) fp32 (``gemm_partial``),
+summed here, so the router streams its weight over S times as many SMs with no reduce phase
+between it and the top-k; ``logits_dtype`` then rounds the sums as the router's output would
+have been rounded (bf16 logits route as a bf16 gate ``Linear`` does).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import ClassVar
 import cutlass
 import numpy as np
 import torch
-from cutlass import Float32, Int32, cute
+from cutlass import BFloat16, Float16, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP
@@ -34,19 +39,39 @@ from cutemk.tileop import (
 @register_op
 @dataclass(frozen=True)
 class TopkSoftmaxTile(TileOp):
-    logits: TensorSpec  # (tokens, experts)
+    logits: TensorSpec  # (tokens, experts), or split-K partials (splits, tokens, experts) fp32
     k: int = 2
     renormalize: bool = True
     block_m: int = 32
+    # partials only: the dtype the summed logits are rounded to before the softmax (None: fp32)
+    logits_dtype: torch.dtype | None = None
 
     name: ClassVar[str] = "topk_softmax"
     inputs: ClassVar[tuple[str, ...]] = ("logits",)
     outputs: ClassVar[tuple[str, ...]] = ("weights", "ids")
 
     def __post_init__(self) -> None:
-        expect_ndim(self.logits, 2, "topk_softmax logits")
-        expect_dtype(self.logits, FLOAT_DTYPES, "topk_softmax logits")
-        e = self.logits.shape[1]
+        if len(self.logits.shape) == 3:
+            expect_dtype(self.logits, (torch.float32,), "topk_softmax split-K partial logits")
+            if not isinstance(self.logits.shape[0], int) or self.logits.shape[0] < 1:
+                raise ValueError(
+                    "topk_softmax: the partials' split count must be a static positive int, got "
+                    f"{self.logits.shape[0]!r}"
+                )
+        else:
+            expect_ndim(self.logits, 2, "topk_softmax logits")
+            expect_dtype(self.logits, FLOAT_DTYPES, "topk_softmax logits")
+            if self.logits_dtype is not None:
+                raise ValueError(
+                    "topk_softmax logits_dtype rounds summed split-K partials; (T, E) logits "
+                    "are routed in their own dtype"
+                )
+        if self.logits_dtype not in (None, *FLOAT_DTYPES):
+            raise ValueError(
+                f"topk_softmax logits_dtype must be one of {FLOAT_DTYPES} or None, got "
+                f"{self.logits_dtype!r}"
+            )
+        e = self.logits.shape[-1]
         if not isinstance(e, int):
             raise ValueError("topk_softmax: the number of experts must be a static int")
         if not isinstance(self.k, int) or not 1 <= self.k <= min(e, WARP):
@@ -57,22 +82,36 @@ class TopkSoftmaxTile(TileOp):
         if not isinstance(self.block_m, int) or self.block_m < 1:
             raise ValueError(f"topk_softmax block_m must be a positive int, got {self.block_m!r}")
 
+    @property
+    def splits(self) -> int:
+        """Split-K partials summed per logit (1: plain logits)."""
+        return self.logits.shape[0] if len(self.logits.shape) == 3 else 1
+
+    @property
+    def tokens(self):
+        return self.logits.shape[-2]
+
+    @property
+    def num_experts(self) -> int:
+        return self.logits.shape[-1]
+
     def output_specs(self):
-        t = self.logits.shape[0]
+        t = self.tokens
         return {
             "weights": TensorSpec((t, self.k), torch.float32),
             "ids": TensorSpec((t, self.k), torch.int32),
         }
 
     def grid(self):
-        return (cdiv(self.logits.shape[0], self.block_m),)
+        return (cdiv(self.tokens, self.block_m),)
 
     def _rows(self, coord, env):
-        t = self.logits.shape[0]
+        t = self.tokens
         return block(coord[0], self.block_m, t if isinstance(t, int) else t.eval(env))
 
     def reads(self, coord, env, data=None):
-        return {"logits": (self._rows(coord, env), (0, self.logits.shape[1]))}
+        box = (self._rows(coord, env), (0, self.num_experts))
+        return {"logits": ((0, self.splits), *box) if self._split else box}
 
     def writes(self, coord, env, data=None):
         r = self._rows(coord, env)
@@ -81,21 +120,37 @@ class TopkSoftmaxTile(TileOp):
     uniform_cost: ClassVar[bool] = True
 
     def region_arrays(self, which, env, coords):
-        t = self.logits.shape[0]
+        t = self.tokens
         rows = blocks(coords[:, 0], self.block_m, t if isinstance(t, int) else t.eval(env))
         n_t = len(coords)
         if which == "writes":
             b = boxes(rows, span(0, self.k, n_t))
             return {"weights": b, "ids": b}
-        return {"logits": boxes(rows, span(0, self.logits.shape[1], n_t))}
+        experts = span(0, self.num_experts, n_t)
+        if self._split:
+            return {"logits": boxes(span(0, self.splits, n_t), rows, experts)}
+        return {"logits": boxes(rows, experts)}
+
+    @property
+    def _split(self) -> bool:
+        return len(self.logits.shape) == 3
 
     def cost(self, coord, env):
-        e = self.logits.shape[1]
-        return tile_time_us(8.0 * self.block_m * e, self.block_m * e * 4.0, torch.float32)
+        e = self.num_experts
+        return tile_time_us(
+            8.0 * self.block_m * e, self.splits * self.block_m * e * 4.0, torch.float32
+        )
 
     def reference(self, coord, env, t):
         r0, r1 = self._rows(coord, env)
-        logits = t["logits"][r0:r1].float()
+        if self._split:  # summed in fp32 in split order, then rounded as the router's output
+            logits = t["logits"][0, r0:r1].float()
+            for s in range(1, self.splits):
+                logits = logits + t["logits"][s, r0:r1].float()
+            if self.logits_dtype is not None:
+                logits = logits.to(self.logits_dtype).float()
+        else:
+            logits = t["logits"][r0:r1].float()
         p = torch.softmax(logits, dim=-1)  # a NaN logit makes the row's weights NaN
         # picks: by logit, descending, ties to the lower id (stable sorts, not torch.topk, whose
         # CPU kernel prefers higher ids); NaN logits are never picked: they sort last and a
@@ -131,10 +186,10 @@ class TopkSoftmaxTile(TileOp):
         (``moe_route`` ignores ids outside [0, E)).
         """
         mLogits, mWeights, mIds = tensors[0], tensors[1], tensors[2]
-        num_experts = self.logits.shape[1]
+        num_experts = self.num_experts
         per_lane = (num_experts + WARP - 1) // WARP
         warps = NUM_THREADS // WARP
-        tokens = mLogits.shape[0]
+        tokens = mWeights.shape[0]
         lane = tidx % WARP
         row0 = coord0 * self.block_m
         row_end = cute.min(row0 + self.block_m, tokens)
@@ -147,7 +202,7 @@ class TopkSoftmaxTile(TileOp):
                 v = Float32(-float("inf"))
                 taken[q] = Int32(1)  # lanes past E hold nothing to pick
                 if e < num_experts:
-                    v = mLogits[row, e].to(Float32)
+                    v = self._logit(mLogits, row, e)
                     taken[q] = Int32(0)
                 vals[q] = v
                 vmax = cute.arch.fmax(vmax, v)
@@ -195,8 +250,31 @@ class TopkSoftmaxTile(TileOp):
                 mIds[row, lane] = my_id.to(mIds.element_type)
                 mWeights[row, lane] = my_w.to(mWeights.element_type)
 
+    @cute.jit
+    def _logit(self, mLogits, row: Int32, e: Int32) -> Float32:
+        """Expert ``e``'s logit of token ``row`` in fp32 (split-K partials summed and rounded)."""
+        v = Float32(0.0)
+        if cutlass.const_expr(self._split):
+            parts = [mLogits[s, row, e] for s in range(self.splits)]
+            v = parts[0]
+            for s in cutlass.range_constexpr(1, self.splits):
+                v = v + parts[s]
+            if cutlass.const_expr(self.logits_dtype is not None):
+                v = v.to(_CUTE_DTYPES[self.logits_dtype]).to(Float32)
+        else:
+            v = mLogits[row, e].to(Float32)
+        return v
+
+
+_CUTE_DTYPES = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16}
+
 
 def topk_softmax(
-    logits: TensorSpec, *, k: int = 2, renormalize: bool = True, block_m: int = 32
+    logits: TensorSpec,
+    *,
+    k: int = 2,
+    renormalize: bool = True,
+    block_m: int = 32,
+    logits_dtype: torch.dtype | None = None,
 ) -> TopkSoftmaxTile:
-    return TopkSoftmaxTile(logits, k, renormalize, block_m)
+    return TopkSoftmaxTile(logits, k, renormalize, block_m, logits_dtype)

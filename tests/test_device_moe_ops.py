@@ -53,6 +53,15 @@ def _topk(dtype):
     return ops.topk_softmax(TensorSpec((_sym_t(), E), dtype), k=TOP_K, block_m=BM)
 
 
+def _topk_split(logits_dtype):
+    """The router's split-K partials (4, T, E) fp32 summed by the top-k."""
+    spec = TensorSpec((SPLITS, _sym_t(), E), torch.float32)
+    return ops.topk_softmax(spec, k=TOP_K, block_m=BM, logits_dtype=logits_dtype)
+
+
+SPLITS = 4
+
+
 def _route():
     return ops.moe_route(TensorSpec((_sym_t(), TOP_K), torch.int32), num_experts=E, block_m=BM)
 
@@ -115,6 +124,13 @@ def test_topk_softmax_compiles(tmp_path, dtype):
     assert _count(r"\bex2\.approx", ptx) >= 1  # softmax exp
     assert _count(r"\bbar\.sync\b", ptx) == 0  # thread-per-token: no barrier, no smem
     assert _count(r"\bst\.global\.[bsu]32\b", ptx) >= 2  # weights and ids
+
+
+def test_topk_softmax_over_partials_compiles(tmp_path):
+    ptx = _compile_ptx(_topk_split(torch.bfloat16), tmp_path)
+    assert _count(r"\bld\.global\.[bf]32\b", ptx) >= SPLITS  # every partial of a logit
+    assert _count(r"\bcvt\.rn\.bf16\.f32\b", ptx) >= 1  # the sums rounded as bf16 logits
+    assert _count(r"\bbar\.sync\b", ptx) == 0
 
 
 def test_moe_route_compiles(tmp_path):
@@ -294,6 +310,24 @@ def test_topk_softmax_matches_reference(dtype):
         _check(f"ids T={t} {routing}", got["ids"], ref["ids"], 0)
         if routing == "one_expert":
             assert bool((got["ids"][:, 0] == 3).all()) and not bool((got["ids"] == 5).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("logits_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_topk_softmax_over_partials_matches_reference(logits_dtype):
+    gen = torch.Generator().manual_seed(13)
+    op = _topk_split(logits_dtype)
+    compiled = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS + ("ties",)):
+        env = _env(t)
+        logits = _gate_logits(t, routing, gen)
+        cuts = torch.rand(SPLITS, t, E, generator=gen)
+        part = logits * cuts / cuts.sum(0)  # partials summing to the logits
+        inputs = {"logits": part}
+        compiled = compiled or _compile_live(op, inputs, env)
+        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+        _check(f"weights T={t} {routing}", got["weights"], ref["weights"], 1e-5)
+        _check(f"ids T={t} {routing}", got["ids"], ref["ids"], 0)
 
 
 @pytest.mark.gpu

@@ -265,3 +265,65 @@ def test_random_dags_with_one_dependency_dropped(scheduler, case):
         assert raised is None
     else:
         assert raised is not None and f"[{victim}] reads" in str(raised)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("router_dtype", [torch.float32, None], ids=["fp32", "model-dtype"])
+def test_moe_router_split_along_k(scheduler, router_dtype):
+    """The router as split-K partials summed by the top-k (no reduce phase): the same routing
+    and output as whole rows, with the sums rounded to bf16 where the logits are bf16."""
+    cfg = MoeConfig(
+        hidden=256,
+        intermediate=32,
+        num_experts=8,
+        top_k=2,
+        block_m=16,
+        block_n=32,
+        router_split=4,
+        router_dtype=router_dtype,
+    )
+    dtype = torch.bfloat16 if router_dtype is None else torch.float32
+    g = moe_graph(mk.sym("T", max=64), cfg, dtype)
+    names = [n.op.name for n in g.nodes]
+    assert names[:2] == ["gemm_partial", "topk_softmax"], names
+    gen = torch.Generator().manual_seed(21)
+    w = {n: v.to(dtype) for n, v in moe_weights(cfg, gen).items()}
+    c = g.compile("interpret", num_sms=8, scheduler=scheduler, seed=5)
+    for t in (1, 5, 64):
+        x = torch.randn(t, cfg.hidden, generator=gen).to(dtype)
+        y = c(x, **w)
+        ref = moe_reference(x, **w, top_k=cfg.top_k, router_dtype=router_dtype)
+        assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_topk_over_partials_sums_then_rounds():
+    """Summed in split order in fp32 and rounded to ``logits_dtype``: the picks follow the
+    rounded sums (two experts whose fp32 sums differ but round to one bf16 tie to the lower id)."""
+    T = mk.sym("T", max=8)
+    op = ops.topk_softmax(
+        TensorSpec((3, T, 4), torch.float32), k=2, block_m=8, logits_dtype=torch.bfloat16
+    )
+    part = torch.zeros(3, 2, 4)
+    part[:, 0] = torch.tensor([[0.5, 1.0, 0.25, 0.0], [0.5, 1.0, 0.25, 0.0], [0.0, 0.0, 1.5, 2.0]])
+    part[0, 1] = torch.tensor([1.0, 1.0 + 2**-10, -1.0, 0.0])  # 1 + 2^-10 rounds to 1 in bf16
+    t = {
+        "logits": part,
+        "weights": torch.full((2, 2), float("nan")),
+        "ids": torch.full((2, 2), -7, dtype=torch.int32),
+    }
+    op.reference((0,), {"T": 2}, t)
+    # token 0: sums [1, 2, 2, 2] -> ties at 2 go to the lower ids 1, 2
+    assert t["ids"][0].tolist() == [1, 2]
+    assert t["ids"][1].tolist() == [0, 1]  # rounded to a tie: the lower id first
+    assert torch.allclose(t["weights"][1], torch.tensor([0.5, 0.5]))
+    assert op.reads((0,), {"T": 2})["logits"] == ((0, 3), (0, 2), (0, 4))
+
+
+def test_topk_partials_are_checked():
+    T = mk.sym("T", max=8)
+    with pytest.raises(TypeError, match="partial logits must have dtype"):
+        ops.topk_softmax(TensorSpec((2, T, 8), torch.bfloat16), k=2)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        ops.topk_softmax(TensorSpec((T, 8), torch.float32), k=2, logits_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        ops.topk_softmax(TensorSpec((2, T, 8), torch.float32), k=2, logits_dtype=torch.int32)

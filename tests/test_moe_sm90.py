@@ -7,6 +7,7 @@ and at Qwen3-30B-A3B's size, both schedulers, NaN-poisoned outputs, and bit-iden
 from run to run.
 """
 
+import dataclasses
 import os
 import re
 
@@ -36,7 +37,7 @@ def _count(pattern: str, ptx: str) -> int:
 def test_moe_megakernel_compiles_for_hopper(tmp_path, scheduler, regime):
     """MegaMoE's decode and prefill graphs at Qwen3-30B-A3B's size (their tiles and the route's
     shared memory leave room for the ring)."""
-    cfg = QWEN3_30B if regime == "decode" else PREFILL
+    cfg = dataclasses.replace(QWEN3_30B, router_split=8) if regime == "decode" else PREFILL
     g = moe_graph(mk.sym("T", max=4096), cfg, torch.bfloat16)
     compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
@@ -69,7 +70,13 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def _run(cfg: MoeConfig, scheduler: str, tokens, routings=("random",), max_tokens=4096):
+def _run(
+    cfg: MoeConfig,
+    scheduler: str,
+    tokens,
+    routings=("random",),
+    max_tokens=4096,
+):
     gen = torch.Generator(device="cuda").manual_seed(5)
     c = moe_graph(mk.sym("T", max=max_tokens), cfg, torch.bfloat16).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
@@ -87,11 +94,22 @@ def _run(cfg: MoeConfig, scheduler: str, tokens, routings=("random",), max_token
             if routing == "one_expert":
                 x[:, 0] = 4.0
             y = c(x, **w)
-            ref = moe_reference(x, **w, top_k=cfg.top_k)
+            ref = moe_reference(
+                x, **w, top_k=cfg.top_k, router_dtype=cfg.router_dtype or torch.bfloat16
+            )
             err = _rel_err(y, ref)
             assert err < 1e-2, f"{routing} T={t}: rel err {err:.3g}"
             for _ in range(2):  # deterministic: no atomics in the data path
                 assert torch.equal(c(x, **w), y), f"{routing} T={t}: not bit-identical"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_moe_hopper_router_split(scheduler):
+    """The router as 4 K ranges whose partials the top-k sums and rounds to bf16 (MegaMoE's
+    decode graphs): the reference routes on bf16 logits too."""
+    cfg = dataclasses.replace(SMALL, router_split=4, router_dtype=None)
+    _run(cfg, scheduler, (1, 5, 64, 300), ("random", "one_expert", "ties"), 512)
 
 
 @pytest.mark.gpu
