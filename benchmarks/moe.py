@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, time_us
+from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
 
 H, I, E, TOP_K = 2048, 768, 128, 8
 TOKENS = (1, 16, 128, 1024, 4096)
@@ -177,12 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             impls["hf_eager"] = hf_call
             errs["hf_eager"] = rel_err(hf_call(), ref)
         del ref
-        for s, m in profiled.items():
+        for s, m in profiled.items():  # per-node spans and where the launch's time goes
             c = m.compiled(m.regime(t))
-            for _ in range(3):
-                c(x, *w.values())
-            torch.cuda.synchronize()
-            res.add_trace(f"{case} {s}", c.profile_records())
+            profile_launch(res, f"{case} {s}", lambda m=m: m(x), c, warmup, rep)
         with torch.no_grad():
             ids = torch.topk(x.float() @ w["w_router"].float().T, TOP_K, dim=-1).indices
         touched = int(torch.unique(ids).numel())
