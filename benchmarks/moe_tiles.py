@@ -1,9 +1,8 @@
 """Tile sweep of the MoE megakernel (tuning aid): the Qwen3-30B-A3B block of ``moe.py`` built
 with each given tile set, static scheduler, CUDA-graph replays, and the per-node trace of the
-grouped GEMMs. A tile set is ``BMxBNxDOWN[xcCHUNK][xmCOMBINE][xf0|xf1]``: gate/up block_m x
-block_n, down block_n, then optionally the tokens per routing tile (without it the routing is
-one task), per combine tile, and whether the top-k and the one-task routing are one task
-(gemv regime only).
+grouped GEMMs. A tile set is ``BMxBNxDOWN[xcCHUNK][xmCOMBINE]``: gate/up block_m x block_n,
+down block_n, then optionally the tokens per routing tile (without it the routing is one task)
+and per combine tile.
 
 Run: python benchmarks/moe_tiles.py --tokens 1024 4096 --tiles 128x64x128 128x64x128xc64xm16
 """
@@ -41,17 +40,11 @@ def main(argv=None) -> int:
     for tiles in args.tiles:
         bm, bn, dn, *more = tiles.split("x")
         fields = {"block_m": int(bm), "block_n": int(bn), "down_block_n": int(dn)}
-        # cNN: tokens per routing tile, mNN: tokens per combine tile, f0 / f1: the top-k and
-        # the one-task routing separate / as one task (MoeConfig.fuse_routing)
-        keys = {"c": "route_chunk", "m": "combine_block_m", "f": "fuse_routing"}
-        for m in more:
-            fields[keys[m[0]]] = bool(int(m[1:])) if m[0] == "f" else int(m[1:])
+        for m in more:  # cNN: tokens per routing tile, mNN: tokens per combine tile
+            fields["route_chunk" if m[0] == "c" else "combine_block_m"] = int(m[1:])
         fields.setdefault("route_chunk", None)
-        fuse = fields.pop("fuse_routing", None)
         for regime in ("gemv", "decode", "prefill"):  # one tile set for every token count
             mknn.MOE_TILES[("cute", regime)] = dict(mknn.MOE_TILES[("cute", regime)], **fields)
-        if fuse is not None:  # the one regime few enough tokens for one routing task
-            mknn.MOE_TILES[("cute", "gemv")]["fuse_routing"] = fuse
         plain = mknn.MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=args.scheduler)
         # profiling adds a timestamp store per task: a separate module, not the timed one
         m = (

@@ -45,9 +45,6 @@ class MoeConfig:
     route_chunk: int | None = None
     # tokens per combine tile (512 columns each): a few, so small token counts spread over SMs
     combine_block_m: int = 4
-    # the top-k and the one-task routing as one task (``ops.moe_topk_route``: one hop fewer
-    # before the experts); for graphs of at most ``ops.moe_topk_route.MAX_TOKENS`` tokens
-    fuse_routing: bool = False
     # K ranges of the router GEMM (1: whole rows): split, its fp32 partials go straight to the
     # top-k, which sums them (no reduce phase), so a few tokens' router weight streams over
     # this many times as many SMs
@@ -298,52 +295,6 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
             name="router",
         )
         split = {"logits_dtype": None if logits_dtype == torch.float32 else logits_dtype}
-    if cfg.fuse_routing:
-        if cfg.route_chunk is not None:
-            raise ValueError("MoeConfig: fuse_routing routes in one task; route_chunk must be None")
-        weights, ids, tile_info, row_token, slot_row, _ = g.call(
-            ops.moe_topk_route,
-            logits,
-            k=cfg.top_k,
-            renormalize=cfg.norm_topk_prob,
-            block_m=cfg.block_m,
-            **split,
-        )
-    else:
-        tile_info, row_token, slot_row, weights = _route(g, logits, tokens, cfg, split)
-    # token rows into the grouped layout, so both grouped GEMMs read whole tiles (TMA)
-    xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=cfg.block_m)
-    act = g.call(
-        ops.moe_grouped_gemm,
-        xp,
-        w_gu,
-        tile_info,
-        block_m=cfg.block_m,
-        block_n=cfg.block_n,
-        epilogue="silu_mul",
-        expert_rows=upper(tokens),
-        name="experts_gate_up",
-    )
-    down = g.call(
-        ops.moe_grouped_gemm,
-        act,
-        w_down,
-        tile_info,
-        block_m=cfg.block_m,
-        block_n=cfg.down_block_n or cfg.block_n,
-        expert_rows=upper(tokens),
-        name="experts_down",
-    )
-    # a few tokens a tile: the gather is latency bound, so spread it over many SMs
-    return g.call(
-        ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512
-    )
-
-
-def _route(g: Graph, logits, tokens: Sym, cfg: MoeConfig, split: dict):
-    """The top-k, then the routing in one task or spread over chunks of tokens: (tile_info,
-    row_token, slot_row, weights)."""
-    e = cfg.num_experts
     # a warp per token and a few tokens a tile: one token's picks are a ~2 us chain of shuffles,
     # so tokens go to many SMs rather than one after another through a warp
     weights, ids = g.call(
@@ -372,7 +323,33 @@ def _route(g: Graph, logits, tokens: Sym, cfg: MoeConfig, split: dict):
             block_m=cfg.block_m,
             chunk=cfg.route_chunk,
         )
-    return tile_info, row_token, slot_row, weights
+    # token rows into the grouped layout, so both grouped GEMMs read whole tiles (TMA)
+    xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=cfg.block_m)
+    act = g.call(
+        ops.moe_grouped_gemm,
+        xp,
+        w_gu,
+        tile_info,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        epilogue="silu_mul",
+        expert_rows=upper(tokens),
+        name="experts_gate_up",
+    )
+    down = g.call(
+        ops.moe_grouped_gemm,
+        act,
+        w_down,
+        tile_info,
+        block_m=cfg.block_m,
+        block_n=cfg.down_block_n or cfg.block_n,
+        expert_rows=upper(tokens),
+        name="experts_down",
+    )
+    # a few tokens a tile: the gather is latency bound, so spread it over many SMs
+    return g.call(
+        ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512
+    )
 
 
 # -- plain torch references (fp32) -----------------------------------------------------------

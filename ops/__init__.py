@@ -29,7 +29,6 @@ from .moe_combine import MoeCombineTile, moe_combine
 from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
 from .moe_permute import MoePermuteTile, moe_permute
 from .moe_route import MoeRouteTile, max_tiles, moe_route
-from .moe_topk_route import MoeTopkRouteTile, moe_topk_route
 from .moe_route_split import (
     MoeRouteCountTile,
     MoeRouteLayoutTile,
@@ -80,8 +79,6 @@ __all__ = [
     "MoeRouteTile",
     "max_tiles",
     "moe_route",
-    "MoeTopkRouteTile",
-    "moe_topk_route",
     "MoeRouteCountTile",
     "moe_route_count",
     "MoeRouteLayoutTile",

@@ -119,7 +119,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
 
     def check_producers(self, producers) -> None:
         route = producers.get("tile_info")
-        if getattr(route, "name", None) in ("moe_route", "moe_route_layout", "moe_topk_route"):
+        if getattr(route, "name", None) in ("moe_route", "moe_route_layout"):
             experts = self.w.shape[0]
             if experts != route.num_experts:
                 raise GraphError(

@@ -185,115 +185,70 @@ class TopkSoftmaxTile(TileOp):
         never picked; a row with fewer than k non-NaN logits gets id -1 in the remaining slots
         (``moe_route`` ignores ids outside [0, E)).
         """
-        row0 = coord0 * self.block_m
-        row_end = cute.min(row0 + self.block_m, tensors[1].shape[0])
-        self.device_rows(tensors, row0, row_end, tidx, 1)
-
-    def rows_per_warp(self, rows: int) -> int:
-        """Tokens a warp takes at once for ``rows`` tokens over the SIMT group's warps: their
-        picks' shuffle chains interleave (independent, so their latencies overlap), as many as
-        keep a warp's logits within 32 registers a lane."""
-        per_lane = -(-self.num_experts // WARP)
-        return max(1, min(-(-rows // (NUM_THREADS // WARP)), 32 // per_lane))
-
-    @cute.jit
-    def device_rows(
-        self, tensors, row0: Int32, row_end: Int32, tidx: Int32, per_warp: cutlass.Constexpr
-    ):
-        """Top-k of rows ``[row0, row_end)`` (see :meth:`device_tile`), ``per_warp`` rows a warp
-        at once: warp w takes rows w, w + warps, ... ``per_warp`` of them a step, their steps
-        interleaved instruction by instruction."""
         mLogits, mWeights, mIds = tensors[0], tensors[1], tensors[2]
         num_experts = self.num_experts
         per_lane = (num_experts + WARP - 1) // WARP
         warps = NUM_THREADS // WARP
+        tokens = mWeights.shape[0]
         lane = tidx % WARP
-        R = per_warp
-        for base in range(row0 + tidx // WARP, row_end, warps * R):
-            vals = cute.make_rmem_tensor((R * per_lane,), Float32)
-            taken = cute.make_rmem_tensor((R * per_lane,), Int32)
-            vmax = cute.make_rmem_tensor((R,), Float32)
-            denom = cute.make_rmem_tensor((R,), Float32)
-            wsum = cute.make_rmem_tensor((R,), Float32)
-            my_w = cute.make_rmem_tensor((R,), Float32)
-            my_id = cute.make_rmem_tensor((R,), Int32)
-            best_v = cute.make_rmem_tensor((R,), Float32)
-            best_e = cute.make_rmem_tensor((R,), Int32)
-            for r in cutlass.range_constexpr(R):
-                row = base + r * warps
-                m = Float32(-float("inf"))
-                for q in cutlass.range_constexpr(per_lane):
-                    e = lane + q * WARP
-                    v = Float32(-float("inf"))
-                    t = Int32(1)  # lanes past E (and rows past the end) hold nothing to pick
-                    if e < num_experts and row < row_end:
-                        v = self._logit(mLogits, row, e)
-                        t = Int32(0)
-                    vals[r * per_lane + q] = v
-                    taken[r * per_lane + q] = t
-                    m = cute.arch.fmax(m, v)
-                vmax[r] = m
+        row0 = coord0 * self.block_m
+        row_end = cute.min(row0 + self.block_m, tokens)
+        for row in range(row0 + tidx // WARP, row_end, warps):
+            vals = cute.make_rmem_tensor((per_lane,), Float32)
+            taken = cute.make_rmem_tensor((per_lane,), Int32)
+            vmax = Float32(-float("inf"))
+            for q in cutlass.range_constexpr(per_lane):
+                e = lane + q * WARP
+                v = Float32(-float("inf"))
+                taken[q] = Int32(1)  # lanes past E hold nothing to pick
+                if e < num_experts:
+                    v = self._logit(mLogits, row, e)
+                    taken[q] = Int32(0)
+                vals[q] = v
+                vmax = cute.arch.fmax(vmax, v)
             for i in cutlass.range_constexpr(5):
-                for r in cutlass.range_constexpr(R):
-                    vmax[r] = cute.arch.fmax(vmax[r], cute.arch.shuffle_sync_bfly(vmax[r], 1 << i))
-            for r in cutlass.range_constexpr(R):
-                d = Float32(0.0)
-                for q in cutlass.range_constexpr(per_lane):
-                    if lane + q * WARP < num_experts:
-                        d = d + cute.math.exp(vals[r * per_lane + q] - vmax[r])
-                denom[r] = d
-                wsum[r] = Float32(0.0)
-                my_w[r] = Float32(0.0)
-                my_id[r] = Int32(-1)
+                vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, 1 << i))
+            denom = Float32(0.0)
+            for q in cutlass.range_constexpr(per_lane):
+                if lane + q * WARP < num_experts:
+                    denom = denom + cute.math.exp(vals[q] - vmax)
             for i in cutlass.range_constexpr(5):
-                for r in cutlass.range_constexpr(R):
-                    denom[r] = denom[r] + cute.arch.shuffle_sync_bfly(denom[r], 1 << i)
+                denom = denom + cute.arch.shuffle_sync_bfly(denom, 1 << i)
             # pick j's weight and id stay with lane j; a runtime loop over the picks keeps the
             # code small (cold straight-line code in a megakernel costs instruction misses)
+            my_w = Float32(0.0)
+            my_id = Int32(-1)
+            wsum = Float32(0.0)
             for j in cutlass.range(self.k, unroll=1):
-                for r in cutlass.range_constexpr(R):
-                    bv = Float32(-float("inf"))
-                    be = Int32(-1)
-                    for q in cutlass.range_constexpr(per_lane):
-                        v = vals[r * per_lane + q]
-                        # NaN != NaN: never a candidate; lanes scan ids upwards, so > keeps the
-                        # lower
-                        if taken[r * per_lane + q] == 0 and v == v and (be < 0 or v > bv):
-                            bv = v
-                            be = lane + q * WARP
-                    best_v[r] = bv
-                    best_e[r] = be
+                best_v = Float32(-float("inf"))
+                best_e = Int32(-1)
+                for q in cutlass.range_constexpr(per_lane):
+                    v = vals[q]
+                    # NaN != NaN: never a candidate; lanes scan ids upwards, so > keeps the lower
+                    if taken[q] == 0 and v == v and (best_e < 0 or v > best_v):
+                        best_v = v
+                        best_e = lane + q * WARP
                 for i in cutlass.range_constexpr(5):
-                    for r in cutlass.range_constexpr(R):
-                        bv = best_v[r]
-                        be = best_e[r]
-                        ov = cute.arch.shuffle_sync_bfly(bv, 1 << i)
-                        oe = cute.arch.shuffle_sync_bfly(be, 1 << i)
-                        if oe >= 0 and (be < 0 or ov > bv or (ov == bv and oe < be)):
-                            bv = ov
-                            be = oe
-                        best_v[r] = bv
-                        best_e[r] = be
-                for r in cutlass.range_constexpr(R):
-                    be = best_e[r]
-                    for q in cutlass.range_constexpr(per_lane):
-                        if be == lane + q * WARP:
-                            taken[r * per_lane + q] = Int32(1)
-                    w = Float32(0.0)
-                    if be >= 0:
-                        w = cute.math.exp(best_v[r] - vmax[r]) / denom[r]
-                    wsum[r] = wsum[r] + w
-                    if lane == j:
-                        my_w[r] = w
-                        my_id[r] = be
-            for r in cutlass.range_constexpr(R):
-                row = base + r * warps
-                if lane < self.k and row < row_end:
-                    w = my_w[r]
-                    if cutlass.const_expr(self.renormalize):
-                        w = w / wsum[r]
-                    mIds[row, lane] = my_id[r].to(mIds.element_type)
-                    mWeights[row, lane] = w.to(mWeights.element_type)
+                    ov = cute.arch.shuffle_sync_bfly(best_v, 1 << i)
+                    oe = cute.arch.shuffle_sync_bfly(best_e, 1 << i)
+                    if oe >= 0 and (best_e < 0 or ov > best_v or (ov == best_v and oe < best_e)):
+                        best_v = ov
+                        best_e = oe
+                for q in cutlass.range_constexpr(per_lane):
+                    if best_e == lane + q * WARP:
+                        taken[q] = Int32(1)
+                w = Float32(0.0)
+                if best_e >= 0:
+                    w = cute.math.exp(best_v - vmax) / denom
+                wsum = wsum + w
+                if lane == j:
+                    my_w = w
+                    my_id = best_e
+            if lane < self.k:
+                if cutlass.const_expr(self.renormalize):
+                    my_w = my_w / wsum
+                mIds[row, lane] = my_id.to(mIds.element_type)
+                mWeights[row, lane] = my_w.to(mWeights.element_type)
 
     @cute.jit
     def _logit(self, mLogits, row: Int32, e: Int32) -> Float32:

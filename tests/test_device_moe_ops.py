@@ -62,15 +62,6 @@ def _topk_split(logits_dtype):
 SPLITS = 4
 
 
-def _topk_route(split: bool):
-    """Top-k and routing in one task over up to 64 tokens, of logits or split-K partials."""
-    t = mk.sym("T", max=64)
-    spec = TensorSpec((SPLITS, t, E), torch.float32) if split else TensorSpec((t, E), torch.float32)
-    return ops.moe_topk_route(
-        spec, k=TOP_K, block_m=BM, logits_dtype=torch.bfloat16 if split else None
-    )
-
-
 def _route():
     return ops.moe_route(TensorSpec((_sym_t(), TOP_K), torch.int32), num_experts=E, block_m=BM)
 
@@ -140,14 +131,6 @@ def test_topk_softmax_over_partials_compiles(tmp_path):
     assert _count(r"\bld\.global\.[bf]32\b", ptx) >= SPLITS  # every partial of a logit
     assert _count(r"\bcvt\.rn\.bf16\.f32\b", ptx) >= 1  # the sums rounded as bf16 logits
     assert _count(r"\bbar\.sync\b", ptx) == 0
-
-
-def test_moe_topk_route_compiles(tmp_path):
-    ptx = _compile_ptx(_topk_route(True), tmp_path)
-    # the route's three barriers and the one between the top-k's stores and the route's loads
-    assert _count(r"\bbar\.sync\b", ptx) == 4
-    assert _count(r"\bex2\.approx", ptx) >= 1
-    assert _count(r"\b(atom|red)\.", ptx) == 0
 
 
 def test_moe_route_compiles(tmp_path):
@@ -345,30 +328,6 @@ def test_topk_softmax_over_partials_matches_reference(logits_dtype):
         got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
         _check(f"weights T={t} {routing}", got["weights"], ref["weights"], 1e-5)
         _check(f"ids T={t} {routing}", got["ids"], ref["ids"], 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True], ids=["logits", "partials"])
-def test_moe_topk_route_matches_reference(split):
-    """Every output of the fused task (weights, ids and the routing) at 1, 7, 16 and 64
-    tokens (up to 4 tokens a warp), incl. ties and NaN token rows."""
-    gen = torch.Generator().manual_seed(14)
-    op = _topk_route(split)
-    compiled = None
-    for t, routing in itertools.product((1, 7, 16, 64), ROUTINGS + ("ties",)):
-        env = _env(t)
-        logits = _gate_logits(t, routing, gen)
-        if t > 1:
-            logits[t // 2] = float("nan")  # routes nowhere; every other token exact
-        if split:
-            cuts = torch.rand(SPLITS, t, E, generator=gen)
-            logits = logits * cuts / cuts.sum(0)
-        inputs = {"logits": logits}
-        compiled = compiled or _compile_live(op, inputs, env)
-        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
-        _check(f"weights T={t} {routing}", got["weights"], ref["weights"], 1e-5)
-        for n in op.outputs[1:]:
-            _check(f"{n} T={t} {routing}", got[n], ref[n], 0)
 
 
 @pytest.mark.gpu

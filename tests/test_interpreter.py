@@ -1,7 +1,5 @@
 """The interpreter backend: MoE and MLP graphs vs plain torch, deadlock and race detection."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -329,46 +327,3 @@ def test_topk_partials_are_checked():
         ops.topk_softmax(TensorSpec((T, 8), torch.float32), k=2, logits_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="logits_dtype"):
         ops.topk_softmax(TensorSpec((2, T, 8), torch.float32), k=2, logits_dtype=torch.int32)
-
-
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-@pytest.mark.parametrize("router_split", [1, 4])
-def test_moe_routing_in_one_task(scheduler, router_split):
-    """The top-k and the routing as one task (``moe_topk_route``) give the unfused graph's
-    output bit for bit, and route the same NaN row to nothing."""
-    base = MoeConfig(
-        hidden=256,
-        intermediate=32,
-        num_experts=8,
-        top_k=2,
-        block_m=16,
-        block_n=32,
-        router_split=router_split,
-    )
-    fused = dataclasses.replace(base, fuse_routing=True)
-    T = mk.sym("T", max=16)
-    g_fused, g_plain = moe_graph(T, fused), moe_graph(T, base)
-    assert "moe_topk_route" in [n.op.name for n in g_fused.nodes]
-    assert "topk_softmax" not in [n.op.name for n in g_fused.nodes]
-    gen = torch.Generator().manual_seed(22)
-    w = moe_weights(base, gen)
-    c_fused = g_fused.compile("interpret", num_sms=8, scheduler=scheduler, seed=6)
-    c_plain = g_plain.compile("interpret", num_sms=8, scheduler=scheduler, seed=6)
-    for t in (1, 5, 16):
-        x = torch.randn(t, base.hidden, generator=gen)
-        y = c_fused(x, **w)
-        assert torch.equal(y, c_plain(x, **w))
-        assert rel_err(y, moe_reference(x, **w, top_k=base.top_k)) < 1e-5
-    x = torch.randn(3, base.hidden, generator=gen)
-    x[1, 0] = float("nan")  # a NaN token: its row NaN, the others exact
-    y = c_fused(x, **w)
-    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
-
-
-def test_moe_routing_in_one_task_is_for_few_tokens():
-    spec = TensorSpec((mk.sym("T", max=65), 8), torch.float32)
-    with pytest.raises(ValueError, match="at most 64 tokens"):
-        ops.moe_topk_route(spec, k=2)
-    cfg = MoeConfig(64, 32, 8, 2, fuse_routing=True, route_chunk=8)
-    with pytest.raises(ValueError, match="fuse_routing"):
-        moe_graph(mk.sym("T", max=16), cfg)

@@ -211,16 +211,3 @@ def test_moe_with_512_experts_compiles_without_spills_and_matches_torch(tmp_path
         ref = moe_reference(x, **w, top_k=10)
         assert not torch.isnan(y).any()
         assert ((y - ref).norm() / ref.norm()).item() < 1e-5
-
-
-def test_moe_gemv_graph_compiles_without_spills(tmp_path, spill_stores, wgmma_serialized):
-    """MegaMoE's gemv graph (at most 16 tokens): the router split along K into the top-k and
-    routing of one task; the megakernel compiles for sm_90a with no spills."""
-    from cutemk.regimes import moe_regime_graph
-
-    g = moe_regime_graph(2048, 768, 128, 8, True, "gemv", torch.bfloat16, 16)
-    assert [n.op.name for n in g.nodes][:2] == ["gemm_partial", "moe_topk_route"]
-    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    assert spill_stores(ptx_file) == 0
-    assert not wgmma_serialized(ptx_file)
