@@ -45,67 +45,9 @@ class ProducerRole:
                 n = op.device_slices(tensors[k], c0, c1, word)
         return live, word, n
 
-    def _plain_prefetch(self, k: int) -> bool:
-        """Whether node ``k``'s first slices may be armed a task early (look-ahead): a ring op
-        whose independent loads precede its waits and whose tile always exists with a fixed
-        slice count (nothing of it is decided from data)."""
-        return (
-            self.ring_of[k] is not None
-            and self.spec.prefetch[k]
-            and not self.has_exists[k]
-            and not self.dynamic_slices[k]
-        )
-
     @cute.jit
-    def _arm_ahead(self, L, nxt, rcount: Int32, dependent: bool):
-        """The next task's (``nxt``, a record) step (1) while a SIMT task waits for its events:
-        its first slices' ring slots armed and their weights issued (``dependent``: the loads
-        of launch data into those slots instead, which complete them after an abort). Returns
-        whether ``nxt`` is a node armed this way."""
-        tensors, bars, ring = L.tensors, L.bars, L.ring
-        w = self.w
-        pwait = self._pipeline_wait(L.dev, L.timeout_ns)
-        r_full, r_empty = bars[2], bars[3]
-        node, c0, c1 = nxt[R_NODE], nxt[R_C0], nxt[R_C1]
-        armed = Boolean(False)
-        for k in cutlass.range_constexpr(self.num_nodes):
-            if cutlass.const_expr(self._plain_prefetch(k)):
-                if node == k:
-                    armed = Boolean(True)
-                    for j in cutlass.range_constexpr(min(self.ring_of[k].slices, w.ring_stages)):
-                        if cutlass.const_expr(dependent):
-                            idx = (rcount + j) % w.ring_stages
-                        else:
-                            idx = producer_acquire(
-                                r_full,
-                                r_empty,
-                                rcount + j,
-                                w.ring_stages,
-                                self.ring_of[k].tx_bytes,
-                                pwait,
-                            )
-                        self._issue(
-                            tensors,
-                            k,
-                            c0,
-                            c1,
-                            Int32(0),
-                            j,
-                            idx,
-                            r_full + idx,
-                            ring,
-                            not dependent,
-                            dependent,
-                        )
-        return armed
-
-    @cute.jit
-    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32, armed: Boolean, nxt):
-        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount,
-        next armed). ``armed``: this task's step (1) was done while the task before it waited
-        (:meth:`_arm_ahead`); ``nxt``: the next task's record (node -1: none known), whose
-        step (1) a SIMT task does before waiting for its own events, so the weights of the
-        GEMM tile behind a reduce stream while the reduce waits."""
+    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
+        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
         tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
         epoch, timeout_ns, bars, sQueue, ring = L.epoch, L.timeout_ns, L.bars, L.sQueue, L.ring
         w = self.w
@@ -128,8 +70,6 @@ class ProducerRole:
                         go = live
                         if cutlass.const_expr(self.dynamic_slices[k]):
                             go = live and j < n
-                        if cutlass.const_expr(self._plain_prefetch(k)):
-                            go = go and not armed  # armed by the task before
                         if go:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
@@ -137,15 +77,6 @@ class ProducerRole:
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, False
                             )
-        # (1b) a SIMT task: the next task's weights, before this one's events
-        simt = Boolean(True)
-        for k in cutlass.range_constexpr(self.num_nodes):
-            if cutlass.const_expr(self.ring_of[k] is not None):
-                if node == k:
-                    simt = Boolean(False)
-        ahead = Boolean(False)
-        if simt:
-            ahead = self._arm_ahead(L, nxt, rcount, False)
         # (2) events
         ok = Boolean(True)
         if cutlass.const_expr(not self.spec.dynamic):
@@ -221,8 +152,6 @@ class ProducerRole:
             )
         else:
             queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
-            if ahead:  # the next task never runs: its armed slots must still complete
-                self._arm_ahead(L, nxt, rcount, True)
         qcount = qcount + 1
         # (5) the remaining slices
         if ok:
@@ -240,7 +169,7 @@ class ProducerRole:
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                             )
                         rcount = rcount + n
-        return ok, qcount, rcount, ahead
+        return ok, qcount, rcount
 
     @cute.jit
     def _producer(self, L, lane):
@@ -266,12 +195,9 @@ class ProducerRole:
                         ticket = self._take_ticket(dev)
                 t = cute.arch.shuffle_sync(t, 0)
                 alive = t >= 0
-                if alive:  # the next task is not known before it is popped: no look-ahead
+                if alive:
                     rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
-                    none = tuple(Int32(-1) for _ in range(REC_WIDTH))
-                    alive, qcount, rcount, _ = self._produce(
-                        L, rec, lane, qcount, rcount, Boolean(False), none
-                    )
+                    alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
         else:
             queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
             i = queue_ptr[bidx]
@@ -284,17 +210,10 @@ class ProducerRole:
                 cute.arch.sync_warp()
                 n = cute.min(CHUNK, i_end - i)
                 ok = Boolean(True)
-                armed = Boolean(False)  # the look-ahead stays within a chunk
                 for k in range(n):
                     if ok:
                         rec = tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
-                        nk = cute.min(k + 1, n - 1)
-                        nxt = [sRec[nk * REC_WIDTH + f] for f in range(REC_WIDTH)]
-                        if k + 1 >= n:
-                            nxt[R_NODE] = Int32(-1)
-                        ok, qcount, rcount, armed = self._produce(
-                            L, rec, lane, qcount, rcount, armed, tuple(nxt)
-                        )
+                        ok, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
                 cute.arch.sync_warp()
                 i = i + CHUNK
                 alive = ok and i < i_end
