@@ -296,38 +296,27 @@ def _gate_logits(t: int, routing: str, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@FLOATS
-def test_topk_softmax_matches_reference(dtype):
+@pytest.mark.parametrize("case", ["fp32", "bf16", "partials", "partials-bf16"])
+def test_topk_softmax_matches_reference(case):
+    """Logits in fp32 or bf16, or the router's split-K partials summed (and rounded to bf16)."""
     gen = torch.Generator().manual_seed(11)
-    op = _topk(dtype)
+    split = case.startswith("partials")
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    op = _topk_split(dtype if dtype != torch.float32 else None) if split else _topk(dtype)
     compiled = None
     for t, routing in itertools.product(TOKENS, ROUTINGS + ("ties",)):
         env = _env(t)
-        inputs = {"logits": _gate_logits(t, routing, gen).to(dtype)}
+        logits = _gate_logits(t, routing, gen)
+        if split:  # partials summing to the logits
+            cuts = torch.rand(SPLITS, t, E, generator=gen)
+            logits = logits * cuts / cuts.sum(0)
+        inputs = {"logits": logits if split else logits.to(dtype)}
         compiled = compiled or _compile_live(op, inputs, env)
         got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
         _check(f"weights T={t} {routing}", got["weights"], ref["weights"], 1e-5)
         _check(f"ids T={t} {routing}", got["ids"], ref["ids"], 0)
         if routing == "one_expert":
             assert bool((got["ids"][:, 0] == 3).all()) and not bool((got["ids"] == 5).any())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("logits_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_topk_softmax_over_partials_matches_reference(logits_dtype):
-    gen = torch.Generator().manual_seed(13)
-    op = _topk_split(logits_dtype)
-    compiled = None
-    for t, routing in itertools.product(TOKENS, ROUTINGS + ("ties",)):
-        env = _env(t)
-        logits = _gate_logits(t, routing, gen)
-        cuts = torch.rand(SPLITS, t, E, generator=gen)
-        part = logits * cuts / cuts.sum(0)  # partials summing to the logits
-        inputs = {"logits": part}
-        compiled = compiled or _compile_live(op, inputs, env)
-        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
-        _check(f"weights T={t} {routing}", got["weights"], ref["weights"], 1e-5)
-        _check(f"ids T={t} {routing}", got["ids"], ref["ids"], 0)
 
 
 @pytest.mark.gpu
