@@ -273,7 +273,7 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
     w_down = g.weight("w_down", (e, h, i), dtype)
     router_n = cfg.router_block_n or min(e, ROUTER_BLOCK_N)
     logits_dtype = cfg.router_dtype or dtype
-    split = {}
+    topk_args = {}
     if cfg.router_split == 1:
         logits = g.call(
             ops.gemm,
@@ -294,11 +294,16 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
             block_n=router_n,
             name="router",
         )
-        split = {"logits_dtype": None if logits_dtype == torch.float32 else logits_dtype}
+        topk_args = {"logits_dtype": None if logits_dtype == torch.float32 else logits_dtype}
     # a warp per token and a few tokens a tile: one token's picks are a ~2 us chain of shuffles,
     # so tokens go to many SMs rather than one after another through a warp
     weights, ids = g.call(
-        ops.topk_softmax, logits, k=cfg.top_k, renormalize=cfg.norm_topk_prob, block_m=4, **split
+        ops.topk_softmax,
+        logits,
+        k=cfg.top_k,
+        renormalize=cfg.norm_topk_prob,
+        block_m=4,
+        **topk_args,
     )
     if cfg.route_chunk is None:
         tile_info, row_token, slot_row, _ = g.call(

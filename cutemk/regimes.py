@@ -105,8 +105,9 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
     # router's 128 expert columns over 8 SMs and its K over 8 ranges (64 SMs, a few slices
     # each, where one range was a 32-slice latency chain; ``moe_regime_graph`` halves the split
-    # until it divides the hidden size into whole slices). Prefill: 128-row tiles, wider columns, the
-    # routing spread over SMs in chunks of 64 tokens (one task routes 32K slots in ~100 us).
+    # until it divides the hidden size into whole slices). Prefill: 128-row tiles, wider
+    # columns, the routing spread over SMs in chunks of 64 tokens (one task routes 32K slots
+    # in ~100 us).
     ("cute", "gemv"): dict(
         block_m=64, block_n=64, down_block_n=128, router_block_n=16, router_split=8
     ),
