@@ -178,16 +178,7 @@ def _time_impls(res, case, impls, ref, fl, warmup, rep, flops=None, err_key="rel
             res.meta.setdefault("skipped", []).append(f"{case} {name}: {e}")
             print(f"{case} {name} skipped: {e}")
             continue
-        extra = {} if flops is None else {"tflops": round(flops / us / 1e6, 1)}
-        res.add(
-            case,
-            name,
-            us,
-            **extra,
-            floor_us=round(fl, 2),
-            of_floor=round(fl / us, 3),
-            **{err_key: round(err, 5)},
-        )
+        res.add_timed(case, name, us, fl, flops, **{err_key: round(err, 5)})
 
 
 def _fa4():

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
+from cutemk.bench import Results, floor_us, profile_launch, time_impl
 
 H, I, HQ, HKV, D = 4096, 12288, 32, 8, 128
 KV, PAGE, EPS = 4096, 16, 1e-6
@@ -137,18 +137,8 @@ def _time_impls(res, case, impls, errs, fl, warmup, rep, flops=None) -> None:
     'torch_eager', called as it is), with its error ``errs[name]``, its share of the floor
     ``fl`` and, given ``flops``, its TFLOP/s."""
     for name, fn in impls.items():
-        eager = name == "torch_eager"
-        us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
-        extra = {} if flops is None else {"tflops": round(flops / us / 1e6, 1)}
-        res.add(
-            case,
-            name,
-            us,
-            **extra,
-            floor_us=round(fl, 2),
-            of_floor=round(fl / us, 3),
-            rel_err=round(errs[name], 5),
-        )
+        us = time_impl(fn, name == "torch_eager", warmup, rep)
+        res.add_timed(case, name, us, fl, flops, rel_err=round(errs[name], 5))
 
 
 def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:

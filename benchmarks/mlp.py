@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
+from cutemk.bench import Results, floor_us, profile_launch, time_impl
 
 MODELS = {  # name: (hidden, intermediate)
     "qwen3-8b": (4096, 12288),
@@ -115,17 +115,8 @@ def run_case(res: Results, case: str, x: torch.Tensor, megas: dict, warmup: int,
     nbytes = 2.0 * (3 * h * i + 2 * t * h)
     fl = floor_us(flops, nbytes)
     for name, fn in impls.items():
-        eager = name == "torch_eager"  # host time included: back to back, no flush
-        us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
-        res.add(
-            case,
-            name,
-            us,
-            tflops=round(flops / us / 1e6, 1),
-            floor_us=round(fl, 2),
-            of_floor=round(fl / us, 3),
-            rel_err=round(errs[name], 5),
-        )
+        us = time_impl(fn, name == "torch_eager", warmup, rep)  # eager: host time included
+        res.add_timed(case, name, us, fl, flops, rel_err=round(errs[name], 5))
         if name.startswith("mk_") and not errs[name] <= MAX_ERR:
             res.meta.setdefault("failures", []).append(f"{case} {name}")
             print(f"WARNING {case} {name}: rel_err {errs[name]:.3g}")

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
+from cutemk.bench import Results, floor_us, profile_launch, time_impl
 
 H, I, E, TOP_K = 2048, 768, 128, 8
 TOKENS = (1, 16, 128, 1024, 4096)
@@ -187,17 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = 2.0 * (touched * 3 * H * I + E * H + 2 * t * H)
         fl = floor_us(flops, nbytes)
         for name, fn in impls.items():
-            eager = name in ("torch_eager", "hf_eager")
-            us = time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
-            res.add(
-                case,
-                name,
-                us,
-                floor_us=round(fl, 2),
-                of_floor=round(fl / us, 3),
-                experts_touched=touched,
-                rel_err=round(errs[name], 5),
-            )
+            us = time_impl(fn, name in ("torch_eager", "hf_eager"), warmup, rep)
+            res.add_timed(case, name, us, fl, experts_touched=touched, rel_err=round(errs[name], 5))
             if name.startswith("mk_") and not errs[name] <= MAX_ERR:
                 res.meta.setdefault("failures", []).append(f"{case} {name}")
                 print(f"WARNING {case} {name}: rel_err {errs[name]:.3g}")

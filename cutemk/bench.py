@@ -44,6 +44,12 @@ _L2_FLUSH_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
 _l2_scratch: dict[int, torch.Tensor] = {}  # per device
 
 
+def time_impl(fn: Callable[[], Any], eager: bool, warmup: int, rep: int) -> float:
+    """:func:`time_us` of an implementation: replayed from a CUDA graph after a cold-L2 flush,
+    or (``eager``) called back to back as it is, its host time included."""
+    return time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
+
+
 def flush_l2() -> None:
     """Evict the L2 cache by reading a 256 MB scratch buffer. A read leaves clean lines, as a
     model's previous layer streaming its weights does (a memset, ``triton.testing.do_bench``'s
@@ -324,6 +330,28 @@ class Results:
         row = {"case": case, "impl": impl, "median_us": round(float(median_us), 3), **extra}
         self.rows.append(row)
         return row
+
+    def add_timed(
+        self,
+        case: str,
+        impl: str,
+        median_us: float,
+        floor_us: float,
+        flops: float | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """A timed row with its floor: TFLOP/s (given ``flops``), ``floor_us`` and the share
+        of it achieved (``of_floor``), then ``extra``."""
+        rate = {} if flops is None else {"tflops": round(flops / median_us / 1e6, 1)}
+        return self.add(
+            case,
+            impl,
+            median_us,
+            **rate,
+            floor_us=round(floor_us, 2),
+            of_floor=round(floor_us / median_us, 3),
+            **extra,
+        )
 
     def add_trace(self, label: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A profiled launch's per-node summary (``cutemk.trace.node_summary``) into the JSON's

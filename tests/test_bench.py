@@ -23,6 +23,21 @@ def test_results_json_convention(tmp_path, capsys):
     assert "speedup_vs_torch" in capsys.readouterr().out
 
 
+def test_timed_rows_carry_their_floor():
+    r = Results("unit")
+    row = r.add_timed("T=1", "cutemk", 80.0, 70.0, flops=8.0e9, rel_err=0.002)
+    assert list(row.items()) == [
+        ("case", "T=1"),
+        ("impl", "cutemk"),
+        ("median_us", 80.0),
+        ("tflops", 100.0),  # 8 GFLOP in 80 us
+        ("floor_us", 70.0),
+        ("of_floor", 0.875),
+        ("rel_err", 0.002),
+    ]
+    assert "tflops" not in r.add_timed("T=1", "torch", 100.0, 70.0)
+
+
 def test_floor_and_timer():
     assert floor_us(flops=790e12) == 1e6
     assert floor_us(nbytes=4.3e12, flops=1.0) == 1e6
