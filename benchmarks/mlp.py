@@ -21,7 +21,11 @@ the script exit non-zero after writing the results.
 first task, the SMs' busy share of the task span, the close; ``cutemk.trace.launch_summary``)
 per case go to the JSON's ``trace`` and are printed.
 
-Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick] [--trace]
+``--variant NAME:VAR=VALUE[,...]``: one more static MegaMLP, ``mk_NAME``, whose kernels compile
+with those environment variables set (e.g. ``nol2:CUTEMK_L2_PREFETCH=0``), timed beside the
+others in the same process.
+
+Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick] [--trace] [--variant ...]
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, profile_launch, time_impl
+from cutemk.bench import Results, floor_us, parse_variants, profile_launch, time_impl, with_env
 
 MODELS = {  # name: (hidden, intermediate)
     "qwen3-8b": (4096, 12288),
@@ -64,7 +68,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_model(
-    res: Results, model: str, token_counts: list[int], warmup: int, rep: int, trace: bool = False
+    res: Results,
+    model: str,
+    token_counts: list[int],
+    warmup: int,
+    rep: int,
+    trace: bool = False,
+    variants: dict[str, dict[str, str]] | None = None,
 ) -> None:
     """All cases of one model: its weights (and both MegaMLPs' copies) live only here."""
     from cutemk.nn import MegaMLP
@@ -78,6 +88,12 @@ def run_model(
         f"mk_{s}": MegaMLP(w_gate, w_up, w_down, max_tokens=PREFILL_TOKENS, scheduler=s)
         for s in ("static", "dynamic")
     }
+    envs = {}
+    for name, env in (variants or {}).items():
+        megas[f"mk_{name}"] = MegaMLP(
+            w_gate, w_up, w_down, max_tokens=PREFILL_TOKENS, scheduler="static"
+        )
+        envs[f"mk_{name}"] = env
     profiled = None
     if trace:  # a module of its own: profiling adds a timestamp store per task
         profiled = MegaMLP(w_gate, w_up, w_down, max_tokens=PREFILL_TOKENS, scheduler="static")
@@ -85,7 +101,7 @@ def run_model(
     del w_gate, w_up  # each MegaMLP keeps its own stacked copy
     for t in token_counts:
         x = torch.randn(t, h, device=dev).to(dt)
-        run_case(res, case_name(model, t), x, megas, warmup, rep)
+        run_case(res, case_name(model, t), x, megas, warmup, rep, envs)
         if profiled is not None:
             graph = profiled.compiled(profiled.regime(t))
             profile_launch(res, case_name(model, t), lambda: profiled(x), graph, warmup, rep)
@@ -93,7 +109,15 @@ def run_model(
         torch.cuda.empty_cache()
 
 
-def run_case(res: Results, case: str, x: torch.Tensor, megas: dict, warmup: int, rep: int):
+def run_case(
+    res: Results,
+    case: str,
+    x: torch.Tensor,
+    megas: dict,
+    warmup: int,
+    rep: int,
+    envs: dict[str, dict[str, str]] | None = None,
+):
     from cutemk.layers import mlp_reference
 
     mega = megas["mk_static"]
@@ -104,7 +128,9 @@ def run_case(res: Results, case: str, x: torch.Tensor, megas: dict, warmup: int,
         gate, up = (x @ w_gu.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ w_down.T
 
-    impls = {name: (lambda m=m: m(x)) for name, m in megas.items()}
+    impls = {
+        name: with_env((envs or {}).get(name, {}), lambda m=m: m(x)) for name, m in megas.items()
+    }
     impls["torch_graph"] = torch_mlp
     ref = mlp_reference(x, w_gu, w_down)
     errs = {name: rel_err(fn(), ref) for name, fn in impls.items()}
@@ -127,7 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="*", default=[], help="keep cases whose name contains any")
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
     p.add_argument("--trace", action="store_true", help="per-node trace of a profiled launch")
+    p.add_argument(
+        "--variant",
+        nargs="*",
+        default=[],
+        help="NAME:VAR=VALUE[,...]: a static MegaMLP compiled under that environment",
+    )
     args = p.parse_args(argv)
+    try:
+        variants = parse_variants(args.variant)
+    except ValueError as e:
+        p.error(str(e))
     cases = case_list(args.cases)
     if not cases:
         p.error(f"no case matches {args.cases}; cases: {[case_name(*c) for c in case_list([])]}")
@@ -136,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup, rep = (3, 10) if args.quick else (10, 50)
     res = Results("mlp", meta={"dtype": "bf16", "max_tokens": PREFILL_TOKENS, "rep": rep})
     for model in dict.fromkeys(m for m, _ in cases):
-        run_model(res, model, [t for m, t in cases if m == model], warmup, rep, args.trace)
+        tokens = [t for m, t in cases if m == model]
+        run_model(res, model, tokens, warmup, rep, args.trace, variants)
         gc.collect()
         torch.cuda.empty_cache()
     res.add_ratios("torch_graph")

@@ -50,6 +50,39 @@ def time_impl(fn: Callable[[], Any], eager: bool, warmup: int, rep: int) -> floa
     return time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME:VAR=VALUE[,VAR=VALUE...]`` -> {NAME: {VAR: VALUE}}: the environment a variant of
+    an implementation is compiled under (an A/B of a compile-time switch in one process)."""
+    out = {}
+    for spec in specs:
+        name, sep, assigns = spec.partition(":")
+        pairs = [a.partition("=") for a in assigns.split(",") if a]
+        if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+            raise ValueError(f"variant {spec!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]")
+        out[name] = {k: v for k, _, v in pairs}
+    return out
+
+
+def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` called with ``env`` set in ``os.environ`` (restored after): a module that compiles
+    its kernel lazily compiles it under ``env``. Under a CUDA graph the Python runs only at
+    capture, so the replays time the variant's kernel alone."""
+
+    def call():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return call
+
+
 def flush_l2() -> None:
     """Evict the L2 cache by reading a 256 MB scratch buffer. A read leaves clean lines, as a
     model's previous layer streaming its weights does (a memset, ``triton.testing.do_bench``'s
