@@ -22,7 +22,7 @@ first task, the SMs' busy share of the task span, the close; ``cutemk.trace.laun
 per case go to the JSON's ``trace`` and are printed.
 
 ``--variant NAME:VAR=VALUE[,...]``: one more static MegaMLP, ``mk_NAME``, whose kernels compile
-with those environment variables set (e.g. ``nol2:CUTEMK_L2_PREFETCH=0``), timed beside the
+with those environment variables set (e.g. ``ring3:CUTEMK_RING_STAGES=3``), timed beside the
 others in the same process.
 
 Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick] [--trace] [--variant ...]

@@ -121,13 +121,6 @@ def kernel_spec(
             raise GraphError(f"{graph.name}: a distributed graph cannot take a live token count")
         live_pairs = live_dims(graph, live)
         values += (("torch.int32", 1), ("torch.int32", 1))  # the plan table, the live count
-    worker = worker_shape(ops_)
-    # L2 prefetches ahead of the ring (``CUTEMK_L2_PREFETCH=0``: none, to measure their worth)
-    l2 = os.environ.get("CUTEMK_L2_PREFETCH", "1") != "0"
-    l2_window = tuple(
-        op.l2_prefetch_window(worker.ring_stages) if l2 and pre else 0
-        for op, pre in zip(ops_, prefetch)
-    )
     spec = KernelSpec(
         ops_,
         node_tensors,
@@ -138,11 +131,9 @@ def kernel_spec(
         target_arch(),
         is_distributed(graph),
         prefetch,
-        worker,
+        worker_shape(ops_),
         live_pairs,
         os.environ.get("CUTEMK_COOPERATIVE", "1") != "0",
-        l2_window,
-        l2,
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

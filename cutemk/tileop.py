@@ -307,26 +307,6 @@ class TileOp:
         generic-to-async proxy fence)."""
         raise NotImplementedError
 
-    def l2_prefetch_window(self, ring_stages: int) -> int:
-        """Ring op whose independent loads precede its events: how many of a tile's first
-        slices the producer may prefetch into L2 (:meth:`device_prefetch_independent`) ahead
-        of their ring loads. Before waiting on a task's events the producer prefetches its
-        slices past the ring's ``ring_stages`` up to this window, and before waiting on the
-        task in front of it (a split reduce, say) the window's slices of the next task, so a
-        weight stream keeps HBM busy while its tile waits for its activations. 0 (the
-        default): none, right for tiles whose loads hide behind their compute."""
-        return 0
-
-    def device_prefetch_independent(self, tensors, coord0, coord1, word, kt, ring, stages, slot):
-        """Ring op with :meth:`l2_prefetch_window`, one producer lane: slice ``kt``'s loads of
-        ``independent_inputs`` into L2 only (no ring slot, no barrier; a hint, never waited
-        on). Arguments as :meth:`device_load_independent`'s."""
-        raise NotImplementedError(f"{self.name}: l2_prefetch_window without a prefetch")
-
-    def device_prefetch_descriptors(self, tensors) -> None:
-        """One producer lane at the kernel's start: prefetch the op's TMA descriptors (its
-        ``host_args``) so that no SM's first load of the op waits for one; default: none."""
-
     def device_compute(
         self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
     ):

@@ -276,14 +276,6 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             norm=(self.norm_ss.shape[1], self.norm_width, self.norm_eps) if self._normed else None,
         )
 
-    def l2_prefetch_window(self, ring_stages: int) -> int:
-        """At decode sizes (at most ``gemm_sm90.L2_PREFETCH_MAX_ROWS`` rows of A) the tile is a
-        weight stream: its first slices up to twice the ring's depth may go to L2 early."""
-        cfg = self.sm90()
-        if cfg is None or upper(self.m) > gemm_sm90.L2_PREFETCH_MAX_ROWS:
-            return 0
-        return min(cfg.k_tiles, 2 * ring_stages)
-
     def device_plan(self) -> GemmDevicePlan:
         simt = self.a.dtype == torch.float32
         if simt:

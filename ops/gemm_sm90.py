@@ -42,10 +42,6 @@ from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
 
-L2_PREFETCH_MAX_ROWS = 128
-"""GEMMs of at most this many rows of A (decode sizes: weight streams) prefetch weight slices
-into L2 ahead of their events (``ops.gemm.GemmTile.l2_prefetch_window``)."""
-
 MAX_ACC_PER_THREAD = 128
 """fp32 accumulators per consumer thread (gate and up together): what fits beside the rest
 of the consumer's 232 registers."""
@@ -332,35 +328,13 @@ def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr
 
 
 @cute.jit
-def _slice_views(atom, tma, s, coord: Int32, rows: int):
-    """(ring slots, k-slices) of row block ``coord``'s (rows, BLOCK_K) slices as ``atom``
-    copies them."""
-    g = cute.local_tile(tma, (rows, BLOCK_K), (coord, None))
-    return cpasync.tma_partition(
-        atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-    )
-
-
-@cute.jit
 def _copy_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32, idx: Int32, bar):
     """TMA one (rows, BLOCK_K) slice ``kt`` of row block ``coord`` into ring slot ``idx``."""
-    ts, tg = _slice_views(atom, tma, s, coord, rows)
+    g = cute.local_tile(tma, (rows, BLOCK_K), (coord, None))
+    ts, tg = cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+    )
     cute.copy(atom, tg[(None, kt)], ts[(None, idx)], tma_bar_ptr=bar)
-
-
-@cute.jit
-def _weight_boxes(cfg: cutlass.Constexpr, tensors, expert: Int32, coord1: Int32, kt: Int32):
-    """B's (and the up half's) descriptors, row block and slice of slice ``kt`` of tile column
-    ``coord1``: a split-K tile's K range, a grouped tile's expert (``expert``) applied."""
-    x = cfg.extra0
-    tma_b, tma_u = tensors[x + 3], tensors[x + 5]
-    if cutlass.const_expr(cfg.split > 1):  # K range coord1 % split of column block coord1 // split
-        kt = kt + (coord1 % cfg.split) * cfg.k_tiles
-        coord1 = coord1 // cfg.split
-    if cutlass.const_expr(cfg.grouped):
-        tma_b = tma_b[None, None, expert]
-        tma_u = tma_u[None, None, expert]
-    return tma_b, tma_u, coord1, kt
 
 
 @cute.jit
@@ -380,38 +354,16 @@ def load_weights(
     ``expert`` (the task word: ``tile_info[coord0, 0]``, read once per task)."""
     _, sB, sU = _ring_views(cfg, ring, stages, slot)
     x = cfg.extra0
-    tma_b, tma_u, coord1, kt = _weight_boxes(cfg, tensors, expert, coord1, kt)
+    tma_b, tma_u = tensors[x + 3], tensors[x + 5]
+    if cutlass.const_expr(cfg.split > 1):  # K range coord1 % split of column block coord1 // split
+        kt = kt + (coord1 % cfg.split) * cfg.k_tiles
+        coord1 = coord1 // cfg.split
+    if cutlass.const_expr(cfg.grouped):
+        tma_b = tma_b[None, None, expert]
+        tma_u = tma_u[None, None, expert]
     _copy_slice(tensors[x + 2], tma_b, sB, coord1, cfg.bn, kt, idx, bar)
     if cutlass.const_expr(cfg.n_b == 2):
         _copy_slice(tensors[x + 4], tma_u, sU, coord1, cfg.bn, kt, idx, bar)
-
-
-@cute.jit
-def prefetch_weights(
-    cfg: cutlass.Constexpr, tensors, expert: Int32, coord1: Int32, kt: Int32, ring, stages, slot
-):
-    """One producer lane: B (and the up half) of slice ``kt`` into L2 only (no ring slot, no
-    barrier), so the slice's later TMA load into the ring hits L2."""
-    _, sB, sU = _ring_views(cfg, ring, stages, slot)
-    x = cfg.extra0
-    tma_b, tma_u, coord1, kt = _weight_boxes(cfg, tensors, expert, coord1, kt)
-    _, tg = _slice_views(tensors[x + 2], tma_b, sB, coord1, cfg.bn)
-    cute.prefetch(tensors[x + 2], tg[(None, kt)])
-    if cutlass.const_expr(cfg.n_b == 2):
-        _, tg = _slice_views(tensors[x + 4], tma_u, sU, coord1, cfg.bn)
-        cute.prefetch(tensors[x + 4], tg[(None, kt)])
-
-
-@cute.jit
-def prefetch_descriptors(cfg: cutlass.Constexpr, tensors):
-    """One producer lane: every TMA descriptor of the tile into the descriptor cache."""
-    x = cfg.extra0
-    cpasync.prefetch_descriptor(tensors[x])
-    cpasync.prefetch_descriptor(tensors[x + 2])
-    if cutlass.const_expr(cfg.n_b == 2):
-        cpasync.prefetch_descriptor(tensors[x + 4])
-    if cutlass.const_expr(cfg.split == 1):
-        cpasync.prefetch_descriptor(tensors[x + 6])
 
 
 @cute.jit
@@ -611,14 +563,6 @@ class HopperGemmOp:
         self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
     ):
         load_activations(self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot)
-
-    @cute.jit
-    def device_prefetch_independent(self, tensors, coord0, coord1, word, kt, ring, stages, slot):
-        prefetch_weights(self.sm90(), tensors, word, coord1, kt, ring, stages, slot)
-
-    @cute.jit
-    def device_prefetch_descriptors(self, tensors):
-        prefetch_descriptors(self.sm90(), tensors)
 
     @cute.jit
     def device_compute(

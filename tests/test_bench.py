@@ -2,7 +2,9 @@ import json
 
 import pytest
 
-from cutemk.bench import Results, bar_chart, floor_us, time_us
+import os
+
+from cutemk.bench import Results, bar_chart, floor_us, parse_variants, time_us, with_env
 
 
 def test_results_json_convention(tmp_path, capsys):
@@ -97,3 +99,18 @@ def test_launch_summary_accounts_for_the_time_outside_tasks():
         "last_task_to_exit_us": 3.0,
     }
     assert launch_summary([], ctas, 2) == {}
+
+
+def test_variants_compile_under_their_environment(monkeypatch):
+    assert parse_variants(["ring3:CUTEMK_RING_STAGES=3,X=1"]) == {
+        "ring3": {"CUTEMK_RING_STAGES": "3", "X": "1"}
+    }
+    for bad in ("ring3", ":A=1", "ring3:A", "ring3:=1"):
+        with pytest.raises(ValueError, match="NAME:VAR=VALUE"):
+            parse_variants([bad])
+    monkeypatch.setenv("CUTEMK_X", "outer")
+    monkeypatch.delenv("CUTEMK_Y", raising=False)
+    env = {"CUTEMK_X": "inner", "CUTEMK_Y": "1"}
+    seen = with_env(env, lambda: (os.environ["CUTEMK_X"], os.environ["CUTEMK_Y"]))()
+    assert seen == ("inner", "1")
+    assert os.environ["CUTEMK_X"] == "outer" and "CUTEMK_Y" not in os.environ

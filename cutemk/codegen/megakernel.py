@@ -51,7 +51,6 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 
 from ..device.config import (
-    PREFETCH_WARP,
     STORER_WARP,
     WARP_SIZE as WARP,
     WARPGROUP,
@@ -144,12 +143,6 @@ class KernelSpec:
     # streams can then never each hold part of the GPU waiting for the rest); off
     # (``CUTEMK_COOPERATIVE=0``) only to measure what the guarantee costs a launch
     cooperative: bool = True
-    # per node: the first slices of a tile the producer may prefetch into L2 ahead of their
-    # ring loads (``TileOp.l2_prefetch_window``; all 0 with ``CUTEMK_L2_PREFETCH=0``)
-    l2_window: tuple[int, ...] = ()
-    # warp 3 prefetches the plan's program and device state into L2 at the kernel's start
-    # (each CTA its share), so no step of a dependent chain reads its control data from HBM
-    l2_control: bool = False
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -166,8 +159,6 @@ class KernelSpec:
             "worker": dataclasses.asdict(self.worker),
             "live": None if self.live is None else [list(p) for p in self.live],
             "cooperative": self.cooperative,
-            "l2_window": list(self.l2_window),
-            "l2_control": self.l2_control,
         }
 
 
@@ -178,8 +169,6 @@ class _Launch:
     that are fixed for the launch (loop-carried state stays in the roles' own variables)."""
 
     tensors: tuple  # per node: its tensors and host-built extras
-    mprog: object  # the packed program and device state, whole
-    mdev: object
     prog: tuple  # views of the packed program (``layout.PROGRAM``)
     dev: tuple  # views of the packed device state (``layout.DEVICE_STATE``)
     prof: object  # profile records
@@ -403,8 +392,6 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
 
         L = _Launch(
             tensors=tensors,
-            mprog=mProg,
-            mdev=mDev,
             prog=prog,
             dev=dev,
             prof=mProf,
@@ -435,9 +422,6 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             if cutlass.const_expr(self.spec.dynamic):
                 if warp == 1:
                     self._completer(L, tidx - WARP)
-            if cutlass.const_expr(self.spec.l2_control):
-                if warp == PREFETCH_WARP:
-                    self._prefetch_control(L, tidx % WARP)
         else:
             cute.arch.setmaxregister_increase(w.consumer_regs)
             self._consumer(L, tidx - WARPGROUP)

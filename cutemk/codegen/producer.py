@@ -17,7 +17,6 @@ from .layout import P
 from .lower import R_C0, R_C1, R_LIVE, R_NODE, R_TASK, R_WHI, R_WLO, R_WORD, REC_WIDTH
 
 CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
-LINE_WORDS = 32  # int32 words of a 128-byte cache line
 
 
 class ProducerRole:
@@ -47,23 +46,8 @@ class ProducerRole:
         return live, word, n
 
     @cute.jit
-    def _prefetch_l2(self, tensors, k: int, c0, c1, word, lo: int, hi: int, n, ring):
-        """One lane: slices [lo, hi) of node ``k``'s tile (c0, c1) into L2 (only those below
-        ``n`` where the op's slice count follows the data)."""
-        op = self.spec.ops[k]
-        stages, slot = self.w.ring_stages, self.w.slot_bytes
-        for j in cutlass.range(lo, hi, unroll=1):
-            go = Boolean(True)
-            if cutlass.const_expr(self.dynamic_slices[k]):
-                go = j < n
-            if go:
-                op.device_prefetch_independent(tensors[k], c0, c1, word, j, ring, stages, slot)
-
-    @cute.jit
-    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32, nxt):
-        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount).
-        ``nxt``: (node, coord0, coord1) of the next task of this CTA's static queue where the
-        producer already holds its record (node -1 where not)."""
+    def _produce(self, L, rec, lane, qcount: Int32, rcount: Int32):
+        """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
         tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
         epoch, timeout_ns, bars, sQueue, ring = L.epoch, L.timeout_ns, L.bars, L.sQueue, L.ring
         w = self.w
@@ -92,22 +76,6 @@ class ProducerRole:
                             )
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, False
-                            )
-        # (1b) while this task waits for its events (static queues; a popped dynamic task is
-        # ready): its slices past the ring's depth into L2, and the first slices of the next
-        # task, so the weight stream goes on behind a wait (``TileOp.l2_prefetch_window``)
-        if cutlass.const_expr(not self.spec.dynamic and any(self.spec.l2_window)):
-            if lane == 0 and rec[R_WLO] < rec[R_WHI]:
-                for k in cutlass.range_constexpr(self.num_nodes):
-                    win = self.spec.l2_window[k]
-                    if cutlass.const_expr(win > w.ring_stages):
-                        if node == k and live:
-                            self._prefetch_l2(tensors, k, c0, c1, word, w.ring_stages, win, n, ring)
-                    # a tile decided by data is not known before its own turn
-                    if cutlass.const_expr(win > 0 and not self.has_exists[k]):
-                        if nxt[0] == k:
-                            self._prefetch_l2(
-                                tensors, k, nxt[1], nxt[2], Int32(0), 0, win, Int32(0), ring
                             )
         # (2) events
         ok = Boolean(True)
@@ -204,21 +172,6 @@ class ProducerRole:
         return ok, qcount, rcount
 
     @cute.jit
-    def _prefetch_control(self, L, lane):
-        """Warp 3 at the kernel's start: this CTA's share of the plan's program and device
-        state into L2, one 128-byte line a lane (the task records, wait lists and event
-        counters every step of a dependent chain reads; from a cold L2 each would be an HBM
-        round trip on the chain)."""
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        for buf in (L.mprog, L.mdev):
-            lines = (cute.size(buf) + LINE_WORDS - 1) // LINE_WORDS
-            per = (lines + gdim - 1) // gdim
-            end = cute.min((bidx + 1) * per, lines)
-            for line in range(bidx * per + lane, end, WARP):
-                cute.arch.prefetch((buf.iterator + line * LINE_WORDS).llvm_ptr, cache_level="L2")
-
-    @cute.jit
     def _producer(self, L, lane):
         """Producer warp: every task of this CTA, then a stop record for the consumers."""
         prog, dev, stamp, num_tasks = L.prog, L.dev, L.stamp, L.num_tasks
@@ -226,11 +179,6 @@ class ProducerRole:
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         bidx, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.spec.l2_control):
-            if lane == 0:  # no SM's first load of an op waits for its descriptor
-                for k in cutlass.range_constexpr(self.num_nodes):
-                    if cutlass.const_expr(self.ring_of[k] is not None):
-                        self.spec.ops[k].device_prefetch_descriptors(L.tensors[k])
         qcount = Int32(0)
         rcount = Int32(0)
         if cutlass.const_expr(self.spec.dynamic):
@@ -249,8 +197,7 @@ class ProducerRole:
                 alive = t >= 0
                 if alive:
                     rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
-                    nxt = (Int32(-1), Int32(0), Int32(0))
-                    alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount, nxt)
+                    alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
         else:
             queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
             i = queue_ptr[bidx]
@@ -266,16 +213,7 @@ class ProducerRole:
                 for k in range(n):
                     if ok:
                         rec = tuple(sRec[k * REC_WIDTH + f] for f in range(REC_WIDTH))
-                        # the next record of the chunk, for the L2 look-ahead
-                        n_node, n_c0, n_c1 = Int32(-1), Int32(0), Int32(0)
-                        if cutlass.const_expr(any(self.spec.l2_window)):
-                            if k + 1 < n:
-                                b = (k + 1) * REC_WIDTH
-                                n_node = sRec[b + R_NODE]
-                                n_c0 = sRec[b + R_C0]
-                                n_c1 = sRec[b + R_C1]
-                        nxt = (n_node, n_c0, n_c1)
-                        ok, qcount, rcount = self._produce(L, rec, lane, qcount, rcount, nxt)
+                        ok, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
                 cute.arch.sync_warp()
                 i = i + CHUNK
                 alive = ok and i < i_end

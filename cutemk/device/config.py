@@ -36,8 +36,6 @@ consumer warpgroups: one syncs, the other arrives), so the two alternate on the 
 while the other runs its SIMT part (the prefill attention tile's softmax)."""
 STORER_WARP = 2
 """Warp of the producer warpgroup that stores ring tiles and publishes them."""
-PREFETCH_WARP = 3
-"""Warp of the producer warpgroup that prefetches the launch's control data into L2."""
 
 REGISTER_FILE = 65536
 """32-bit registers per SM (Hopper)."""
