@@ -1,7 +1,8 @@
 """One small MoE or MLP megakernel launch per scheduler, checked against torch: a target for
 ``compute-sanitizer`` (memcheck / racecheck), which slows every access, so the layers are small.
 
-Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_target.py moe
+Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_target.py moe [static|dynamic]
+(both schedulers unless one is named).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch
 
 
 def main(argv=None) -> int:
-    which = (argv or sys.argv[1:] or ["moe"])[0]
+    args = argv or sys.argv[1:] or ["moe"]
+    which = args[0]
+    schedulers = args[1:] or ["static", "dynamic"]
     import cutemk as mk
     from cutemk.layers import MoeConfig, mlp_graph, mlp_reference, moe_graph, moe_reference
 
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
         ref_fn = lambda x: mlp_reference(x, **w)  # noqa: E731
     x = rnd(t, 256)
     ok = True
-    for scheduler in ("static", "dynamic"):
+    for scheduler in schedulers:
         y = g.compile("cute", scheduler=scheduler, poison_outputs=True)(x, **w)
         ref = ref_fn(x)
         err = ((y.float() - ref).norm() / ref.norm()).item()

@@ -1,0 +1,133 @@
+"""The megakernel's two shared-memory hand-overs in kernels of a few lines each: a target for
+``compute-sanitizer --tool racecheck``, to tell its reports on the megakernel apart from races.
+
+Each pattern is one CTA of 64 threads (warp 0 and warp 1), looping ``ROUNDS`` times over one
+shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
+
+- ``named``: warp 1 writes the buffer, ``bar.arrive`` on named barrier 1; warp 0 ``bar.sync``
+  on it, reads. Then the other way round on barrier 2 (warp 0 arrives after reading, warp 1
+  syncs before writing again). The megakernel's consumers hand a staged tile's record to the
+  storer warp this way (``EPI_FULL_BARRIER`` / ``EPI_EMPTY_BARRIER``).
+- ``named_sync``: the same with ``bar.sync`` on both sides (the control: each side waits).
+- ``mbarrier``: warp 0 lane 0 writes, arrives on an mbarrier ("full"); every lane of warp 1
+  waits on it, reads, ``bar.warp.sync``, and lane 0 arrives on a second one ("empty") that
+  warp 0 waits on before it writes again. The megakernel's task queue works so
+  (``cutemk.device.ring.queue_put`` / ``queue_get``).
+
+PTX orders both: a ``bar.arrive`` synchronizes with the ``bar.sync`` that completes the same
+barrier phase, an ``mbarrier.arrive`` (release) with the ``mbarrier.try_wait`` (acquire) that
+observes its phase, and ``bar.warp.sync`` orders the lanes of a warp. A racecheck hazard on a
+pattern here is a report about the tool's model, not a race.
+
+Run: compute-sanitizer --tool racecheck python benchmarks/sanitize_patterns.py [PATTERN ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import torch  # noqa: E402
+from cutlass import Int32, cute  # noqa: E402
+from cutlass.cute.runtime import from_dlpack  # noqa: E402
+
+from cutemk.device.ring import init_barriers  # noqa: E402
+
+PATTERNS = ("named", "named_sync", "mbarrier")
+ROUNDS = 64
+WORDS = 32  # one word a lane
+
+
+class Pattern:
+    def __init__(self, name: str) -> None:
+        assert name in PATTERNS, name
+        self.name = name
+
+    @cute.kernel
+    def kernel(self, mBad: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        smem = cutlass.memory.SmemAllocator()
+        buf = smem.allocate_tensor(Int32, cute.make_layout(WORDS), byte_alignment=16)
+        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(2), byte_alignment=8)
+        full, empty = bars.iterator, bars.iterator + 1
+        if tidx == 0:
+            init_barriers(full, 1, 1)
+            init_barriers(empty, 1, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        bad = Int32(0)
+        if cutlass.const_expr(self.name == "mbarrier"):
+            if warp == 0:
+                for r in cutlass.range(ROUNDS, unroll=1):
+                    cute.arch.mbarrier_wait(empty, (r & 1) ^ 1)
+                    if lane == 0:
+                        for j in cutlass.range_constexpr(WORDS):
+                            buf[j] = r * WORDS + j
+                        cute.arch.mbarrier_arrive(full)
+                    cute.arch.sync_warp()
+            else:
+                for r in cutlass.range(ROUNDS, unroll=1):
+                    cute.arch.mbarrier_wait(full, r & 1)
+                    if buf[lane] != r * WORDS + lane:
+                        bad = bad + 1
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(empty)
+        else:
+            sync = cutlass.const_expr(self.name == "named_sync")
+            if warp == 1:  # writes, then hands the buffer over on barrier 1
+                for r in cutlass.range(ROUNDS, unroll=1):
+                    if r > 0:
+                        cute.arch.barrier(barrier_id=2, number_of_threads=64)
+                    buf[lane] = r * WORDS + lane
+                    if cutlass.const_expr(sync):
+                        cute.arch.barrier(barrier_id=1, number_of_threads=64)
+                    else:
+                        cute.arch.barrier_arrive(barrier_id=1, number_of_threads=64)
+            else:  # reads, then hands it back on barrier 2
+                for r in cutlass.range(ROUNDS, unroll=1):
+                    cute.arch.barrier(barrier_id=1, number_of_threads=64)
+                    if buf[lane] != r * WORDS + lane:
+                        bad = bad + 1
+                    if r + 1 < ROUNDS:
+                        if cutlass.const_expr(sync):
+                            cute.arch.barrier(barrier_id=2, number_of_threads=64)
+                        else:
+                            cute.arch.barrier_arrive(barrier_id=2, number_of_threads=64)
+        if bad != 0:
+            cute.arch.atomic_add(mBad.iterator, bad, sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def launch(self, mBad: cute.Tensor):
+        self.kernel(mBad).launch(grid=(1, 1, 1), block=(64, 1, 1))
+
+
+Pattern.kernel.set_name_prefix("cutemk_pattern", remove_cutlass_symbol=True)
+Pattern.launch.set_name_prefix("cutemk_pattern_launch", remove_cutlass_symbol=True)
+
+
+def compile_pattern(name: str):
+    """The compiled launch of pattern ``name`` (no GPU needed), called with an int32 tensor."""
+    fake = cute.runtime.make_fake_compact_tensor(Int32, (1,))
+    return cute.compile(Pattern(name).launch, fake)
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(PATTERNS)
+    failed = 0
+    for name in names:
+        bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+        compile_pattern(name)(from_dlpack(bad))
+        torch.cuda.synchronize()
+        print(f"pattern {name}: {ROUNDS} rounds, {int(bad.item())} wrong reads")
+        failed += int(bad.item() != 0)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
