@@ -42,7 +42,7 @@ class ConsumerRoles:
         dcount = Int32(0)
         alive = Boolean(True)
         while alive:
-            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, lane, pwait)
+            rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, pwait)
             qcount = qcount + 1
             t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
             alive = t >= 0
@@ -182,7 +182,7 @@ class ConsumerRoles:
         dcount = Int32(0)
         alive = Boolean(True)
         while alive:
-            rec = queue_get(d_full, d_empty, sDone, dcount, w.task_slots, 1, lane, pwait)
+            rec = queue_get(d_full, d_empty, sDone, dcount, w.task_slots, 1, pwait)
             dcount = dcount + 1
             alive = rec[0] >= 0
             if alive:

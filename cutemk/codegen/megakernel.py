@@ -282,9 +282,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         scratch = smem.allocate_array(cutlass.Uint8, w.scratch_bytes, byte_alignment=SMEM_ALIGN)
         if tidx == 0:
             init_barriers(q_full, w.task_slots, 1)
-            init_barriers(q_empty, w.task_slots, w.consumer_warps)
+            init_barriers(q_empty, w.task_slots, w.queue_readers)
             init_barriers(d_full, w.task_slots, 1)
-            init_barriers(d_empty, w.task_slots, 1)
+            init_barriers(d_empty, w.task_slots, WARP)  # the completer warp reads
             if cutlass.const_expr(w.ring_stages > 0):
                 init_barriers(r_full, w.ring_stages, 1)
                 init_barriers(r_empty, w.ring_stages, w.consumer_warps)

@@ -82,8 +82,13 @@ class WorkerShape:
 
     @property
     def consumer_warps(self) -> int:
-        """Arrivals that free a ring slot or a task slot: one elected lane per consumer warp."""
+        """Arrivals that free a ring slot: one elected lane per consumer warp."""
         return self.consumer_threads // WARP_SIZE
+
+    @property
+    def queue_readers(self) -> int:
+        """Arrivals that free a task slot: every consumer thread (``ring.queue_get``)."""
+        return self.consumer_threads
 
     @property
     def ring_bytes(self) -> int:

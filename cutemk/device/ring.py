@@ -6,7 +6,7 @@ Two pipelines connect the producer warp to the consumer warps:
   the slot's transaction bytes) and the consumers free (empty barrier: one arrive per
   consumer warp);
 - the **task queue**: task records handed from the producer (full: one arrive, by the lane
-  that wrote the record) to the consumers (empty: one arrive per consumer warp).
+  that wrote the record) to the consumers (empty: one arrive per consumer thread).
 
 Each side's state is a running count of the slots it has used since the launch began:
 slot ``count % stages``, parity ``(count // stages) & 1``. One Int32 per side carries across
@@ -91,15 +91,15 @@ def queue_put(
 
 
 @cute.jit
-def queue_get(
-    full, empty, sQueue, count: Int32, slots: int, width: int, lane: Int32, wait=plain_wait
-):
-    """Every consumer thread: the record in queue slot ``count`` (a tuple of Int32); the slot is
-    released (one arrive per warp) once the whole warp has read it."""
+def queue_get(full, empty, sQueue, count: Int32, slots: int, width: int, wait=plain_wait):
+    """Every reading thread: the record in queue slot ``count`` (a tuple of Int32); each reader
+    releases the slot itself (the empty barrier counts every reading thread), so each read is
+    ordered before the producer's next write by that thread's own arrive (release). One arrive
+    a warp after ``bar.warp.sync`` is ordered as well, but ptxas drops the warp barrier of a
+    converged warp and ``compute-sanitizer --tool racecheck`` then reports every slot reuse
+    (``benchmarks/sanitize_patterns.py``)."""
     idx = count % slots
     wait(full + idx, (count // slots) & 1, WAIT_QUEUE_FULL)
     rec = tuple(sQueue[idx * width + f] for f in range(width))
-    cute.arch.sync_warp()
-    if lane == 0:
-        cute.arch.mbarrier_arrive(empty + idx)
+    cute.arch.mbarrier_arrive(empty + idx)
     return rec
