@@ -111,10 +111,11 @@ Pattern.kernel.set_name_prefix("cutemk_pattern", remove_cutlass_symbol=True)
 Pattern.launch.set_name_prefix("cutemk_pattern_launch", remove_cutlass_symbol=True)
 
 
-def compile_pattern(name: str):
-    """The compiled launch of pattern ``name`` (no GPU needed), called with an int32 tensor."""
+def compile_pattern(name: str, options: str = ""):
+    """The compiled launch of pattern ``name`` (no GPU needed), called with an int32 tensor;
+    ``options`` go to ``cute.compile`` (e.g. ``--keep-ptx --dump-dir=DIR``)."""
     fake = cute.runtime.make_fake_compact_tensor(Int32, (1,))
-    return cute.compile(Pattern(name).launch, fake)
+    return cute.compile(Pattern(name).launch, fake, options=options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,43 @@
+"""The worker's shared-memory hand-overs in minimal kernels (``benchmarks/sanitize_patterns.py``):
+they compile for sm_90a with the synchronisation they exist to show, and on a GPU every
+round reads what the other side wrote."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+_PATH = Path(__file__).parent.parent / "benchmarks" / "sanitize_patterns.py"
+
+
+def _patterns():
+    spec = importlib.util.spec_from_file_location("sanitize_patterns", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "name, present, absent",
+    [
+        ("named", ["bar.arrive", "bar.sync"], ["mbarrier.arrive"]),
+        ("named_sync", ["bar.sync"], ["bar.arrive", "mbarrier.arrive"]),
+        ("mbarrier", ["mbarrier.arrive", "mbarrier.try_wait", "bar.warp.sync"], ["bar.arrive"]),
+    ],
+)
+def test_patterns_compile_with_their_synchronisation(tmp_path, name, present, absent):
+    _patterns().compile_pattern(name, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    for instr in present:
+        assert instr in ptx, f"{name}: no {instr}"
+    for instr in absent:
+        assert instr not in ptx, f"{name}: unexpected {instr}"
+
+
+@pytest.mark.gpu
+def test_patterns_read_what_was_written():
+    assert _patterns().main([]) == 0
