@@ -219,6 +219,7 @@ class CuteGraph:
         self._fn = None
         self._generation = 0  # load_plan's count: a kept runner of an older plan binds again
         self._stream = -1  # the raw CUDA stream of the last launch (see _follow_stream)
+        self._state_device: int | None = None  # the GPU its plans' state lives on
         self._stream_obj: torch.cuda.Stream | None = None
         self.last_env: dict[str, int] | None = None
 
@@ -287,7 +288,20 @@ class CuteGraph:
         dev_np, spans = pack_int32([np.zeros(sizes[k], dtype=np.int32) for k in DEVICE_STATE])
         return low, prog_np, dev_np, spans
 
+    def _check_state_device(self, index: int, what: str) -> None:
+        """One graph's state (programs, counters, intermediates) lives on one GPU, the one its
+        first plan was built on: leaves or a plan on another GPU would hand the kernel
+        pointers of two devices."""
+        if self._state_device is not None and index != self._state_device:
+            raise DeviceError(
+                f"{self.graph.name}: {what} on cuda:{index} but the graph's state lives on "
+                f"cuda:{self._state_device}; compile the graph once per GPU"
+            )
+
     def _build_buffers_now(self, plan: Plan) -> _Buffers:
+        index = torch.cuda.current_device()
+        self._check_state_device(index, "a new plan would be built")
+        self._state_device = index
         if self.spec.distributed:
             plan.check_distributed(self.dynamic)
             self._check_same_plan_everywhere(plan)
@@ -530,8 +544,12 @@ class CuteGraph:
                     f"{name} must be 16-byte aligned (data_ptr % 16 = "
                     f"{t.data_ptr() % 16}); pass a contiguous, non-offset tensor"
                 )
-        b = self._bufs(env)
         leaf_list = tuple(leaves.values())
+        # the plans' state is built on the leaves' GPU (and must already live there)
+        index = _index(leaf_list[0].device) if leaf_list else torch.cuda.current_device()
+        self._check_state_device(index, "the leaves are")
+        with torch.cuda.device(index):
+            b = self._bufs(env)
         call = _Call.build(self, b, leaf_list)
         if len(self._calls) >= 256:
             self._calls.clear()

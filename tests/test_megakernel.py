@@ -256,6 +256,25 @@ def test_a_launch_on_a_second_stream_waits_for_the_first(kept):
     assert torch.equal(out1, expected) and torch.equal(out2, expected)
 
 
+@pytest.mark.multigpu
+def test_one_graph_lives_on_the_gpu_of_its_first_call():
+    """A graph's plans are built on its first call's GPU, whichever GPU is current; leaves on
+    another GPU later are refused by name instead of mixing two devices' pointers."""
+    from cutemk.errors import DeviceError
+
+    deps = [[], [0], [1]]
+    g = ops.dag_graph(deps, N, M)
+    c = g.compile("cute", scheduler="static")
+    expected = dag_expected(deps)
+    on1 = tuple(t.to("cuda:1") for t in ops.dag_inputs(deps, device="cpu"))
+    with torch.cuda.device(0):
+        out = c(*on1)
+    assert out.device == torch.device("cuda:1") and torch.equal(out.cpu(), expected)
+    on0 = tuple(t.to("cuda:0") for t in on1)
+    with pytest.raises(DeviceError, match="cuda:0 but the graph's state lives on cuda:1"):
+        c(*on0)
+
+
 @pytest.mark.parametrize("layer,scheduler", [("mlp", "static"), ("moe", "dynamic")])
 def test_layer_megakernels_compile_for_sm90a(layer, scheduler, tmp_path):
     from cutemk.layers import MoeConfig, mlp_graph, moe_graph
