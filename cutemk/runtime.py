@@ -343,7 +343,8 @@ class CuteGraph:
         )
 
     def _check_same_plan_everywhere(self, plan: Plan) -> None:
-        """Every rank must have built the same plan (:func:`cutemk.comm.plan_digest`)."""
+        """Every rank must run the same plan (:func:`cutemk.comm.plan_digest`): checked when a
+        plan is built and before each distributed launch. Collective."""
         if not self.comm.same_on_all_ranks(plan_digest(plan)):
             raise CuteMKError(different_plans_error(self.comm.rank, plan.env))
 
@@ -599,6 +600,10 @@ class CuteGraph:
         if self._fn is None:
             self._fn = _compile(self.spec)
         if self.spec.distributed:
+            # at every launch, not only when a plan is built: ranks calling plans they built
+            # earlier, for different dims, would wait on each other's events by ids of
+            # different plans (a hang); this costs a collective and a host sync a launch
+            self._check_same_plan_everywhere(b.plan)
             self._count_launch(b)
         # the stream is the caller's current torch stream (TVM-FFI's environment stream, set
         # from the first torch tensor argument)

@@ -2,7 +2,8 @@
 
 Every rank draws all ranks' inputs from one seed, so each can compute the fp32 reference of the
 whole layer by itself, then runs its megakernel (GEMM + reduce-scatter, dynamic and static;
-all-gather + GEMM, static) for several token counts and launches, and compares its own slice.
+all-gather + GEMM, static) for several token counts and launches, and compares its own slice; then calls one cached plan
+per rank (different token counts) and expects every rank to refuse it.
 Prints ``dist_worker: ok rank R`` on success; any mismatch or error exits non-zero.
 """
 
@@ -43,6 +44,15 @@ def main() -> int:
             err = rel_err(c(a[rank].cuda(), w[rank].cuda()), ref)
             if not err < TOL:
                 failures.append(f"gemm_rs {sched} T={t}: rel err {err:.2e}")
+        # both plans are built on every rank now: ranks calling them with different dims are
+        # refused on every rank before the launch (they would wait on each other forever)
+        t = (256 if rank == 0 else 64) * world
+        try:
+            c(torch.randn(t, h).bfloat16().cuda(), w[rank].cuda())
+            failures.append(f"gemm_rs {sched}: ranks at different T were not refused")
+        except mk.CuteMKError as e:
+            if "different plans" not in str(e):
+                failures.append(f"gemm_rs {sched}: unexpected error {e}")
     g = ag_gemm_graph(mk.sym("S", max=4096), h, n, world, torch.bfloat16, 128, 128, 64)
     c = g.compile("cute", scheduler="static", watchdog=True, poison_outputs=True)
     for s in (256, 64, 256):
