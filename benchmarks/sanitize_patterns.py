@@ -11,8 +11,10 @@ shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
 - ``named_sync``: the same with ``bar.sync`` on both sides (the control: each side waits).
 - ``mbarrier``: warp 0 lane 0 writes, arrives on an mbarrier ("full"); every lane of warp 1
   waits on it, reads, ``bar.warp.sync``, and lane 0 arrives on a second one ("empty") that
-  warp 0 waits on before it writes again. The megakernel's task queue works so
-  (``cutemk.device.ring.queue_put`` / ``queue_get``).
+  warp 0 waits on before it writes again. The megakernel's task queue worked so until every
+  reader released its slot itself.
+- ``mbarrier_all``: the same with every lane of warp 1 arriving on "empty" (it expects 32
+  arrivals): the task queue now (``cutemk.device.ring.queue_put`` / ``queue_get``).
 
 PTX orders both: a ``bar.arrive`` synchronizes with the ``bar.sync`` that completes the same
 barrier phase, an ``mbarrier.arrive`` (release) with the ``mbarrier.try_wait`` (acquire) that
@@ -36,7 +38,7 @@ from cutlass.cute.runtime import from_dlpack  # noqa: E402
 
 from cutemk.device.ring import init_barriers  # noqa: E402
 
-PATTERNS = ("named", "named_sync", "mbarrier")
+PATTERNS = ("named", "named_sync", "mbarrier", "mbarrier_all")
 ROUNDS = 64
 WORDS = 32  # one word a lane
 
@@ -55,13 +57,14 @@ class Pattern:
         buf = smem.allocate_tensor(Int32, cute.make_layout(WORDS), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(2), byte_alignment=8)
         full, empty = bars.iterator, bars.iterator + 1
+        every_lane = cutlass.const_expr(self.name == "mbarrier_all")
         if tidx == 0:
             init_barriers(full, 1, 1)
-            init_barriers(empty, 1, 1)
+            init_barriers(empty, 1, 32 if every_lane else 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         bad = Int32(0)
-        if cutlass.const_expr(self.name == "mbarrier"):
+        if cutlass.const_expr(self.name in ("mbarrier", "mbarrier_all")):
             if warp == 0:
                 for r in cutlass.range(ROUNDS, unroll=1):
                     cute.arch.mbarrier_wait(empty, (r & 1) ^ 1)
@@ -75,9 +78,12 @@ class Pattern:
                     cute.arch.mbarrier_wait(full, r & 1)
                     if buf[lane] != r * WORDS + lane:
                         bad = bad + 1
-                    cute.arch.sync_warp()
-                    if lane == 0:
+                    if cutlass.const_expr(every_lane):
                         cute.arch.mbarrier_arrive(empty)
+                    else:
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(empty)
         else:
             sync = cutlass.const_expr(self.name == "named_sync")
             if warp == 1:  # writes, then hands the buffer over on barrier 1

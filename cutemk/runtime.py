@@ -227,11 +227,13 @@ class CuteGraph:
     def plan(self, env: dict[str, int]) -> Plan:
         return self._bufs(env).plan
 
-    def _bufs(self, env: dict[str, int]) -> _Buffers:
+    def _bufs(self, env: dict[str, int], index: int | None = None) -> _Buffers:
+        """The state of the plan for ``env``, built on GPU ``index`` if it is new (default: the
+        graph's GPU, else the current one)."""
         key = env_key(env)
         b = self._buffers.get(key)
         if b is None:
-            b = self._build_buffers(instantiate(self.graph, env))
+            b = self._build_buffers(instantiate(self.graph, env), index)
             self._buffers[key] = b
         return b
 
@@ -258,11 +260,22 @@ class CuteGraph:
         self._calls.clear()  # they hold the plans they were bound to
         self._generation += 1
 
-    def _build_buffers(self, plan: Plan) -> _Buffers:
-        if self.spec.distributed:  # collective setup: stays on the caller's thread
-            with no_gc():  # schedule and lowering allocate per task (see plan.no_gc)
-                return self._build_buffers_now(plan)
-        return self._used_by_caller(_off_graph(self._build_buffers_now, plan))
+    def _build_buffers(self, plan: Plan, index: int | None = None) -> _Buffers:
+        """``plan``'s state, on GPU ``index`` (default: the graph's GPU, else the current one):
+        one graph's state lives on one GPU (:meth:`_check_state_device`)."""
+        if index is None:
+            index = self._state_device
+        if index is None:
+            index = torch.cuda.current_device()
+        self._check_state_device(index, "a new plan would be built")
+        with torch.cuda.device(index):
+            if self.spec.distributed:  # collective setup: stays on the caller's thread
+                with no_gc():  # schedule and lowering allocate per task (see plan.no_gc)
+                    b = self._build_buffers_now(plan)
+            else:
+                b = self._used_by_caller(_off_graph(self._build_buffers_now, plan))
+        self._state_device = index
+        return b
 
     def _plan_arrays(self, plan: Plan):
         """``plan``'s static schedule (checked), its lowering, and the kernel's two int32
@@ -290,8 +303,8 @@ class CuteGraph:
 
     def _check_state_device(self, index: int, what: str) -> None:
         """One graph's state (programs, counters, intermediates) lives on one GPU, the one its
-        first plan was built on: leaves or a plan on another GPU would hand the kernel
-        pointers of two devices."""
+        first plan or intermediate was made on: leaves, a plan or an intermediate on another
+        GPU would hand the kernel pointers of two devices."""
         if self._state_device is not None and index != self._state_device:
             raise DeviceError(
                 f"{self.graph.name}: {what} on cuda:{index} but the graph's state lives on "
@@ -299,9 +312,6 @@ class CuteGraph:
             )
 
     def _build_buffers_now(self, plan: Plan) -> _Buffers:
-        index = torch.cuda.current_device()
-        self._check_state_device(index, "a new plan would be built")
-        self._state_device = index
         if self.spec.distributed:
             plan.check_distributed(self.dynamic)
             self._check_same_plan_everywhere(plan)
@@ -368,6 +378,9 @@ class CuteGraph:
         are served. Launches are stream-ordered, so one graph serves one stream at a time."""
         buf = self._scratch_bufs.get(v.name)
         if buf is None:
+            index = torch.cuda.current_device()
+            self._check_state_device(index, "an intermediate would be allocated")
+            self._state_device = index
             if not self._scratch_bufs:
                 self._check_scratch_fits()
             numel = max(int(np.prod([upper(d) for d in v.shape])), 1)
@@ -549,8 +562,7 @@ class CuteGraph:
         # the plans' state is built on the leaves' GPU (and must already live there)
         index = _index(leaf_list[0].device) if leaf_list else torch.cuda.current_device()
         self._check_state_device(index, "the leaves are")
-        with torch.cuda.device(index):
-            b = self._bufs(env)
+        b = self._bufs(env, index)
         call = _Call.build(self, b, leaf_list)
         if len(self._calls) >= 256:
             self._calls.clear()
@@ -602,7 +614,10 @@ class CuteGraph:
         if self.spec.distributed:
             # at every launch, not only when a plan is built: ranks calling plans they built
             # earlier, for different dims, would wait on each other's events by ids of
-            # different plans (a hang); this costs a collective and a host sync a launch
+            # different plans (a hang, or counts met by the wrong notifies). It costs a
+            # collective and a host sync a launch, and a rank that fails on the host before
+            # it gets here leaves the others in the collective until the process group's
+            # timeout (with the watchdog, the kernel's rank barrier would have said so sooner)
             self._check_same_plan_everywhere(b.plan)
             self._count_launch(b)
         # the stream is the caller's current torch stream (TVM-FFI's environment stream, set
