@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
-    p.add_argument("--trace", action="store_true", help="prefill: a profiled launch's summary")
+    p.add_argument("--trace", action="store_true", help="a profiled launch's summary per case")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
     args = p.parse_args(argv)
     PAGE = args.page
@@ -214,6 +214,11 @@ def main(argv=None) -> int:
     mk_attn = _graph(args.splits, args.target_tiles, args.align, max_len).compile(
         "cute", scheduler=args.scheduler
     )
+    profiled = None
+    if args.trace:  # a graph of its own: profiling adds a timestamp store per task
+        profiled = _graph(args.splits, args.target_tiles, args.align, max_len).compile(
+            "cute", scheduler=args.scheduler, profile=True
+        )
     fa4 = _fa4()
     res = Results(
         "attention",
@@ -258,8 +263,18 @@ def main(argv=None) -> int:
         nbytes = 2.0 * (2 * b * n * HKV * D + 2 * b * HQ * D)
         fl = floor_us(4.0 * b * HQ * n * D, nbytes)
         _time_impls(res, case, impls, ref, fl, warmup, rep)
+        if profiled is not None:
+            run = lambda: profiled(q, kc, vc, table, lens)
+            records = profile_launch(res, case, run, profiled, warmup, rep)
+            spans = sorted((r["end_ns"] - r["start_ns"]) / 1e3 for r in records)
+            t0 = min(r["start_ns"] for r in records)
+            print(
+                f"    {len(records)} tiles: {spans[len(spans) // 2]:.2f} us median, "
+                f"{spans[-1]:.2f} max; span {(max(r['end_ns'] for r in records) - t0) / 1e3:.2f}"
+                f" us, last start {(max(r['start_ns'] for r in records) - t0) / 1e3:.2f}"
+            )
     res.add_ratios("torch_sdpa")
-    res.finish(chart=True)
+    res.finish(chart=not args.trace)
     return 0
 
 

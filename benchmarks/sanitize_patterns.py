@@ -6,9 +6,10 @@ shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
 
 - ``named``: warp 1 writes the buffer, ``bar.arrive`` on named barrier 1; warp 0 ``bar.sync``
   on it, reads. Then the other way round on barrier 2 (warp 0 arrives after reading, warp 1
-  syncs before writing again). The megakernel's consumers hand a staged tile's record to the
-  storer warp this way (``EPI_FULL_BARRIER`` / ``EPI_EMPTY_BARRIER``).
-- ``named_sync``: the same with ``bar.sync`` on both sides (the control: each side waits).
+  syncs before writing again). The megakernel's consumers handed a staged tile's record to
+  the storer warp this way (``EPI_FULL_BARRIER``) until they synced on it too.
+- ``named_sync``: the same with ``bar.sync`` on both sides (each side waits): how the
+  consumers hand the record over now (``EPI_FULL_BARRIER``).
 - ``mbarrier``: warp 0 lane 0 writes, arrives on an mbarrier ("full"); every lane of warp 1
   waits on it, reads, ``bar.warp.sync``, and lane 0 arrives on a second one ("empty") that
   warp 0 waits on before it writes again. The megakernel's task queue worked so until every

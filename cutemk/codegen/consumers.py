@@ -82,7 +82,11 @@ class ConsumerRoles:
                             sEpiRec[f] = rec[f]
                         if cutlass.const_expr(self.spec.profile):
                             mProf[t * PROF_WIDTH + 1] = start
-                    cute.arch.barrier_arrive(
+                    # a sync, not an arrive: the storer is already waiting here once it has
+                    # published the tile before (long done by the time this one is staged),
+                    # and an arrive -> sync hand-over is one compute-sanitizer's racecheck
+                    # cannot follow (benchmarks/sanitize_patterns.py, pattern named)
+                    cute.arch.barrier(
                         barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
                     )
                 else:  # a SIMT tile, or a ring tile that does not exist (nothing to store)
@@ -116,7 +120,7 @@ class ConsumerRoles:
             cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
             if ctid == 0:
                 sEpiRec[R_TASK] = Int32(-1)
-            cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
 
     @cute.jit
     def _publish_static(self, prog, dev, mProf, rec, start: Int64):

@@ -25,7 +25,7 @@ WARPGROUP: int = 128
 SIMT_BARRIER = 1
 """The SIMT group's barrier (``NUM_THREADS`` threads)."""
 EPI_FULL_BARRIER = 3
-"""Consumers -> storer warp: a tile's output is staged in shared memory (arrive / sync)."""
+"""Consumers -> storer warp: a tile's output is staged in shared memory (sync on both sides)."""
 EPI_EMPTY_BARRIER = 4
 """Storer warp -> consumers: the staging buffer has been read by the TMA store."""
 CONSUMER_BARRIER = 5
