@@ -172,11 +172,22 @@ def test_hopper_tile_config():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheduler,align", [("static", 64), ("dynamic", 64), ("static", 128)])
-def test_decode_attention_on_the_gpu(scheduler, align):
-    """align 128: ranges of 128-token slices (64 KB ring slots)."""
+@pytest.mark.parametrize(
+    "scheduler,align,early",
+    [
+        ("static", 64, "0"),
+        ("dynamic", 64, "0"),
+        ("static", 128, "0"),
+        ("static", 64, "1"),
+        ("dynamic", 64, "1"),
+    ],
+)
+def test_decode_attention_on_the_gpu(scheduler, align, early, monkeypatch):
+    """align 128: ranges of 128-token slices (64 KB ring slots). early:
+    ``CUTEMK_EARLY_HANDOVER`` (tasks without events handed over before their loads)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", early)
     hq, hkv, d, page, max_pages = 32, 8, 128, 16, 2048
     c = _graph(hq, hkv, d, page, max_pages, align, torch.bfloat16, max_b=64).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True

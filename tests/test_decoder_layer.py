@@ -429,6 +429,29 @@ def test_decode_layer_compiles_for_hopper(
         assert not wgmma_serialized(ptx_file)
 
 
+def test_decode_layer_with_the_early_handover_compiles_for_hopper(
+    tmp_path, monkeypatch, spill_stores
+):
+    """``CUTEMK_EARLY_HANDOVER=1`` (tasks without events handed over before their loads):
+    the Qwen3-8B decode layer, static, still without register spills."""
+    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "1")
+    cfg = DecoderConfig(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        max_pages=512,
+        block_m=64,
+        block_n=64,
+        fold_norms=True,
+    )
+    g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
 def test_prefill_layer_compiles_for_hopper(tmp_path):
     """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
     projections on the Hopper GEMM, the append and the causal attention on the tensor cores.

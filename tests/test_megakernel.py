@@ -348,3 +348,12 @@ def test_the_cooperative_launch_is_part_of_the_kernel_spec(monkeypatch):
     off = runtime.kernel_spec(g, False)
     assert not off.cooperative and off != on  # another kernel, another cache key
     assert callable(runtime.compile_offline(g))  # its host code compiles too
+
+
+def test_the_early_handover_is_part_of_the_kernel_spec(monkeypatch):
+    g = ops.dag_graph([[], [0]], N, M)
+    off = runtime.kernel_spec(g, False)
+    assert not off.early_handover  # off by default
+    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "1")
+    on = runtime.kernel_spec(g, False)
+    assert on.early_handover and on != off and on.describe()["early_handover"]

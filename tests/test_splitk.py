@@ -311,7 +311,11 @@ def test_split_mlp_compiles_for_hopper(spill_stores):
 @requires_cuda
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("split_k", [2, None])
-def test_split_mlp_on_the_gpu(scheduler, split_k):
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_split_mlp_on_the_gpu(scheduler, split_k, early, monkeypatch):
+    """early: ``CUTEMK_EARLY_HANDOVER`` (tasks without events handed over before their
+    loads)."""
+    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", early)
     torch.manual_seed(3)
     H, I = 1024, 1536
     g = mlp_graph(mk.sym("T", max=16), H, I, BF, 64, 128, fuse_silu=True, split_k=split_k)

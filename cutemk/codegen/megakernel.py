@@ -143,6 +143,10 @@ class KernelSpec:
     # streams can then never each hold part of the GPU waiting for the rest); off
     # (``CUTEMK_COOPERATIVE=0``) only to measure what the guarantee costs a launch
     cooperative: bool = True
+    # a task with no events to wait for (static: an empty wait list; every dynamic task) is
+    # handed to the consumers before its loads (``CUTEMK_EARLY_HANDOVER=1``): off until its
+    # GPU tests and A/Bs have run (benchmarks/NOTES.md)
+    early_handover: bool = False
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -159,6 +163,7 @@ class KernelSpec:
             "worker": dataclasses.asdict(self.worker),
             "live": None if self.live is None else [list(p) for p in self.live],
             "cooperative": self.cooperative,
+            "early_handover": self.early_handover,
         }
 
 

@@ -57,9 +57,18 @@ class ProducerRole:
         # (1) weights of the first slices, before the events. A tile that exists by data of
         # the launch's inputs only (``TileOp.early_exists``) is decided here, as are its word
         # and slice count; the consumers get the same verdict with the record
+        # With ``KernelSpec.early_handover`` a task with no events to wait for (every dynamic
+        # one: it was pushed ready) is handed over before any of its loads, which then all go
+        # in (5): its consumers wait on the ring's first slot, not on the producer's issue of
+        # a ring's worth of slices
         live = Boolean(True)
         word = Int32(0)
         n = Int32(0)
+        no_wait = Boolean(False)
+        if cutlass.const_expr(self.spec.early_handover and not self.spec.distributed):
+            no_wait = Boolean(True)
+            if cutlass.const_expr(not self.spec.dynamic):
+                no_wait = rec[R_WLO] == rec[R_WHI]
         for k in cutlass.range_constexpr(self.num_nodes):
             r = self.ring_of[k]
             if cutlass.const_expr(r is not None and self.spec.prefetch[k]):
@@ -68,8 +77,10 @@ class ProducerRole:
                         live, word, n = self._decide(tensors, k, c0, c1, live, word, n)
                     for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
                         go = live
+                        if cutlass.const_expr(self.spec.early_handover):
+                            go = live and not no_wait
                         if cutlass.const_expr(self.dynamic_slices[k]):
-                            go = live and j < n
+                            go = go and j < n
                         if go:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
@@ -106,7 +117,10 @@ class ProducerRole:
         for k in cutlass.range_constexpr(self.num_nodes):
             r = self.ring_of[k]
             if cutlass.const_expr(r is not None):
-                if node == k and live:
+                armed = live
+                if cutlass.const_expr(self.spec.early_handover):
+                    armed = live and not no_wait
+                if node == k and armed:
                     pre = min(r.slices, w.ring_stages)
                     for j in cutlass.range_constexpr(pre):
                         go = Boolean(True)
@@ -161,7 +175,12 @@ class ProducerRole:
                     if node == k and live:
                         if cutlass.const_expr(not self.dynamic_slices[k]):
                             n = Int32(r.slices)
-                        for j in cutlass.range(min(r.slices, w.ring_stages), n, unroll=1):
+                        first = min(r.slices, w.ring_stages)
+                        if cutlass.const_expr(self.spec.early_handover):
+                            first = Int32(first)
+                            if no_wait:
+                                first = Int32(0)  # nothing was armed in (1) or issued in (3)
+                        for j in cutlass.range(first, n, unroll=1):
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
