@@ -375,6 +375,20 @@ def test_moe_decode_step_matches_hf_layer():
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
+_QWEN3_8B_DECODE = DecoderConfig(
+    hidden=4096,
+    intermediate=12288,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    max_pages=512,
+    block_m=64,
+    block_n=64,
+    fold_norms=True,
+)
+"""Qwen3-8B's decode layer as the compile checks build it (64 x 64 GEMM tiles, norms folded)."""
+
+
 @pytest.mark.parametrize(
     "which,scheduler,max_batch",
     [
@@ -396,17 +410,7 @@ def test_decode_layer_compiles_for_hopper(
 
     moe = None
     if which == "qwen3_8b":
-        cfg = DecoderConfig(
-            hidden=4096,
-            intermediate=12288,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            max_pages=512,
-            block_m=64,
-            block_n=64,
-            fold_norms=True,
-        )
+        cfg = _QWEN3_8B_DECODE
     else:
         cfg = DecoderConfig(
             hidden=2048,
@@ -435,18 +439,7 @@ def test_decode_layer_with_the_early_handover_compiles_for_hopper(
     """``CUTEMK_EARLY_HANDOVER=1`` (tasks without events handed over before their loads):
     the Qwen3-8B decode layer, static, still without register spills."""
     monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "1")
-    cfg = DecoderConfig(
-        hidden=4096,
-        intermediate=12288,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        max_pages=512,
-        block_m=64,
-        block_n=64,
-        fold_norms=True,
-    )
-    g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+    g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     assert spill_stores(ptx_file) == 0
