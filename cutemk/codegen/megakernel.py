@@ -145,7 +145,7 @@ class KernelSpec:
     cooperative: bool = True
     # a task with no events to wait for (static: an empty wait list; every dynamic task) is
     # handed to the consumers before its loads (``CUTEMK_EARLY_HANDOVER=1``): off until its
-    # GPU tests and A/Bs have run (benchmarks/NOTES.md)
+    # GPU tests and A/Bs have run (benchmarks/NOTES.md); a distributed kernel ignores it
     early_handover: bool = False
 
     def describe(self) -> dict:
