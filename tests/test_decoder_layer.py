@@ -433,12 +433,12 @@ def test_decode_layer_compiles_for_hopper(
         assert not wgmma_serialized(ptx_file)
 
 
-def test_decode_layer_with_the_early_handover_compiles_for_hopper(
+def test_decode_layer_without_the_early_handover_compiles_for_hopper(
     tmp_path, monkeypatch, spill_stores
 ):
-    """``CUTEMK_EARLY_HANDOVER=1`` (tasks without events handed over before their loads):
-    the Qwen3-8B decode layer, static, still without register spills."""
-    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "1")
+    """``CUTEMK_EARLY_HANDOVER=0`` (every task handed over after its early loads, the
+    measuring switch): the Qwen3-8B decode layer, static, still without register spills."""
+    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "0")
     g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")

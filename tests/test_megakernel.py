@@ -352,8 +352,9 @@ def test_the_cooperative_launch_is_part_of_the_kernel_spec(monkeypatch):
 
 def test_the_early_handover_is_part_of_the_kernel_spec(monkeypatch):
     g = ops.dag_graph([[], [0]], N, M)
-    off = runtime.kernel_spec(g, False)
-    assert not off.early_handover  # off by default
-    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "1")
     on = runtime.kernel_spec(g, False)
+    assert on.early_handover  # on by default
+    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "0")
+    off = runtime.kernel_spec(g, False)
+    assert not off.early_handover
     assert on.early_handover and on != off and on.describe()["early_handover"]

@@ -144,9 +144,11 @@ class KernelSpec:
     # (``CUTEMK_COOPERATIVE=0``) only to measure what the guarantee costs a launch
     cooperative: bool = True
     # a task with no events to wait for (static: an empty wait list; every dynamic task) is
-    # handed to the consumers before its loads (``CUTEMK_EARLY_HANDOVER=1``): off until its
-    # GPU tests and A/Bs have run (benchmarks/NOTES.md); a distributed kernel ignores it
-    early_handover: bool = False
+    # handed to the consumers before its loads, so they wait on its first slot, not on the
+    # producer's issue of a ring's worth of slices (decode attention B=1: -3.6 us, see
+    # benchmarks/NOTES.md); off (``CUTEMK_EARLY_HANDOVER=0``) only to measure it; a
+    # distributed kernel ignores it
+    early_handover: bool = True
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
