@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from cutemk import ops
-from cutemk.ops import kv_split
 from cutemk.costmodel import H200
 from cutemk.device.config import NUM_WARPS
+from cutemk.errors import GraphError
 from cutemk.graph import Graph
+from cutemk.ops import kv_split
 from cutemk.symbolic import Sym, upper
 from cutemk.tileop import expect_positive_int
 
@@ -103,6 +104,7 @@ def linear(
     norm_eps: float | None = None,
     norm_sumsq=None,
     sumsq: bool = False,
+    reduce: bool = True,
     name: str | None = None,
 ):
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
@@ -121,7 +123,10 @@ def linear(
 
     Returns the output value; with ``sumsq``, ``(y, ss)``: ``ss`` the rows' sums of squares of
     y in column blocks where the projection is split (None where it is not), for the folded
-    norm of a projection that reads y."""
+    norm of a projection that reads y. ``reduce`` False: where the projection is split, the
+    partials (split_k, m, n) fp32 come back instead, the reduce (and a folded norm's row
+    scale by ``x``) left to the op that reads them (``ops.qk_norm_rope``); check with
+    :func:`is_partial`."""
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -177,6 +182,10 @@ def linear(
     part = g.call(
         ops.gemm_partial, x, w, split_k=split_k, block_m=block_m, block_n=split_block_n, name=name
     )
+    if not reduce:
+        if r is not None or epilogue is not None or sumsq or norm_sumsq is not None:
+            raise GraphError(f"linear {name}: without its reduce, no epilogue nor sums")
+        return part
     reduce_name = None if name is None else f"{name}_sum"
     norm, norm_width = (), None
     if norm_eps is not None:
@@ -194,6 +203,11 @@ def linear(
         out_dtype=x.spec.dtype,
         name=reduce_name,
     )
+
+
+def is_partial(v) -> bool:
+    """Whether ``v`` is a split projection's partials (``linear(..., reduce=False)``)."""
+    return v.producer is not None and v.producer.op.name == "gemm_partial"
 
 
 def _norm_in_epilogue(x, norm_sumsq) -> bool:
@@ -421,6 +435,10 @@ class DecoderConfig:
     # no post_norm leaf, w_gate_up is fold_norm(w_gate_up, post_norm); split projections then
     # apply the norm in their reduce tiles, with no norm phase of their own
     fold_norms: bool = False
+    # decode: the q/k norm and rotary phase also sums the split QKV projection's partials
+    # and appends k and v to the cache (no reduce phase, no ``kv_append``: two phases and
+    # their hand-overs fewer); False keeps the three phases
+    fused_qkv_tail: bool = True
 
 
 def decoder_layer_graph(
@@ -503,29 +521,50 @@ def _decoder_layer(
     tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n, "split_k": cfg.split_k}
     # a norm tile is a row per SIMT warp: the rows spread over SMs, each a memory round trip
     norm_rows = NUM_WARPS
-    if cfg.fold_norms:
-        qkv = linear(g, x, w_qkv, **tiles, norm_eps=cfg.eps, name="qkv_proj")
+    # a decode step's qk_norm_rope sums the split projection's partials (the folded norm's
+    # row scale too) and appends k and v to the cache itself: one phase where there were three
+    fuse = cfg.fused_qkv_tail and not prefill
+    a_qkv, norm_eps = x, cfg.eps
+    if not cfg.fold_norms:
+        a_qkv = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
+        norm_eps = None
+    qkv = linear(g, a_qkv, w_qkv, **tiles, norm_eps=norm_eps, reduce=not fuse, name="qkv_proj")
+    rope = {"heads": hq, "kv_heads": hkv, "eps": cfg.eps}
+    if fuse:
+        # its items are serial on a warp, each ~2 round trips: the fewest tokens a tile
+        # that still fits the tiles in one wave (B=16: 2 tokens, 96 tiles of 8 items)
+        heads_blocks = -(-(hq + 2 * hkv) // ops.QkNormRopeTile.head_block)
+        rope["block_m"] = next(
+            (bm for bm in (1, 2) if -(-upper(tokens) // bm) * heads_blocks <= H200.num_sms), 4
+        )
+        split = is_partial(qkv)
+        norm_x = (x,) if split and norm_eps is not None else ()
+        q, k2, v2 = g.call(
+            ops.qk_norm_rope,
+            qkv,
+            q_norm,
+            k_norm,
+            cos_sin,
+            positions,
+            *norm_x,
+            k_cache,
+            v_cache,
+            page_table,
+            seq_lens,
+            **rope,
+            norm_eps=norm_eps if norm_x else None,
+            out_dtype=dtype,
+        )
     else:
-        hn = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
-        qkv = linear(g, hn, w_qkv, **tiles, name="qkv_proj")
-    q, k, v = g.call(
-        ops.qk_norm_rope,
-        qkv,
-        q_norm,
-        k_norm,
-        cos_sin,
-        positions,
-        heads=hq,
-        kv_heads=hkv,
-        eps=cfg.eps,
-    )
+        q, k, v = g.call(ops.qk_norm_rope, qkv, q_norm, k_norm, cos_sin, positions, **rope)
     if prefill:
         k2, v2 = g.call(
             ops.kv_append_varlen, k, v, k_cache, v_cache, page_table, seq_lens, cu_seqlens
         )
         o = g.call(ops.attention_prefill, q, k2, v2, page_table, seq_lens, cu_seqlens)
     else:
-        k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
+        if not fuse:
+            k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
         o = g.call(
             ops.attention_decode,
             q,

@@ -337,10 +337,14 @@ class AttentionDecodeTile(TileOp):
     independent_inputs: ClassVar[tuple[str, ...]] = ("k_cache", "v_cache")
 
     def independent_loads_allowed(self, producers) -> bool:
-        """A ``kv_append`` of the launch writes each sequence's last position only (two
-        sequences never name the same page slot: bad data otherwise), and the slice holding it
-        is loaded after the events; any other writer of the cache is not known."""
-        return all(p.name == "kv_append" for p in producers.values())
+        """A ``kv_append`` of the launch (or a ``qk_norm_rope`` that appends) writes each
+        sequence's last position only (two sequences never name the same page slot: bad data
+        otherwise), and the slice holding it is loaded after the events; any other writer of
+        the cache is not known."""
+        return all(
+            p.name == "kv_append" or (p.name == "qk_norm_rope" and p.appends)
+            for p in producers.values()
+        )
 
     @cute.jit
     def device_load_independent(

@@ -120,3 +120,159 @@ def test_matches_hf_on_the_gpu(head_block):
         torch.testing.assert_close(q.float().cpu(), hq, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(k.float().cpu(), hk, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(v.float().cpu(), hv.float(), rtol=1e-2, atol=1e-2)
+
+
+# -- the fused decode tail: a split projection's partials in, k and v appended to the cache --
+SPLITS, K_IN, PAGE, MAX_PAGES, PAGES = 3, 48, 8, 6, 128
+
+
+def _fused_graph(dtype, norm=True, head_block=4):
+    g = mk.Graph("qk_norm_rope_fused")
+    T = mk.sym("T", min=1, max=64)
+    part = g.input("part", (SPLITS, T, (HQ + 2 * HKV) * D), torch.float32)
+    qw = g.weight("q_weight", (D,), dtype)
+    kw = g.weight("k_weight", (D,), dtype)
+    cs = g.weight("cos_sin", (MAXPOS, D), torch.float32)
+    pos = g.input("positions", (T,), torch.int32)
+    x = [g.input("x", (T, K_IN), dtype)] if norm else []
+    kc = g.input("k_cache", (PAGES, PAGE, HKV, D), dtype)
+    vc = g.input("v_cache", (PAGES, PAGE, HKV, D), dtype)
+    pt = g.input("page_table", (T, MAX_PAGES), torch.int32)
+    lens = g.input("seq_lens", (T,), torch.int32)
+    q, k2, v2 = g.call(
+        ops.qk_norm_rope,
+        part,
+        qw,
+        kw,
+        cs,
+        pos,
+        *x,
+        kc,
+        vc,
+        pt,
+        lens,
+        heads=HQ,
+        kv_heads=HKV,
+        head_block=head_block,
+        norm_eps=1e-6 if norm else None,
+        out_dtype=dtype,
+    )
+    for name, val in (("q", q), ("k_cache_out", k2), ("v_cache_out", v2)):
+        g.output(val, name)
+    return g
+
+
+def _fused_inputs(t, gen, dtype=torch.float32, device="cpu", norm=True):
+    """Every token its own pages (disjoint, shuffled); token 1 (where t > 2) has no new row
+    (length 0) and token 2 a page id outside the cache: neither writes."""
+    a = _inputs(t, gen)
+    del a["qkv"]
+    a["part"] = torch.randn(SPLITS, t, (HQ + 2 * HKV) * D, generator=gen)
+    if norm:
+        a["x"] = 1 + torch.randn(t, K_IN, generator=gen)
+    a["k_cache"] = torch.randn(PAGES, PAGE, HKV, D, generator=gen)
+    a["v_cache"] = torch.randn(PAGES, PAGE, HKV, D, generator=gen)
+    perm = torch.randperm(PAGES, generator=gen)[: t * MAX_PAGES // 2].int()
+    a["page_table"] = torch.full((t, MAX_PAGES), -1, dtype=torch.int32)
+    a["page_table"][:, : MAX_PAGES // 2] = perm.view(t, MAX_PAGES // 2)
+    a["seq_lens"] = torch.randint(1, PAGE * MAX_PAGES // 2 + 1, (t,), generator=gen).int()
+    if t > 2:
+        a["seq_lens"][1] = 0
+        a["page_table"][2, (a["seq_lens"][2] - 1) // PAGE] = PAGES
+    for k in ("part", "x", "k_cache", "v_cache", "q_weight", "k_weight"):
+        if k in a:
+            a[k] = a[k].to(torch.float32 if k == "part" else dtype)
+    return {k: v.to(device) for k, v in a.items()}
+
+
+def _fused_expected(a, norm=True):
+    """q and the caches after the step, from Hugging Face's pieces on the summed (and
+    row-normalised) partials."""
+    y = a["part"].float().sum(0)
+    if norm:
+        x = a["x"].float()
+        y = y * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    q, k, v = _hf(y, a["q_weight"], a["k_weight"], a["positions"])
+    kc, vc = a["k_cache"].float().clone(), a["v_cache"].float().clone()
+    for tok in range(y.shape[0]):
+        p = int(a["seq_lens"][tok]) - 1
+        if p < 0:
+            continue
+        pg = int(a["page_table"][tok, p // PAGE])
+        if 0 <= pg < PAGES:
+            kc[pg, p % PAGE] = k[tok]
+            vc[pg, p % PAGE] = v[tok]
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("norm,head_block", [(True, 4), (True, 5), (False, 4)])
+def test_fused_tail_matches_hf_interpreted(norm, head_block):
+    """The partials summed (and scaled by x's folded norm) in the tile, k and v into the
+    pages; a length-0 row and a page outside the cache write nothing (the rest of the caches
+    keeps its values: compared whole)."""
+    pytest.importorskip("transformers")
+    g = _fused_graph(torch.float32, norm=norm, head_block=head_block)
+    assert not any(n.op.name in ("gemm_split_reduce", "kv_append") for n in g.nodes)
+    c = g.compile("interpret", num_sms=4)
+    gen = torch.Generator().manual_seed(4)
+    for t in (1, 5):
+        a = _fused_inputs(t, gen, norm=norm)
+        want_q, want_k, want_v = _fused_expected({k: v.clone() for k, v in a.items()}, norm)
+        q, kc, vc = c(**a)
+        torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kc, want_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc, want_v, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_tail_checks_its_arguments():
+    spec = mk.TensorSpec
+    part = spec((2, 4, (HQ + 2 * HKV) * D), torch.float32)
+    w, cs = spec((D,), torch.float32), spec((MAXPOS, D), torch.float32)
+    pos = spec((4,), torch.int32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        ops.qk_norm_rope(part, w, w, cs, pos, heads=HQ, kv_heads=HKV)
+    with pytest.raises(ValueError, match="k_cache, v_cache"):
+        ops.qk_norm_rope(part, w, w, cs, pos, pos, heads=HQ, kv_heads=HKV, out_dtype=torch.float32)
+    cache = spec((PAGES, PAGE, HKV + 1, D), torch.float32)
+    table, lens = spec((4, MAX_PAGES), torch.int32), spec((4,), torch.int32)
+    with pytest.raises(mk.ShapeError, match="cache heads"):
+        ops.qk_norm_rope(
+            part,
+            w,
+            w,
+            cs,
+            pos,
+            cache,
+            cache,
+            table,
+            lens,
+            heads=HQ,
+            kv_heads=HKV,
+            out_dtype=torch.float32,
+        )
+
+
+def test_fused_tail_compiles_for_hopper(tmp_path, spill_stores):
+    g = _fused_graph(torch.bfloat16)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert "shfl.sync.bfly" in ptx_file.read_text()
+    assert spill_stores(ptx_file) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm,head_block", [(True, 4), (True, 5), (False, 4)])
+def test_fused_tail_on_the_gpu(norm, head_block):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    bf = torch.bfloat16
+    c = _fused_graph(bf, norm=norm, head_block=head_block).compile("cute", poison_outputs=True)
+    gen = torch.Generator().manual_seed(5)
+    for t in (1, 7, 40):
+        a = _fused_inputs(t, gen, bf, norm=norm)
+        want_q, want_k, want_v = _fused_expected({k: v.clone() for k, v in a.items()}, norm)
+        q, kc, vc = c(**{k: v.cuda() for k, v in a.items()})
+        torch.testing.assert_close(q.float().cpu(), want_q, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(kc.float().cpu(), want_k, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(vc.float().cpu(), want_v, rtol=2e-2, atol=2e-2)
