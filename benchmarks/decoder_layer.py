@@ -15,8 +15,8 @@ median task time; microseconds since the launch's first task) go to the JSON's `
 are printed; ``--records DIR`` also writes each case's raw per-task records (SM, start, end,
 node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 
-``--unfused-tail``: one more column, a static module with ``DecoderConfig.fused_qkv_tail`` off
-(the split QKV projection's reduce, ``qk_norm_rope`` and ``kv_append`` as three phases).
+``--fused-tail``: one more column, a static module with ``DecoderConfig.fused_qkv_tail`` on
+(the split QKV projection's reduce, ``qk_norm_rope`` and ``kv_append`` as one phase).
 
 ``--prefill 2048``: also prefill steps (one sequence of that many new tokens, no cached prefix)
 as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the same layer in torch
@@ -24,7 +24,7 @@ as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the sa
 With ``--trace`` the prefill steps are traced too.
 
 Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [--records DIR]]
-[--unfolded-norms] [--attention-align 64|128] [--unfused-tail]
+[--unfolded-norms] [--attention-align 64|128] [--fused-tail]
 """
 
 from __future__ import annotations
@@ -198,9 +198,9 @@ def main(argv=None) -> int:
         "--unfolded-norms", action="store_true", help="RMSNorm phases of their own (no folding)"
     )
     p.add_argument(
-        "--unfused-tail",
+        "--fused-tail",
         action="store_true",
-        help="also a static module whose QKV reduce, qk_norm_rope and kv_append are 3 phases",
+        help="also a static module whose QKV reduce, qk_norm_rope and kv_append are one phase",
     )
     p.add_argument("--records", type=Path, help="with --trace: write raw task records here")
     p.add_argument(
@@ -250,10 +250,10 @@ def main(argv=None) -> int:
         )
         for s in ("static", "dynamic")
     }
-    if args.unfused_tail:  # the same-process A/B of DecoderConfig.fused_qkv_tail
-        megas["mk_static_unfused_tail"] = MegaDecoderLayer(
+    if args.fused_tail:  # the same-process A/B of DecoderConfig.fused_qkv_tail
+        megas["mk_static_fused_tail"] = MegaDecoderLayer(
             wm,
-            dataclasses.replace(cfg, fused_qkv_tail=False),
+            dataclasses.replace(cfg, fused_qkv_tail=True),
             max_batch=max(args.batch or [1]),
             scheduler="static",
             **prefill_kw,

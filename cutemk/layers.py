@@ -437,8 +437,9 @@ class DecoderConfig:
     fold_norms: bool = False
     # decode: the q/k norm and rotary phase also sums the split QKV projection's partials
     # and appends k and v to the cache (no reduce phase, no ``kv_append``: two phases and
-    # their hand-overs fewer); False keeps the three phases
-    fused_qkv_tail: bool = True
+    # their hand-overs fewer). Off by default: measured on the H200 (Qwen3-8B, one graph for
+    # B <= 16) it saves ~3 us at B=1 but costs ~18 us at B=16 (benchmarks/NOTES.md)
+    fused_qkv_tail: bool = False
 
 
 def decoder_layer_graph(

@@ -158,8 +158,8 @@ LAYERS = {
     "plain": CFG,
     "folded": replace(CFG, fold_norms=True),  # unsplit: weightless rmsnorm nodes
     "folded_split": CFG_SPLIT,
-    # the split QKV projection's reduce, qk_norm_rope and kv_append as three phases
-    "unfused_tail": replace(CFG_SPLIT, fused_qkv_tail=False),
+    # the split QKV projection's reduce, qk_norm_rope and kv_append in one phase
+    "fused_tail": replace(CFG_SPLIT, fused_qkv_tail=True),
 }
 
 
@@ -171,11 +171,10 @@ def test_decode_step_matches_hf_layer(scheduler, which):
     layer, rotary = _hf(cfg)
     g = decoder_layer_graph(mk.sym("B", max=8), cfg)
     norm_nodes = [n.name for n in g.nodes if n.op.name == "rmsnorm"]
-    assert (norm_nodes == []) == (cfg is CFG_SPLIT or which == "unfused_tail"), norm_nodes
-    # fused (the default): the split QKV projection's partials go straight to qk_norm_rope,
-    # which appends k and v itself
-    tail = {n.op.name for n in g.nodes} & {"kv_append", "gemm_split_reduce"}
-    assert ("kv_append" in tail) == (which == "unfused_tail"), tail
+    assert (norm_nodes == []) == (cfg is CFG_SPLIT or which == "fused_tail"), norm_nodes
+    # fused: the split QKV projection's partials go straight to qk_norm_rope, which appends
+    # k and v itself
+    assert ("kv_append" in {n.op.name for n in g.nodes}) == (which != "fused_tail")
     if which == "folded_split":  # the MLP's norm comes from o_proj's sums of squares
         gu = next(n for n in g.nodes if n.name == "gate_up_sum")
         assert gu.op.norm_width == cfg.hidden and gu.op.x.shape[1] == -(-cfg.hidden // 512)
