@@ -381,7 +381,10 @@ class QkNormRopeTile(TileOp):
             x3 = row_vectors(mX, mX.shape[0], k, vx)
             for j in cutlass.range_constexpr(xv.shape[0]):
                 c = cute.min(lane + j * WARP, k // vx - 1)  # a short last round re-reads
-                cute.autovec_copy(x3[tok, c, None], xv[j, None])
+                v = cute.make_rmem_tensor((vx,), mX.element_type)  # a compact vector: one
+                cute.autovec_copy(x3[tok, c, None], v)  # 16-byte load (a row of xv is not)
+                for e in cutlass.range_constexpr(vx):
+                    xv[j, e] = v[e]
 
     @cute.jit
     def _head_values(self, ps, xv, lane: Int32, x):
@@ -393,11 +396,21 @@ class QkNormRopeTile(TileOp):
             k = self.x.shape[1]
             vx = xv.shape[1]
             ss = Float32(0.0)
-            for j in cutlass.range_constexpr(xv.shape[0]):
-                if lane + j * WARP < k // vx:
+            if cutlass.const_expr((k // vx) % WARP == 0):  # every lane's rounds are its own
+                sq = [Float32(0.0) for _ in range(vx)]  # vx chains, not one of K / 32 steps
+                for j in cutlass.range_constexpr(xv.shape[0]):
                     for e in cutlass.range_constexpr(vx):
                         v = xv[j, e].to(Float32)
-                        ss = ss + v * v
+                        sq[e] = sq[e] + v * v
+                ss = sq[0]
+                for e in cutlass.range_constexpr(1, vx):
+                    ss = ss + sq[e]
+            else:
+                for j in cutlass.range_constexpr(xv.shape[0]):
+                    if lane + j * WARP < k // vx:
+                        for e in cutlass.range_constexpr(vx):
+                            v = xv[j, e].to(Float32)
+                            ss = ss + v * v
             ss = cute.arch.warp_reduction_sum(ss)
             scale = cute.math.rsqrt(ss / Float32(k) + Float32(self.norm_eps))
         for i in cutlass.range_constexpr(per):

@@ -126,7 +126,7 @@ def test_matches_hf_on_the_gpu(head_block):
 SPLITS, K_IN, PAGE, MAX_PAGES, PAGES = 3, 48, 8, 6, 128
 
 
-def _fused_graph(dtype, norm=True, head_block=4):
+def _fused_graph(dtype, norm=True, head_block=4, k_in=K_IN):
     g = mk.Graph("qk_norm_rope_fused")
     T = mk.sym("T", min=1, max=64)
     part = g.input("part", (SPLITS, T, (HQ + 2 * HKV) * D), torch.float32)
@@ -134,7 +134,7 @@ def _fused_graph(dtype, norm=True, head_block=4):
     kw = g.weight("k_weight", (D,), dtype)
     cs = g.weight("cos_sin", (MAXPOS, D), torch.float32)
     pos = g.input("positions", (T,), torch.int32)
-    x = [g.input("x", (T, K_IN), dtype)] if norm else []
+    x = [g.input("x", (T, k_in), dtype)] if norm else []
     kc = g.input("k_cache", (PAGES, PAGE, HKV, D), dtype)
     vc = g.input("v_cache", (PAGES, PAGE, HKV, D), dtype)
     pt = g.input("page_table", (T, MAX_PAGES), torch.int32)
@@ -162,14 +162,14 @@ def _fused_graph(dtype, norm=True, head_block=4):
     return g
 
 
-def _fused_inputs(t, gen, dtype=torch.float32, device="cpu", norm=True):
+def _fused_inputs(t, gen, dtype=torch.float32, device="cpu", norm=True, k_in=K_IN):
     """Every token its own pages (disjoint, shuffled); token 1 (where t > 2) has no new row
     (length 0) and token 2 a page id outside the cache: neither writes."""
     a = _inputs(t, gen)
     del a["qkv"]
     a["part"] = torch.randn(SPLITS, t, (HQ + 2 * HKV) * D, generator=gen)
     if norm:
-        a["x"] = 1 + torch.randn(t, K_IN, generator=gen)
+        a["x"] = 1 + torch.randn(t, k_in, generator=gen)
     a["k_cache"] = torch.randn(PAGES, PAGE, HKV, D, generator=gen)
     a["v_cache"] = torch.randn(PAGES, PAGE, HKV, D, generator=gen)
     perm = torch.randperm(PAGES, generator=gen)[: t * MAX_PAGES // 2].int()
@@ -261,16 +261,20 @@ def test_fused_tail_compiles_for_hopper(tmp_path, spill_stores):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("norm,head_block", [(True, 4), (True, 5), (False, 4)])
-def test_fused_tail_on_the_gpu(norm, head_block):
+@pytest.mark.parametrize(
+    "norm,head_block,k_in", [(True, 4, K_IN), (True, 5, K_IN), (False, 4, K_IN), (True, 4, 4096)]
+)
+def test_fused_tail_on_the_gpu(norm, head_block, k_in):
+    """k_in 4096 (Qwen3-8B's hidden size): x's row in whole rounds of 16-byte vectors."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("transformers")
     bf = torch.bfloat16
-    c = _fused_graph(bf, norm=norm, head_block=head_block).compile("cute", poison_outputs=True)
+    g = _fused_graph(bf, norm=norm, head_block=head_block, k_in=k_in)
+    c = g.compile("cute", poison_outputs=True)
     gen = torch.Generator().manual_seed(5)
     for t in (1, 7, 40):
-        a = _fused_inputs(t, gen, bf, norm=norm)
+        a = _fused_inputs(t, gen, bf, norm=norm, k_in=k_in)
         want_q, want_k, want_v = _fused_expected({k: v.clone() for k, v in a.items()}, norm)
         q, kc, vc = c(**{k: v.cuda() for k, v in a.items()})
         torch.testing.assert_close(q.float().cpu(), want_q, rtol=2e-2, atol=2e-2)
