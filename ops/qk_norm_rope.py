@@ -45,7 +45,7 @@ from cutemk.costmodel import H200, tile_time_us
 from cutemk.device.config import NUM_THREADS
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.device.vectors import row_vectors, vec16
-from cutemk.errors import ShapeError
+from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -150,6 +150,10 @@ class QkNormRopeTile(TileOp):
             expect_ndim(self.x, 2, "qk_norm_rope x")
             expect_dtype(self.x, FLOAT_DTYPES, "qk_norm_rope x")
             expect_same_dim(self.x.shape[0], self.tokens, "qk_norm_rope: x rows vs tokens")
+            if not isinstance(self.x.shape[1], int):
+                raise ShapeError("qk_norm_rope: x's width (the projection's K) must be static")
+            if not self.norm_eps > 0:
+                raise ValueError(f"qk_norm_rope norm_eps must be positive, got {self.norm_eps}")
         expect_ndim(self.cos_sin, 2, "qk_norm_rope cos_sin")
         expect_dtype(self.cos_sin, (torch.float32,), "qk_norm_rope cos_sin")
         expect_ndim(self.positions, 1, "qk_norm_rope positions")
@@ -167,6 +171,16 @@ class QkNormRopeTile(TileOp):
         expect_positive_int(self.block_m, "qk_norm_rope block_m")
         expect_positive_int(self.head_block, "qk_norm_rope head_block")
         self._check_cache()
+
+    def check_producers(self, producers) -> None:
+        """The folded norm's x must be the A operand of the partial GEMM that made ``qkv``
+        (the same width K; a wrong x would scale the rows silently wrong)."""
+        p = producers.get("qkv")
+        gemm = p is not None and p.name == "gemm_partial"
+        if self.x is not None and gemm and p.a.shape[1] != self.x.shape[1]:
+            raise GraphError(
+                f"qk_norm_rope: x is {self.x.shape[1]} wide, the projection's K is {p.a.shape[1]}"
+            )
 
     def _check_cache(self) -> None:
         given = [

@@ -163,8 +163,11 @@ def _fused_graph(dtype, norm=True, head_block=4, k_in=K_IN):
 
 
 def _fused_inputs(t, gen, dtype=torch.float32, device="cpu", norm=True, k_in=K_IN):
-    """Every token its own pages (disjoint, shuffled); token 1 (where t > 2) has no new row
-    (length 0) and token 2 a page id outside the cache: neither writes."""
+    """Every token its own pages (disjoint, shuffled), the table's unused columns valid pages
+    no token owns. Where t > 4, bad data: token 1 has no new row (length 0), token 2 a page id
+    outside the cache at its position, token 3 a length past the table's capacity, token 4 page
+    -1 at its position (none of these writes), and token 0 a position outside the rotary table
+    (its q and k are NaN, and that k goes into the cache)."""
     a = _inputs(t, gen)
     del a["qkv"]
     a["part"] = torch.randn(SPLITS, t, (HQ + 2 * HKV) * D, generator=gen)
@@ -172,13 +175,18 @@ def _fused_inputs(t, gen, dtype=torch.float32, device="cpu", norm=True, k_in=K_I
         a["x"] = 1 + torch.randn(t, k_in, generator=gen)
     a["k_cache"] = torch.randn(PAGES, PAGE, HKV, D, generator=gen)
     a["v_cache"] = torch.randn(PAGES, PAGE, HKV, D, generator=gen)
-    perm = torch.randperm(PAGES, generator=gen)[: t * MAX_PAGES // 2].int()
-    a["page_table"] = torch.full((t, MAX_PAGES), -1, dtype=torch.int32)
-    a["page_table"][:, : MAX_PAGES // 2] = perm.view(t, MAX_PAGES // 2)
-    a["seq_lens"] = torch.randint(1, PAGE * MAX_PAGES // 2 + 1, (t,), generator=gen).int()
-    if t > 2:
+    used = MAX_PAGES // 2
+    perm = torch.randperm(PAGES, generator=gen).int()
+    spare = perm[t * used :]  # pages no token owns
+    a["page_table"] = spare[torch.arange(t * MAX_PAGES) % len(spare)].view(t, MAX_PAGES).clone()
+    a["page_table"][:, :used] = perm[: t * used].view(t, used)
+    a["seq_lens"] = torch.randint(1, PAGE * used + 1, (t,), generator=gen).int()
+    if t > 4:
         a["seq_lens"][1] = 0
         a["page_table"][2, (a["seq_lens"][2] - 1) // PAGE] = PAGES
+        a["seq_lens"][3] = PAGE * MAX_PAGES + 1
+        a["page_table"][4, (a["seq_lens"][4] - 1) // PAGE] = -1
+        a["positions"][0] = MAXPOS
     for k in ("part", "x", "k_cache", "v_cache", "q_weight", "k_weight"):
         if k in a:
             a[k] = a[k].to(torch.float32 if k == "part" else dtype)
@@ -192,11 +200,14 @@ def _fused_expected(a, norm=True):
     if norm:
         x = a["x"].float()
         y = y * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    q, k, v = _hf(y, a["q_weight"], a["k_weight"], a["positions"])
+    pos = a["positions"]
+    bad = (pos < 0) | (pos >= MAXPOS)
+    q, k, v = _hf(y, a["q_weight"], a["k_weight"], pos.clamp(0, MAXPOS - 1))
+    q[bad], k[bad] = float("nan"), float("nan")  # a position outside the table: NaN
     kc, vc = a["k_cache"].float().clone(), a["v_cache"].float().clone()
     for tok in range(y.shape[0]):
         p = int(a["seq_lens"][tok]) - 1
-        if p < 0:
+        if not 0 <= p < MAX_PAGES * PAGE:
             continue
         pg = int(a["page_table"][tok, p // PAGE])
         if 0 <= pg < PAGES:
@@ -219,9 +230,10 @@ def test_fused_tail_matches_hf_interpreted(norm, head_block):
         a = _fused_inputs(t, gen, norm=norm)
         want_q, want_k, want_v = _fused_expected({k: v.clone() for k, v in a.items()}, norm)
         q, kc, vc = c(**a)
-        torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(kc, want_k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(vc, want_v, rtol=1e-5, atol=1e-5)
+        if t > 4:  # the bad position's q and k are NaN, the rest is not
+            assert torch.isnan(q[0]).all() and not torch.isnan(q[1:]).any()
+        for got, want in ((q, want_q), (kc, want_k), (vc, want_v)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_fused_tail_checks_its_arguments():
@@ -252,6 +264,44 @@ def test_fused_tail_checks_its_arguments():
         )
 
 
+def test_fused_tail_checks_the_folded_norm():
+    """x must be static-width, its eps positive, and the width of the partial GEMM's K."""
+    spec = mk.TensorSpec
+    T = mk.sym("T", min=1, max=8)
+    part = spec((2, T, (HQ + 2 * HKV) * D), torch.float32)
+    w, cs, pos = (
+        spec((D,), torch.float32),
+        spec((MAXPOS, D), torch.float32),
+        spec((T,), torch.int32),
+    )
+    kw = {"heads": HQ, "kv_heads": HKV, "out_dtype": torch.float32}
+    with pytest.raises(mk.ShapeError, match="static"):
+        ops.qk_norm_rope(
+            part, w, w, cs, pos, spec((T, mk.sym("K", max=64)), torch.float32), norm_eps=1e-6, **kw
+        )
+    with pytest.raises(ValueError, match="positive"):
+        ops.qk_norm_rope(part, w, w, cs, pos, spec((T, K_IN), torch.float32), norm_eps=0.0, **kw)
+    g = mk.Graph("wrong_x")
+    a = g.input("a", (T, 128), torch.float32)
+    x = g.input("x", (T, 136), torch.float32)
+    wq = g.weight("w", ((HQ + 2 * HKV) * D, 128), torch.float32)
+    p = g.call(ops.gemm_partial, a, wq, split_k=2, block_m=16, block_n=32)
+    leaves = [g.weight(n, (D,), torch.float32) for n in ("qw", "kw")]
+    q, _, _ = g.call(
+        ops.qk_norm_rope,
+        p,
+        *leaves,
+        g.weight("cs", (MAXPOS, D), torch.float32),
+        g.input("pos", (T,), torch.int32),
+        x,
+        norm_eps=1e-6,
+        **kw,
+    )
+    g.output(q, "q")
+    with pytest.raises(mk.GraphError, match="K is"):
+        g.validate()
+
+
 def test_fused_tail_compiles_for_hopper(tmp_path, spill_stores):
     g = _fused_graph(torch.bfloat16)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
@@ -277,6 +327,6 @@ def test_fused_tail_on_the_gpu(norm, head_block, k_in):
         a = _fused_inputs(t, gen, bf, norm=norm, k_in=k_in)
         want_q, want_k, want_v = _fused_expected({k: v.clone() for k, v in a.items()}, norm)
         q, kc, vc = c(**{k: v.cuda() for k, v in a.items()})
-        torch.testing.assert_close(q.float().cpu(), want_q, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(kc.float().cpu(), want_k, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(vc.float().cpu(), want_v, rtol=2e-2, atol=2e-2)
+        for got, want in ((q, want_q), (kc, want_k), (vc, want_v)):
+            got = got.float().cpu()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, equal_nan=True)
