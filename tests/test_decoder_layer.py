@@ -450,6 +450,17 @@ def test_decode_layer_without_the_early_handover_compiles_for_hopper(
     assert spill_stores(ptx_file) == 0
 
 
+def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_stores):
+    """``DecoderConfig.fused_qkv_tail`` (the split QKV projection's partials into
+    qk_norm_rope, which appends k and v): the Qwen3-8B decode layer, static, no spills."""
+    cfg = replace(_QWEN3_8B_DECODE, fused_qkv_tail=True)
+    g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+    assert not {"kv_append", "gemm_split_reduce"} & {n.op.name for n in g.nodes[:3]}
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
 def test_prefill_layer_compiles_for_hopper(tmp_path):
     """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
     projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
