@@ -308,14 +308,29 @@ class TileOp:
         raise NotImplementedError
 
     def device_compute(
-        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
+        self,
+        tensors,
+        coord0,
+        coord1,
+        word,
+        full,
+        empty,
+        count,
+        ring,
+        stages,
+        slot,
+        epi,
+        ctid,
+        wait,
+        epi_free=None,
     ):
         """Ring op, every consumer thread (``ctid`` in ``[0, consumer threads)``; ``word`` as the
         loads got it, handed over with the task): consume ring
         slices ``count, count + 1, ...`` (``full`` / ``empty``: the ring's mbarriers, waited on
         through ``wait``, see ``cutemk.device.ring``), stage the output in ``epi`` (after
-        ``EPI_EMPTY_BARRIER``: the previous tile's store has read it) fenced into the async
-        proxy, and return the ring count after the tile."""
+        ``cutemk.device.ring.epi_acquire(epi_free, ...)``, exactly once a tile: the previous
+        tile's store has read it) fenced into the async proxy, and return the ring count after
+        the tile."""
         raise NotImplementedError
 
     def device_store(self, tensors, coord0, coord1, epi) -> None:

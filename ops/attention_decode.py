@@ -360,7 +360,21 @@ class AttentionDecodeTile(TileOp):
 
     @cute.jit
     def device_compute(
-        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
+        self,
+        tensors,
+        coord0,
+        coord1,
+        word,
+        full,
+        empty,
+        count,
+        ring,
+        stages,
+        slot,
+        epi,
+        ctid,
+        wait,
+        epi_free=None,
     ):
         return dsm90.compute(
             self.sm90(),
@@ -377,6 +391,7 @@ class AttentionDecodeTile(TileOp):
             epi,
             ctid,
             wait,
+            epi_free,
         )
 
     @cute.jit

@@ -58,12 +58,11 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cutemk.device.config import (
     CONSUMER_BARRIER,
-    EPI_EMPTY_BARRIER,
     WARP_SIZE,
     WARPGROUP,
 )
 from cutemk.device.mma import ldmatrix_x4, mma_1688, mma_16816, pack2
-from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
+from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
 
 from . import kv_split as kvs
 
@@ -362,6 +361,7 @@ def compute(
     epi_ptr,
     ctid: Int32,
     wait=plain_wait,
+    epi_free=None,
 ) -> Int32:
     """Consumer warps: the tile's slices ``count ..``, then ``part_o`` / ``part_ml`` written;
     returns the ring count after the tile."""
@@ -421,7 +421,7 @@ def compute(
         epi + cfg.off_o, cute.make_layout((CONSUMER_WARPS, g_n, d), stride=(g_n * d, d, 1))
     )
     # the previous ring tile's store has read the staging buffer
-    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    epi_acquire(epi_free, STORE_THREADS)
 
     blocks = rw // 8  # 8-token column blocks of the scores a warp takes per slice
     zero = Float32(0.0)

@@ -312,7 +312,21 @@ class AttentionPrefillTile(TileOp):
 
     @cute.jit
     def device_compute(
-        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
+        self,
+        tensors,
+        coord0,
+        coord1,
+        word,
+        full,
+        empty,
+        count,
+        ring,
+        stages,
+        slot,
+        epi,
+        ctid,
+        wait,
+        epi_free=None,
     ):
         return psm90.compute(
             self.sm90(),
@@ -328,6 +342,7 @@ class AttentionPrefillTile(TileOp):
             epi,
             ctid,
             wait,
+            epi_free,
         )
 
     @cute.jit

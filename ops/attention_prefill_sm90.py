@@ -34,13 +34,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cutemk.device.config import (
     CONSUMER_BARRIER,
-    EPI_EMPTY_BARRIER,
     MMA_TURN_BARRIER,
     WARP_SIZE,
     WARPGROUP,
 )
 from cutemk.device.mma import pack2
-from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
+from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
 
 from . import attention_decode_sm90 as dsm90
 from . import gemm_sm90 as gsm90
@@ -338,6 +337,7 @@ def compute(
     epi,
     ctid: Int32,
     wait=plain_wait,
+    epi_free=None,
 ) -> Int32:
     """Consumer warpgroups: the block's slices ``count ..``, then its rows of ``out``; returns
     the ring count after the tile."""
@@ -356,7 +356,7 @@ def compute(
     pid = Int32(0)
 
     # q: the previous tile's staging (epi) is free once the storer's barrier passes
-    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    epi_acquire(epi_free, STORE_THREADS)
     q_base = epi + wg * (WG_ROWS * d * cfg.es)
     _load_q(cfg, mQ, q_base, h, first, rows, bad, wg, wtid)
     cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads

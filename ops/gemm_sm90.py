@@ -35,9 +35,9 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import CONSUMER_BARRIER, EPI_EMPTY_BARRIER, WARP_SIZE, WARPGROUP
+from cutemk.device.config import CONSUMER_BARRIER, WARP_SIZE, WARPGROUP
 from cutemk.tileop import RingTile
-from cutemk.device.ring import consumer_release, consumer_wait, plain_wait
+from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
 
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
@@ -407,6 +407,7 @@ def compute(
     epi_ptr,
     ctid: Int32,
     wait=plain_wait,
+    epi_free=None,
 ) -> Int32:
     """Consumer warpgroups: the tile's main loop over ring slices ``count ..`` and its output
     staged in shared memory (``store`` writes it out); returns the ring count after the tile."""
@@ -448,7 +449,7 @@ def compute(
     consumer_release(empty, count + cfg.k_tiles - 1, stages, lane)
 
     if cutlass.const_expr(cfg.split > 1):
-        _store_partial(cfg, tensors[2], acc, tCcC, coord0, coord1)
+        _store_partial(cfg, tensors[2], acc, tCcC, coord0, coord1, epi_free)
         return count + cfg.k_tiles
 
     # epilogue: registers -> shared memory (swizzled); the storer warp issues the TMA store
@@ -457,7 +458,7 @@ def compute(
     sC = cute.make_tensor(cute.recast_ptr(epi_ptr, epi.inner, dtype=out), epi.outer)
     tCsC = thr_mma.partition_C(sC)
     # the previous tile's TMA store has read sC
-    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    epi_acquire(epi_free, STORE_THREADS)
     if cutlass.const_expr(cfg.norm_blocks > 0):
         # every consumer of the previous tile read its scales before the store that the
         # barrier above waited for: the scales' room is free
@@ -509,7 +510,7 @@ def _row_scale(cfg: cutlass.Constexpr, mSS: cute.Tensor, coord0: Int32, ctid: In
 
 @cute.jit
 def _store_partial(
-    cfg: cutlass.Constexpr, mP: cute.Tensor, acc, tCcC, coord0: Int32, coord1: Int32
+    cfg: cutlass.Constexpr, mP: cute.Tensor, acc, tCcC, coord0: Int32, coord1: Int32, epi_free
 ):
     """Split-K partial: the fp32 accumulators of tile (coord0, coord1) to ``part[s, rows,
     cols]`` (part: (split, m, n)), rows and columns inside the tensor only.
@@ -518,7 +519,7 @@ def _store_partial(
     would stage 64), and the storer's fence and release after the consumers' barrier publish
     them. The staging buffer is still taken and given back, as every ring tile does, so the
     storer's barrier phases stay paired."""
-    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=STORE_THREADS)
+    epi_acquire(epi_free, STORE_THREADS)
     s = coord1 % cfg.split
     r0 = coord0 * cfg.bm
     c0 = (coord1 // cfg.split) * cfg.bn
@@ -566,7 +567,21 @@ class HopperGemmOp:
 
     @cute.jit
     def device_compute(
-        self, tensors, coord0, coord1, word, full, empty, count, ring, stages, slot, epi, ctid, wait
+        self,
+        tensors,
+        coord0,
+        coord1,
+        word,
+        full,
+        empty,
+        count,
+        ring,
+        stages,
+        slot,
+        epi,
+        ctid,
+        wait,
+        epi_free=None,
     ):  # the word (a grouped GEMM's expert) only steers the loads
         return compute(
             self.sm90(),
@@ -582,6 +597,7 @@ class HopperGemmOp:
             epi,
             ctid,
             wait,
+            epi_free,
         )
 
     @cute.jit

@@ -173,21 +173,25 @@ def test_hopper_tile_config():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "scheduler,align,early",
+    "scheduler,align,early,epi",
     [
-        ("static", 64, "0"),
-        ("dynamic", 64, "0"),
-        ("static", 128, "0"),
-        ("static", 64, "1"),
-        ("dynamic", 64, "1"),
+        ("static", 64, "0", "0"),
+        ("dynamic", 64, "0", "0"),
+        ("static", 128, "1", "0"),
+        ("static", 64, "1", "0"),
+        ("dynamic", 64, "1", "0"),
+        ("static", 64, "1", "1"),
+        ("dynamic", 64, "1", "1"),
     ],
 )
-def test_decode_attention_on_the_gpu(scheduler, align, early, monkeypatch):
+def test_decode_attention_on_the_gpu(scheduler, align, early, epi, monkeypatch):
     """align 128: ranges of 128-token slices (64 KB ring slots). early:
-    ``CUTEMK_EARLY_HANDOVER`` (tasks without events handed over before their loads)."""
+    ``CUTEMK_EARLY_HANDOVER`` (tasks without events handed over before their loads). epi:
+    ``CUTEMK_EPI_MBARRIER`` (the staging buffer released by an mbarrier)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", early)
+    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", epi)
     hq, hkv, d, page, max_pages = 32, 8, 128, 16, 2048
     c = _graph(hq, hkv, d, page, max_pages, align, torch.bfloat16, max_b=64).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True

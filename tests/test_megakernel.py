@@ -350,6 +350,25 @@ def test_the_cooperative_launch_is_part_of_the_kernel_spec(monkeypatch):
     assert callable(runtime.compile_offline(g))  # its host code compiles too
 
 
+def test_the_epi_mbarrier_is_part_of_the_kernel_spec(monkeypatch, tmp_path):
+    """``CUTEMK_EPI_MBARRIER=1``: the staging buffer's release is an mbarrier (every storer
+    lane arrives, the consumers wait on its phase), no named barrier 4 is left."""
+    g = ops.dag_graph([[], [0]], N, M)
+    off = runtime.kernel_spec(g, False)
+    assert not off.epi_mbarrier  # off by default
+    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "1")
+    on = runtime.kernel_spec(g, False)
+    assert on.epi_mbarrier and on != off and on.describe()["epi_mbarrier"]
+    from cutemk.layers import mlp_graph
+
+    mlp = mlp_graph(mk.sym("T", max=64), 256, 256, torch.bfloat16, 64, 64, fuse_silu=True)
+    runtime.compile_offline(mlp, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert not re.search(r"bar\.(arrive|sync)\s+4,", ptx)
+    assert re.search(r"bar\.sync\s+3,", ptx)  # the record's hand-over: a sync on both sides
+
+
 def test_the_early_handover_is_part_of_the_kernel_spec(monkeypatch):
     g = ops.dag_graph([[], [0]], N, M)
     on = runtime.kernel_spec(g, False)

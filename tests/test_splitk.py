@@ -311,11 +311,12 @@ def test_split_mlp_compiles_for_hopper(spill_stores):
 @requires_cuda
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("split_k", [2, None])
-@pytest.mark.parametrize("early", ["0", "1"])
-def test_split_mlp_on_the_gpu(scheduler, split_k, early, monkeypatch):
+@pytest.mark.parametrize("early,epi", [("0", "0"), ("1", "0"), ("1", "1")])
+def test_split_mlp_on_the_gpu(scheduler, split_k, early, epi, monkeypatch):
     """early: ``CUTEMK_EARLY_HANDOVER`` (tasks without events handed over before their
-    loads)."""
+    loads); epi: ``CUTEMK_EPI_MBARRIER`` (the staging buffer released by an mbarrier)."""
     monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", early)
+    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", epi)
     torch.manual_seed(3)
     H, I = 1024, 1536
     g = mlp_graph(mk.sym("T", max=16), H, I, BF, 64, 128, fuse_silu=True, split_k=split_k)

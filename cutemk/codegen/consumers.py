@@ -17,7 +17,7 @@ from ..device.config import (
     WARP_SIZE as WARP,
     simt_sync,
 )
-from ..device.ring import queue_get, queue_put
+from ..device.ring import epi_acquire, queue_get, queue_put
 from ..device.sync import notify_event
 from .layout import D, P, PROF_WIDTH
 from .lower import ABORT, R_C0, R_C1, R_LIVE, R_NHI, R_NLO, R_NODE, R_TASK, R_WORD, REC_WIDTH
@@ -40,6 +40,7 @@ class ConsumerRoles:
         qcount = Int32(0)
         rcount = Int32(0)
         dcount = Int32(0)
+        ecount = Int32(0)  # ring tiles staged so far (the staging buffer's release phase)
         alive = Boolean(True)
         while alive:
             rec = queue_get(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, pwait)
@@ -75,6 +76,7 @@ class ConsumerRoles:
                                 epi,
                                 ctid,
                                 pwait,
+                                self._epi_free(L, ecount, pwait),
                             )
                 if is_ring:  # the storer warp stores, notifies and profiles the tile
                     if ctid == 0:
@@ -89,6 +91,7 @@ class ConsumerRoles:
                     cute.arch.barrier(
                         barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
                     )
+                    ecount = ecount + 1
                 else:  # a SIMT tile, or a ring tile that does not exist (nothing to store)
                     if ctid < NUM_THREADS:  # the SIMT group
                         if self._exists(tensors, node, c0, c1):
@@ -117,7 +120,7 @@ class ConsumerRoles:
         if cutlass.const_expr(w.ring_stages > 0):
             # stop the storer, once it has taken the last tile (or its initial arrive, if none):
             # an arrive on EPI_FULL before that would complete the storer's pending barrier
-            cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
+            epi_acquire(self._epi_free(L, ecount, pwait), w.store_threads)
             if ctid == 0:
                 sEpiRec[R_TASK] = Int32(-1)
             cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
@@ -139,6 +142,24 @@ class ConsumerRoles:
             for j in range(rec[R_NLO], rec[R_NHI]):
                 notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
 
+    @staticmethod
+    def _epi_free(L, ecount, pwait):
+        """What ``epi_acquire`` waits on: None (the named barrier), or the release mbarrier
+        at the phase of ``ecount`` staged tiles (``KernelSpec.epi_mbarrier``)."""
+        return None if L.epi_bar is None else (L.epi_bar, ecount, pwait)
+
+    @cute.jit
+    def _epi_release(self, L):
+        """Storer warp: the staging buffer (and the staged record) is read; the consumers may
+        write the next tile's. Every lane arrives on the release mbarrier where the kernel
+        has one (``KernelSpec.epi_mbarrier``), else the warp arrives on the named barrier."""
+        if cutlass.const_expr(L.epi_bar is not None):
+            cute.arch.mbarrier_arrive(L.epi_bar)
+        else:
+            cute.arch.barrier_arrive(
+                barrier_id=EPI_EMPTY_BARRIER, number_of_threads=self.w.store_threads
+            )
+
     @cute.jit
     def _storer(self, L, lane):
         """Producer warpgroup's storer warp: for each ring tile the consumers staged, issue its
@@ -148,7 +169,7 @@ class ConsumerRoles:
         stamp, num_init, sEpiRec, epi = L.stamp, L.num_init, L.sEpiRec, L.epi
         w = self.w
         # the staging buffer starts free
-        cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads)
+        self._epi_release(L)
         alive = Boolean(True)
         while alive:
             cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
@@ -162,9 +183,7 @@ class ConsumerRoles:
                             self.spec.ops[k].device_store(tensors[k], c0, c1, epi)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier_arrive(
-                    barrier_id=EPI_EMPTY_BARRIER, number_of_threads=w.store_threads
-                )
+                self._epi_release(L)
                 cute.arch.cp_async_bulk_wait_group(0)
                 # the store's async-proxy writes before the generic release that notifies them
                 cute.arch.fence_proxy("async.global")

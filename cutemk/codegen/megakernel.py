@@ -149,6 +149,10 @@ class KernelSpec:
     # benchmarks/NOTES.md); off (``CUTEMK_EARLY_HANDOVER=0``) only to measure it; a
     # distributed kernel ignores it
     early_handover: bool = True
+    # the staging buffer's release (storer -> consumers) by an mbarrier instead of a named
+    # barrier's arrive -> sync, which compute-sanitizer's racecheck cannot follow
+    # (``CUTEMK_EPI_MBARRIER=1``; off until it has run on a GPU, benchmarks/NOTES.md)
+    epi_mbarrier: bool = False
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -166,6 +170,7 @@ class KernelSpec:
             "live": None if self.live is None else [list(p) for p in self.live],
             "cooperative": self.cooperative,
             "early_handover": self.early_handover,
+            "epi_mbarrier": self.epi_mbarrier,
         }
 
 
@@ -194,6 +199,7 @@ class _Launch:
     ring: object
     epi: object
     scratch: object
+    epi_bar: object = None  # the staging buffer's release mbarrier (``KernelSpec.epi_mbarrier``)
 
 
 class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
@@ -274,6 +280,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         sDone = smem.allocate_tensor(Int32, cute.make_layout(w.task_slots), byte_alignment=16)
         sEpiRec = smem.allocate_tensor(Int32, cute.make_layout(REC_WIDTH), byte_alignment=16)
         n_bars = 4 * w.task_slots + 2 * max(w.ring_stages, 1)
+        epi_mbar = self.spec.epi_mbarrier and w.ring_stages > 0
+        if cutlass.const_expr(epi_mbar):
+            n_bars += 1
         bar_mem = smem.allocate_tensor(Int64, cute.make_layout(n_bars), byte_alignment=8)
         q_full = bar_mem.iterator
         q_empty = q_full + w.task_slots
@@ -295,9 +304,12 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             if cutlass.const_expr(w.ring_stages > 0):
                 init_barriers(r_full, w.ring_stages, 1)
                 init_barriers(r_empty, w.ring_stages, w.consumer_warps)
+            if cutlass.const_expr(epi_mbar):  # every storer lane releases
+                init_barriers(d_empty + w.task_slots, 1, WARP)
         cute.arch.mbarrier_init_fence()
         bars = (q_full, q_empty, r_full, r_empty, d_full, d_empty)
-        shared = (sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch)
+        epi_bar = d_empty + w.task_slots if epi_mbar else None
+        shared = (sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch, epi_bar)
         args = (mProf, mPeers, timeout_ns, shared)
         if cutlass.const_expr(self.spec.live is None):
             self._run(graph_tensors, extras, mProg, mDev, num_tasks, num_init, max_epoch, *args)
@@ -372,7 +384,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch = shared
+        sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch, epi_bar = shared
         cta_rec = None  # profile: this CTA's record, after the tasks' records
         if cutlass.const_expr(self.spec.profile):
             cta_rec = num_tasks * PROF_WIDTH + bidx * PROF_WIDTH
@@ -417,6 +429,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             ring=ring,
             epi=epi,
             scratch=scratch,
+            epi_bar=epi_bar,
         )
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         if warp < WARPGROUP // WARP:

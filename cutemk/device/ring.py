@@ -27,13 +27,17 @@ from __future__ import annotations
 import cutlass
 from cutlass import Int32, cute
 
+from .config import EPI_EMPTY_BARRIER
+
 
 WAIT_RING_FULL, WAIT_RING_EMPTY, WAIT_QUEUE_FULL, WAIT_QUEUE_EMPTY = 1, 2, 3, 4
+WAIT_EPI_EMPTY = 5
 WAIT_NAMES = {
     WAIT_RING_FULL: "consumers waited for a ring slot's loads",
     WAIT_RING_EMPTY: "the producer waited for a ring slot to be freed",
     WAIT_QUEUE_FULL: "consumers waited for a task record",
     WAIT_QUEUE_EMPTY: "the producer waited for a task slot to be freed",
+    WAIT_EPI_EMPTY: "consumers waited for the staging buffer's release by the storer",
 }
 
 
@@ -74,6 +78,22 @@ def consumer_release(empty, count: Int32, stages: int, lane: Int32):
     """Each consumer warp, after every lane is done with slot ``count``: one arrive."""
     if lane == 0:
         cute.arch.mbarrier_arrive(empty + count % stages)
+
+
+@cute.jit
+def epi_acquire(epi_free, threads: int):
+    """Consumers, before their first write of the staging buffer in a ring tile: the previous
+    ring tile's store has read it. ``epi_free`` None: the named barrier ``EPI_EMPTY_BARRIER``
+    of ``threads`` (the storer arrives on it); else ``(bar, count, wait)``: the storer's
+    release mbarrier (every storer lane arrives once a tile, and once at the start), waited
+    at the phase of ``count``, the ring tiles these consumers staged before this one
+    (``KernelSpec.epi_mbarrier``: a hand-over ``compute-sanitizer --tool racecheck``
+    follows, where it does not follow a named barrier's arrive -> sync)."""
+    if cutlass.const_expr(epi_free is None):
+        cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=threads)
+    else:
+        bar, count, wait = epi_free
+        wait(bar, count & 1, WAIT_EPI_EMPTY)
 
 
 @cute.jit
