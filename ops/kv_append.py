@@ -37,6 +37,20 @@ from cutemk.tileop import (
 )
 
 
+def append_target(b: int, t) -> tuple[int, int] | None:
+    """(page, slot) sequence b's new row goes to, or None for bad data; ``t``: the tensors of
+    an append (``k_cache_out``, ``page_table``, ``seq_lens``)."""
+    pages, page = t["k_cache_out"].shape[0], t["k_cache_out"].shape[1]
+    pos = int(t["seq_lens"][b]) - 1
+    max_pages = t["page_table"].shape[1]
+    if not 0 <= pos < max_pages * page:
+        return None
+    pg = int(t["page_table"][b, pos // page])
+    if not 0 <= pg < pages:
+        return None
+    return pg, pos % page
+
+
 def check_rows_and_caches(op) -> None:
     """The checks an append op (``op.name``, its ``k_new`` / ``v_new`` rows of keys and values
     and its ``k_cache`` / ``v_cache``) makes of those four: ranks, one dtype, the caches'
@@ -108,16 +122,7 @@ class KvAppendTile(TileOp):
         }
 
     def _target(self, b: int, t, env) -> tuple[int, int] | None:
-        """(page, slot) sequence b's new row goes to, or None for bad data."""
-        pages, page = t["k_cache_out"].shape[0], t["k_cache_out"].shape[1]
-        pos = int(t["seq_lens"][b]) - 1
-        max_pages = t["page_table"].shape[1]
-        if not 0 <= pos < max_pages * page:
-            return None
-        pg = int(t["page_table"][b, pos // page])
-        if not 0 <= pg < pages:
-            return None
-        return pg, pos % page
+        return append_target(b, t)
 
     def writes(self, coord, env, data=None):
         if data is None:

@@ -60,6 +60,8 @@ from cutemk.tileop import (
     register_op,
 )
 
+from .kv_append import append_target
+
 WARPS = NUM_THREADS // WARP
 
 
@@ -276,17 +278,9 @@ class QkNormRopeTile(TileOp):
 
     def _targets(self, rows, t) -> list[tuple[int, int, int]]:
         """(token, page, slot) of each row of ``rows`` whose new key and value go to the cache
-        (bad positions and pages left out)."""
-        pages, page = t["k_cache_out"].shape[0], t["k_cache_out"].shape[1]
-        max_pages = t["page_table"].shape[1]
-        out = []
-        for tok in range(*rows):
-            pos = int(t["seq_lens"][tok]) - 1
-            if 0 <= pos < max_pages * page:
-                pg = int(t["page_table"][tok, pos // page])
-                if 0 <= pg < pages:
-                    out.append((tok, pg, pos % page))
-        return out
+        (bad positions and pages left out: ``ops.kv_append``'s rule)."""
+        targets = ((tok, append_target(tok, t)) for tok in range(*rows))
+        return [(tok, *target) for tok, target in targets if target is not None]
 
     def writes(self, coord, env, data=None):
         rows, d = self._rows(coord, env), self.head_dim

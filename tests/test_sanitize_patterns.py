@@ -26,11 +26,8 @@ def _patterns():
     [
         ("named", [r"bar\.arrive\s+1, 64", r"bar\.sync\s+1, 64"], [r"mbarrier\.arrive"]),
         ("named_sync", [r"bar\.sync\s+1, 64", r"bar\.sync\s+2, 64"], [r"\bbar\.arrive"]),
-        (
-            "mbarrier",
-            [r"mbarrier\.arrive", r"mbarrier\.try_wait", r"bar\.warp\.sync"],
-            [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init"],
-        ),
+        ("mbarrier", [r"mbarrier\.arrive", r"mbarrier\.try_wait", r"bar\.warp\.sync"],
+         [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init"]),
         ("mbarrier_all", [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init", r"mbarrier\.try_wait"], []),
     ],
 )
