@@ -135,7 +135,7 @@ def kernel_spec(
         live_pairs,
         os.environ.get("CUTEMK_COOPERATIVE", "1") != "0",
         os.environ.get("CUTEMK_EARLY_HANDOVER", "1") != "0",
-        os.environ.get("CUTEMK_EPI_MBARRIER", "0") == "1",
+        os.environ.get("CUTEMK_EPI_MBARRIER", "1") != "0",
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

@@ -450,12 +450,12 @@ def test_decode_layer_without_the_early_handover_compiles_for_hopper(
     assert spill_stores(ptx_file) == 0
 
 
-def test_decode_layer_with_the_epi_mbarrier_compiles_for_hopper(
+def test_decode_layer_without_the_epi_mbarrier_compiles_for_hopper(
     tmp_path, monkeypatch, spill_stores
 ):
-    """``CUTEMK_EPI_MBARRIER=1`` (the staging buffer released by an mbarrier): the Qwen3-8B
-    decode layer, static, still without register spills (the storer only arrives)."""
-    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "1")
+    """``CUTEMK_EPI_MBARRIER=0`` (the staging buffer released by a named barrier, the
+    measuring switch): the Qwen3-8B decode layer, static, still without register spills."""
+    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "0")
     g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")

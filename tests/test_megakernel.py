@@ -351,14 +351,16 @@ def test_the_cooperative_launch_is_part_of_the_kernel_spec(monkeypatch):
 
 
 def test_the_epi_mbarrier_is_part_of_the_kernel_spec(monkeypatch, tmp_path):
-    """``CUTEMK_EPI_MBARRIER=1``: the staging buffer's release is an mbarrier (every storer
-    lane arrives, the consumers wait on its phase), no named barrier 4 is left."""
+    """The staging buffer's release is an mbarrier by default (every storer lane arrives, the
+    consumers wait on its phase): no named barrier 4 is left; ``CUTEMK_EPI_MBARRIER=0`` turns
+    it off."""
     g = ops.dag_graph([[], [0]], N, M)
-    off = runtime.kernel_spec(g, False)
-    assert not off.epi_mbarrier  # off by default
-    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "1")
     on = runtime.kernel_spec(g, False)
-    assert on.epi_mbarrier and on != off and on.describe()["epi_mbarrier"]
+    assert on.epi_mbarrier  # on by default
+    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "0")
+    off = runtime.kernel_spec(g, False)
+    assert not off.epi_mbarrier and on != off and on.describe()["epi_mbarrier"]
+    monkeypatch.delenv("CUTEMK_EPI_MBARRIER")
     from cutemk.layers import mlp_graph
 
     mlp = mlp_graph(mk.sym("T", max=64), 256, 256, torch.bfloat16, 64, 64, fuse_silu=True)
