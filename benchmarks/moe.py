@@ -6,6 +6,8 @@ Implementations, one process, same bf16 inputs and weights:
   torch_graph              router matmul, softmax/top-k, a stable sort of the routed slots,
                            ``torch._grouped_mm`` for gate/up and down, SiLU*mul, a weighted
                            ``index_add_`` combine; replayed from a CUDA graph
+  mk_static[routed]        at one token: MegaMoE's 'gemv' graph (route and permute steps)
+                           beside the 'gemv1' graph that mk_static runs (the slot layout)
   torch_eager              the same, launched eagerly
   hf_eager                 transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights, eager
                            (where transformers is importable)
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from cutemk.layers import moe_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
-    from cutemk.nn import MOE_DECODE_MAX_TOKENS, MOE_TILES, MegaMoE
+    from cutemk.nn import MOE_DECODE_MAX_TOKENS, MOE_REGIME_LIMITS, MOE_TILES, MegaMoE
 
     res = Results(
         "moe",
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": TOP_K,
             "max_tokens": MAX_TOKENS,
             "decode_max_tokens": MOE_DECODE_MAX_TOKENS,
-            "tiles": {r: MOE_TILES[("cute", r)] for r in ("gemv", "decode", "prefill")},
+            "tiles": {r: MOE_TILES[("cute", r)] for r in MOE_REGIME_LIMITS},
             "routing": "on bf16 router logits (as HF); rel_err against an fp32 reference that "
             "rounds the logits to bf16 the same way",
             "rep": rep,
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if t <= MOE_DECODE_MAX_TOKENS:  # the prefill graph at a decode size: is the split right?
             other = megas["mk_static"].compiled("prefill")
             impls["mk_static[prefill tiles]"] = lambda: other(x, *w.values())
+        if t <= MOE_REGIME_LIMITS["gemv1"]:  # one token: the slot layout against the routed graph
+            routed = megas["mk_static"].compiled("gemv")
+            impls["mk_static[routed]"] = lambda: routed(x, *w.values())
         impls["torch_graph"] = lambda: torch_moe(x, **w)
         ref = moe_reference(x, **w, top_k=TOP_K, router_dtype=dt)
         errs = {name: rel_err(fn(), ref) for name, fn in impls.items()}

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         for m in more:  # cNN: tokens per routing tile, mNN: tokens per combine tile
             fields["route_chunk" if m[0] == "c" else "combine_block_m"] = int(m[1:])
         fields.setdefault("route_chunk", None)
-        for regime in ("gemv", "decode", "prefill"):  # one tile set for every token count
+        for regime in mknn.MOE_REGIME_LIMITS:  # one tile set for every token count
             mknn.MOE_TILES[("cute", regime)] = dict(mknn.MOE_TILES[("cute", regime)], **fields)
         plain = mknn.MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=args.scheduler)
         # profiling adds a timestamp store per task: a separate module, not the timed one

@@ -50,6 +50,10 @@ class MoeConfig:
     # top-k, which sums them (no reduce phase), so a few tokens' router weight streams over
     # this many times as many SMs
     router_split: int = 1
+    # the grouped GEMMs on the slot layout of the top-k's ids (``ops.moe_slot_gemm``): no
+    # route and no permute step between the top-k and the expert weights, but an expert is
+    # streamed once per (token, pick), so only for a token or two a step (at most block_m)
+    slots: bool = False
 
 
 def _positive(**sizes: int) -> None:
@@ -319,6 +323,8 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
         block_m=4,
         **topk_args,
     )
+    if cfg.slots:
+        return _slot_experts(g, x, tokens, cfg, weights, ids, w_gu, w_down)
     if cfg.route_chunk is None:
         tile_info, row_token, slot_row, _ = g.call(
             ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
@@ -368,6 +374,41 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
     # a few tokens a tile: the gather is latency bound, so spread it over many SMs
     return g.call(
         ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512
+    )
+
+
+def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, w_down):
+    """The experts and the combine of :func:`moe_block` on the slot layout (``cfg.slots``)."""
+    act = g.call(
+        ops.moe_slot_gemm,
+        x,
+        w_gu,
+        ids,
+        slot_input="tokens",
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        epilogue="silu_mul",
+        name="experts_gate_up",
+    )
+    down = g.call(
+        ops.moe_slot_gemm,
+        act,
+        w_down,
+        ids,
+        slot_input="slots",
+        block_m=cfg.block_m,
+        block_n=cfg.down_block_n or cfg.block_n,
+        name="experts_down",
+    )
+    return g.call(
+        ops.moe_combine,
+        down,
+        weights,
+        ids,
+        block_m=cfg.combine_block_m,
+        block_n=512,
+        slot_block_m=cfg.block_m,
+        num_experts=cfg.num_experts,
     )
 
 

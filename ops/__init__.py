@@ -26,7 +26,7 @@ from .gemm_splitk import (
 from .kv_append import KvAppendTile, kv_append
 from .kv_append_varlen import KvAppendVarlenTile, kv_append_varlen
 from .moe_combine import MoeCombineTile, moe_combine
-from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm
+from .moe_grouped_gemm import MoeGroupedGemmTile, moe_grouped_gemm, moe_slot_gemm
 from .moe_permute import MoePermuteTile, moe_permute
 from .moe_route import MoeRouteTile, max_tiles, moe_route
 from .moe_route_split import (
@@ -74,6 +74,7 @@ __all__ = [
     "moe_combine",
     "MoeGroupedGemmTile",
     "moe_grouped_gemm",
+    "moe_slot_gemm",
     "MoePermuteTile",
     "moe_permute",
     "MoeRouteTile",

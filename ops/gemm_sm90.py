@@ -79,6 +79,9 @@ class Sm90GemmConfig:
     norm_blocks: int = 0
     norm_width: int = 0
     norm_eps: float = 0.0
+    # grouped, A is one box of ``a_rows`` rows that every tile loads (the token-major x of a
+    # slot-layout grouped GEMM, ``ops.moe_grouped_gemm``), not tile coord0's rows
+    a_one_box: bool = False
 
     @property
     def extra0(self) -> int:
@@ -138,6 +141,7 @@ def sm90_config(
     residual: bool = False,
     split: int = 1,
     norm: tuple[int, int, float] | None = None,
+    a_one_box: bool = False,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -148,7 +152,8 @@ def sm90_config(
 
     ``grouped``: A is in a grouped layout of ``block_m``-row tiles and ``m_max`` is the most
     rows one tile can hold; the A box shrinks to a power of two >= ``m_max`` dividing
-    ``block_m``, so tile i's rows start at box ``i * block_m / a_rows``.
+    ``block_m``, so tile i's rows start at box ``i * block_m / a_rows``; with ``a_one_box``
+    every tile loads box 0 (A holds at most ``m_max`` rows).
 
     ``split`` > 1: a split-K partial tile (fp32 output, K a multiple of ``split * BLOCK_K``,
     each tile ``K / split`` of it), see ``ops.gemm_splitk``.
@@ -196,6 +201,7 @@ def sm90_config(
         nb,
         width,
         float(eps),
+        bool(grouped and a_one_box),
     )
 
 
@@ -386,7 +392,9 @@ def load_activations(
     # divides bm and tile coord0 starts at box coord0 * bm / a_rows
     sA, _, _ = _ring_views(cfg, ring, stages, slot, cfg.a_rows)
     box = coord0
-    if cutlass.const_expr(cfg.grouped):
+    if cutlass.const_expr(cfg.a_one_box):
+        box = Int32(0)
+    elif cutlass.const_expr(cfg.grouped):
         box = coord0 * (cfg.bm // cfg.a_rows)
     x = cfg.extra0
     _copy_slice(tensors[x], tensors[x + 1], sA, box, cfg.a_rows, kt, idx, bar)

@@ -3,6 +3,10 @@
 One block of tokens (and of hidden columns) a task. Which rows a token reads is data (the
 routing), so the declared read of ``rows`` is the whole tensor: a combine tile waits for every
 grouped-GEMM tile. With data the read boxes are exact (the interpreter's race check uses them).
+
+In the slot layout of ``ops.moe_slot_gemm`` (``slot_block_m`` > 0) there is no ``slot_row``:
+the input in its place is the top-k's ``ids`` and slot j of token t is row ``(t * k + j) *
+slot_block_m + t``, or no row where the id names no expert (outside ``[0, num_experts)``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.errors import ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -46,6 +51,8 @@ class MoeCombineTile(TileOp):
     slot_row: TensorSpec  # (tokens, k) int32
     block_m: int = 16
     block_n: int = 256
+    slot_block_m: int = 0  # > 0: slot_row is the top-k's ids, rows in the slot layout
+    num_experts: int = 0  # the slot layout's experts (ids outside [0, num_experts): no row)
 
     name: ClassVar[str] = "moe_combine"
     inputs: ClassVar[tuple[str, ...]] = ("rows", "weights", "slot_row")
@@ -64,6 +71,25 @@ class MoeCombineTile(TileOp):
         for f in ("block_m", "block_n"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"moe_combine {f} must be a positive int")
+        if self.slot_block_m:
+            if not isinstance(self.slot_block_m, int) or self.slot_block_m < 1:
+                raise ValueError("moe_combine slot_block_m must be a positive int (or 0)")
+            if not isinstance(self.num_experts, int) or self.num_experts < 1:
+                raise ValueError("moe_combine in the slot layout needs num_experts >= 1")
+            if not isinstance(self.slot_row.shape[1], int):
+                raise ShapeError("moe_combine: the slot layout needs a static top-k")
+
+    def _rows_of(self, slot_row: torch.Tensor, t0: int) -> torch.Tensor:
+        """Rows gathered by tokens ``t0, t0 + 1, ...`` (-1: none): ``slot_row`` itself, or in
+        the slot layout the rows of those tokens' ids."""
+        if not self.slot_block_m:
+            return slot_row
+        bt, k = slot_row.shape
+        t = torch.arange(t0, t0 + bt, dtype=torch.int64).unsqueeze(1)
+        j = torch.arange(k, dtype=torch.int64).unsqueeze(0)
+        rows = (t * k + j) * self.slot_block_m + t
+        ok = (slot_row >= 0) & (slot_row < self.num_experts)
+        return torch.where(ok, rows, -1)
 
     def output_specs(self):
         return {"y": TensorSpec((self.weights.shape[0], self.rows.shape[1]), self.rows.dtype)}
@@ -85,8 +111,11 @@ class MoeCombineTile(TileOp):
         }
         if data is not None and k:
             # the span of rows it gathers: all inside existing tiles, which are written whole
-            rows = data["slot_row"][tr[0] : tr[1]].reshape(-1)
+            rows = self._rows_of(data["slot_row"][tr[0] : tr[1]], tr[0]).reshape(-1)
             rows = rows[rows >= 0]  # -1: no row (no usable logit, or an id out of range)
+            if self.slot_block_m:  # one row of each slot's tile: the rows themselves
+                r["rows"] = [((int(v), int(v) + 1), hc) for v in rows.tolist()] or [((0, 0), hc)]
+                return r
             gathered = (int(rows.min()), int(rows.max()) + 1) if rows.numel() else (0, 0)
             r["rows"] = (gathered, hc)  # no rows at all (every slot bad): it reads none
         return r
@@ -121,7 +150,7 @@ class MoeCombineTile(TileOp):
 
     def reference(self, coord, env, t):
         (t0, t1), (c0, c1), _ = self._boxes(coord, env)
-        idx = t["slot_row"][t0:t1].long()  # (bt, k); -1: no row, the token's output is NaN
+        idx = self._rows_of(t["slot_row"][t0:t1], t0).long()  # (bt, k); -1: no row: NaN out
         gathered = t["rows"][idx.clamp(min=0), c0:c1].float()  # (bt, k, bn)
         terms = gathered * t["weights"][t0:t1].unsqueeze(-1)
         y = torch.where((idx >= 0).unsqueeze(-1), terms, float("nan")).sum(dim=1)
@@ -163,7 +192,14 @@ class MoeCombineTile(TileOp):
         )
         for i in range(tidx, (t_end - t0) * k, NUM_THREADS):
             tl = i // k
-            sRow[tl, i - tl * k] = mSlotRow[t0 + tl, i - tl * k]
+            r = mSlotRow[t0 + tl, i - tl * k]
+            if cutlass.const_expr(self.slot_block_m):  # an id: its slot's row, or none
+                tok = t0 + tl
+                e = r
+                r = (tok * k + i - tl * k) * self.slot_block_m + tok
+                if e < 0 or e >= self.num_experts:
+                    r = Int32(-1)
+            sRow[tl, i - tl * k] = r
             sW[tl, i - tl * k] = mWeights[t0 + tl, i - tl * k].to(Float32)
         simt_sync()
         if cutlass.const_expr(self._words()):
@@ -254,5 +290,9 @@ def moe_combine(
     *,
     block_m: int = 16,
     block_n: int = 256,
+    slot_block_m: int = 0,
+    num_experts: int = 0,
 ) -> MoeCombineTile:
-    return MoeCombineTile(rows, weights, slot_row, block_m, block_n)
+    """``slot_block_m`` > 0: ``slot_row`` is the top-k's ids and ``rows`` the slot layout of
+    ``ops.moe_slot_gemm`` (see the module doc)."""
+    return MoeCombineTile(rows, weights, slot_row, block_m, block_n, slot_block_m, num_experts)

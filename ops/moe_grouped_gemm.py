@@ -14,6 +14,17 @@ writes it for the gate/up projection; the down projection reads the gate/up outp
 Epilogue ``silu_mul``: ``w`` stacks ``[W_gate; W_up]`` per expert (E, 2N, K) and the tile is
 ``silu(x W_gate[e]^T) * (x W_up[e]^T)`` (N columns).
 
+**Slot layout** (``slot_input``, a decode step of a few tokens: ``moe_slot_gemm``): no routing
+step at all. The routing input is the top-k's ``ids`` (T, k) itself and row tile ``i = t * k +
+j`` is slot j of token t: expert ``ids[t, j]``, one row, kept at row ``i * block_m + t`` of
+the output (T * k * block_m, N); the tile's other rows are unspecified. A tile exists where the
+id names an expert (``0 <= id < E``; the top-k writes -1 for a slot with no usable logit).
+``slot_input="tokens"``: x is the token-major (T, K) input and every tile reads its first rows
+(T <= ``expert_rows`` <= ``block_m``: one A box holds every token); ``"slots"``: x is a slot
+layout (the gate/up tile's output, read by the down projection). An expert that two tokens
+pick is streamed once per slot, so the layout pays at one or two tokens a step, where it saves
+the route and permute steps (and their hops) between the top-k and the expert weights.
+
 On sm_90a with bf16/fp16 and the padded layout the tile is the Hopper GEMM of
 ``ops/gemm_sm90.py`` (one shared main loop with ``ops.gemm``): TMA through the megakernel's
 ring, the expert a TMA coordinate of the weight (no descriptor updates), wgmma on two consumer
@@ -35,7 +46,7 @@ from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
 from cutemk.errors import GraphError, ShapeError
-from cutemk.symbolic import cdiv
+from cutemk.symbolic import cdiv, upper
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -65,6 +76,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     block_n: int = 64
     epilogue: Optional[str] = None  # None or "silu_mul" (w stacks [W_gate; W_up] per expert)
     expert_rows: Optional[int] = None  # the most rows one expert can have (the max tokens)
+    slot_input: Optional[str] = None  # None, or the slot layout's x: "tokens" or "slots"
 
     name: ClassVar[str] = "moe_grouped_gemm"
     block_k: ClassVar[int] = 32
@@ -78,6 +90,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         expect_ndim(self.tile_info, 2, "moe_grouped_gemm tile_info")
         expect_dtype(self.x, FLOAT_DTYPES, "moe_grouped_gemm x")
         expect_dtype(self.tile_info, (torch.int32,), "moe_grouped_gemm tile_info")
+        if self.slot_input is not None:
+            self._check_slots()
         if self.w.dtype != self.x.dtype:
             raise TypeError(
                 f"moe_grouped_gemm w must have x's dtype {self.x.dtype}, got {self.w.dtype}"
@@ -93,7 +107,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
                 self.tile_info.shape[0] * self.block_m,
                 "moe_grouped_gemm: row_token rows vs tiles*block_m (block_m must be moe_route's)",
             )
-        else:
+        elif self.slot_input is None:
             expect_same_dim(
                 self.x.shape[0],
                 self.tile_info.shape[0] * self.block_m,
@@ -117,8 +131,66 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
                 f"moe_grouped_gemm expert_rows must be a positive int, got {self.expert_rows!r}"
             )
 
+    def _check_slots(self) -> None:
+        """The slot layout's extra rules (see the module doc)."""
+        if self.slot_input not in ("tokens", "slots"):
+            raise ValueError(
+                f"moe_grouped_gemm slot_input must be None, 'tokens' or 'slots', got "
+                f"{self.slot_input!r}"
+            )
+        if self.row_token is not None:
+            raise GraphError("moe_grouped_gemm: the slot layout gathers no rows (no row_token)")
+        k = self.tile_info.shape[1]
+        if not isinstance(k, int):
+            raise ShapeError("moe_grouped_gemm: the slot layout needs a static top-k (ids dim 1)")
+        t_max = upper(self.tile_info.shape[0])
+        if self.expert_rows is None or not t_max <= self.expert_rows <= self.block_m:
+            raise ShapeError(
+                f"moe_grouped_gemm: the slot layout keeps token t at row t of its tile, so the "
+                f"most tokens ({t_max}) <= expert_rows ({self.expert_rows}) <= block_m "
+                f"({self.block_m}) must hold"
+            )
+        if self.slot_input == "tokens":
+            expect_same_dim(
+                self.x.shape[0], self.tile_info.shape[0], "moe_grouped_gemm: x tokens vs ids"
+            )
+        else:
+            expect_same_dim(
+                self.x.shape[0],
+                self.tile_info.shape[0] * k * self.block_m,  # a slot-layout output's rows
+                "moe_grouped_gemm: slot-layout x rows vs tokens*top_k*block_m",
+            )
+
+    @property
+    def _slots(self) -> int:
+        """Slots a token has in the slot layout (the top-k), 0 in moe_route's layout."""
+        return 0 if self.slot_input is None else self.tile_info.shape[1]
+
+    def _tiles(self):
+        """Row tiles: moe_route's tiles, or tokens * top_k slots."""
+        k = self._slots
+        return self.tile_info.shape[0] * k if k else self.tile_info.shape[0]
+
+    def _expert_of(self, i: int, data) -> int:
+        """Expert of row tile ``i`` at this routing (-1: none)."""
+        k = self._slots
+        if not k:
+            return int(data["tile_info"][i, 0])
+        e = int(data["tile_info"][i // k, i % k])
+        return e if 0 <= e < self.w.shape[0] else -1
+
     def check_producers(self, producers) -> None:
         route = producers.get("tile_info")
+        if self.slot_input is not None:
+            if getattr(route, "name", None) == "topk_softmax" and isinstance(
+                route.logits.shape[-1], int
+            ):
+                if route.logits.shape[-1] != self.w.shape[0]:
+                    raise GraphError(
+                        f"moe_grouped_gemm has weights of {self.w.shape[0]} experts but its "
+                        f"ids come from a top-k over {route.logits.shape[-1]}"
+                    )
+            return
         if getattr(route, "name", None) in ("moe_route", "moe_route_layout"):
             experts = self.w.shape[0]
             if experts != route.num_experts:
@@ -143,31 +215,36 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         return base if self.row_token is None else base + ("row_token",)
 
     def output_specs(self):
-        rows = self.tile_info.shape[0] * self.block_m
+        rows = self._tiles() * self.block_m
         return {"out": TensorSpec((rows, self.n), self.x.dtype)}
 
     def grid(self):
-        return (self.tile_info.shape[0], cdiv(self.n, self.block_n))
+        return (self._tiles(), cdiv(self.n, self.block_n))
 
     def _ev(self, d, env):
         return d if isinstance(d, int) else d.eval(env)
 
     def exists(self, coord, env, data):
-        return int(data["tile_info"][coord[0], 0]) >= 0
+        return self._expert_of(coord[0], data) >= 0
 
     def reads(self, coord, env, data=None):
         i, j = coord
-        tiles = self._ev(self.tile_info.shape[0], env)
+        tiles = self._ev(self._tiles(), env)
         rows = block(i, self.block_m, tiles * self.block_m)
+        k = self._slots
         r = {"tile_info": ((i, i + 1), (0, 2)), "w": full_box(self.w.concrete(env))}
-        if self.row_token is None:
+        if k:
+            r["tile_info"] = ((i // k, i // k + 1), (i % k, i % k + 1))
+        if self.slot_input == "tokens":  # the first rows of x: every token
+            r["x"] = full_box(self.x.concrete(env))
+        elif self.row_token is None:
             r["x"] = (rows, (0, self._ev(self.x.shape[1], env)))
         else:
             r["row_token"] = (rows,)
             # which tokens are gathered is data: without data, any row of x
             r["x"] = full_box(self.x.concrete(env))
         if data is not None:  # exact: only this expert's weight block
-            e = int(data["tile_info"][i, 0])
+            e = self._expert_of(i, data)
             _, n2, k = self.w.concrete(env)
             n = self._ev(self.n, env)
             cols = block(j, self.block_n, n)
@@ -178,7 +255,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
 
     def writes(self, coord, env, data=None):
         i, j = coord
-        rows = self._ev(self.tile_info.shape[0], env) * self.block_m
+        rows = self._ev(self._tiles(), env) * self.block_m
         n = self._ev(self.n, env)
         return {"out": (block(i, self.block_m, rows), block(j, self.block_n, n))}
 
@@ -187,15 +264,21 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     def region_arrays(self, which, env, coords):
         n_t = len(coords)
         i = coords[:, 0]
-        rows = blocks(i, self.block_m, self._ev(self.tile_info.shape[0], env) * self.block_m)
+        rows = blocks(i, self.block_m, self._ev(self._tiles(), env) * self.block_m)
         if which == "writes":
             return {"out": boxes(rows, blocks(coords[:, 1], self.block_n, self._ev(self.n, env)))}
         w = self.w.concrete(env)
+        k = self._slots
         r = {
             "tile_info": boxes(np.stack([i, i + 1], axis=1), span(0, 2, n_t)),
             "w": boxes(*(span(0, d, n_t) for d in w)),
         }
-        if self.row_token is None:
+        if k:
+            t, j = i // k, i % k
+            r["tile_info"] = boxes(np.stack([t, t + 1], axis=1), np.stack([j, j + 1], axis=1))
+        if self.slot_input == "tokens":
+            r["x"] = boxes(*(span(0, d, n_t) for d in self.x.concrete(env)))
+        elif self.row_token is None:
             r["x"] = boxes(rows, span(0, self._ev(self.x.shape[1], env), n_t))
         else:
             r["row_token"] = boxes(rows)
@@ -214,20 +297,27 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     def reference(self, coord, env, t):
         i, _ = coord
         (r0, r1), (c0, c1) = self.writes(coord, env)["out"]
-        e, valid = (int(v) for v in t["tile_info"][i])
-        if self.row_token is None:
-            a = t["x"][r0 : r0 + valid].float()
+        k = self._slots
+        if k:  # one row, token i // k's, at row i // k of the tile
+            e, lo, hi = self._expert_of(i, t), i // k, i // k + 1
+            a = t["x"][lo:hi] if self.slot_input == "tokens" else t["x"][r0 + lo : r0 + hi]
+            a = a.float()
         else:
-            a = t["x"][t["row_token"][r0 : r0 + valid].long()].float()
+            e, hi = (int(v) for v in t["tile_info"][i])
+            lo = 0
+            if self.row_token is None:
+                a = t["x"][r0 : r0 + hi].float()
+            else:
+                a = t["x"][t["row_token"][r0 : r0 + hi].long()].float()
         out = t["out"][r0:r1, c0:c1]
+        out[:] = float("nan")  # rows past the tile's own: unspecified, poisoned for the checks
         if self.epilogue == "silu_mul":
             n = self._ev(self.n, env)
             gate = a @ t["w"][e, c0:c1].float().T
             up = a @ t["w"][e, n + c0 : n + c1].float().T
-            out[:valid] = (F.silu(gate) * up).to(out.dtype)
+            out[lo:hi] = (F.silu(gate) * up).to(out.dtype)
         else:
-            out[:valid] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
-        out[valid:] = float("nan")  # padding: unspecified, poisoned for the checks
+            out[lo:hi] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
 
     # -- device: the Hopper path (ring methods from gemm_sm90.HopperGemmOp) ----------------
     independent_inputs: ClassVar[tuple[str, ...]] = ("w",)
@@ -247,6 +337,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             self.epilogue == "silu_mul",
             self.expert_rows,
             grouped=True,
+            a_one_box=self.slot_input == "tokens",
         )
 
     # -- device: the portable path ---------------------------------------------------------
@@ -261,16 +352,31 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     exists_on_device: ClassVar[bool] = True
 
     @cute.jit
+    def _device_expert(self, tensors, coord0: Int32) -> Int32:
+        """Row tile ``coord0``'s expert as the routing input says (unchecked in the slot
+        layout: an id the top-k wrote)."""
+        k = self._slots
+        e = Int32(0)
+        if cutlass.const_expr(k):
+            t = coord0 // k
+            e = tensors[2][t, coord0 - t * k]
+        else:
+            e = tensors[2][coord0, 0]
+        return e
+
+    @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
         """Device twin of :meth:`exists`: row tile ``coord0`` has an expert at this routing."""
-        mTileInfo = tensors[2]
-        return mTileInfo[coord0, 0] >= 0
+        e = self._device_expert(tensors, coord0)
+        ok = e >= 0
+        if cutlass.const_expr(self._slots):
+            ok = ok and e < self.w.shape[0]
+        return ok
 
     @cute.jit
     def device_task_word(self, tensors, coord0: Int32, coord1: Int32) -> Int32:
         """The tile's expert, which the weight loads of every slice take as a coordinate."""
-        mTileInfo = tensors[2]
-        return mTileInfo[coord0, 0]
+        return self._device_expert(tensors, coord0)
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -292,8 +398,17 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         fused = self.epilogue == "silu_mul"
         mX, mW, mTileInfo = tensors[0], tensors[1], tensors[2]
         mOut = tensors[len(tensors) - 1]
-        expert = mTileInfo[coord0, 0]
-        valid = mTileInfo[coord0, 1]
+        k_slots = self._slots
+        expert = self._device_expert(tensors, coord0)
+        lo = Int32(0)  # the tile's rows [lo, hi) are its own
+        hi = Int32(0)
+        if cutlass.const_expr(k_slots):
+            lo = coord0 // k_slots
+            hi = lo + 1
+            if expert >= mW.shape[0]:
+                expert = Int32(-1)
+        else:
+            hi = mTileInfo[coord0, 1]
         if expert >= 0:
             kdim = mX.shape[1]
             ndim = mOut.shape[1]
@@ -312,11 +427,14 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             sSrc = cute.make_tensor(
                 cute.recast_ptr(base + (bm + nb * bn) * pitch, dtype=Int32), cute.make_layout(bm)
             )
+            from_tokens = self.slot_input == "tokens"
             for m in range(tidx, bm, NUM_THREADS):
                 src = Int32(-1)
-                if m < valid:
+                if m >= lo and m < hi:
                     if cutlass.const_expr(gathered):
                         src = tensors[3][r0 + m]
+                    elif cutlass.const_expr(from_tokens):
+                        src = m
                     else:
                         src = r0 + m
                 sSrc[m] = src
@@ -370,7 +488,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
                 idx = tidx + q * NUM_THREADS
                 m = idx // bn
                 n = c0 + idx % bn
-                if idx < bm * bn and n < ndim and m < valid:
+                if idx < bm * bn and n < ndim and m >= lo and m < hi:
                     v = acc[q]
                     if cutlass.const_expr(fused):
                         v = v / (Float32(1.0) + cute.math.exp(-v)) * acc_up[q]
@@ -391,3 +509,24 @@ def moe_grouped_gemm(
     """Grouped GEMM over ``moe_route``'s layout (see the module doc); ``expert_rows``, the most
     rows one expert can have (the most tokens), lets the Hopper tile load fewer A rows."""
     return MoeGroupedGemmTile(x, w, tile_info, row_token, block_m, block_n, epilogue, expert_rows)
+
+
+def moe_slot_gemm(
+    x: TensorSpec,
+    w: TensorSpec,
+    ids: TensorSpec,
+    *,
+    slot_input: str = "tokens",
+    block_m: int = 64,
+    block_n: int = 64,
+    epilogue: Optional[str] = None,
+    expert_rows: Optional[int] = None,
+) -> MoeGroupedGemmTile:
+    """Grouped GEMM over the slot layout of the top-k's ``ids`` (T, k) (see the module doc):
+    ``slot_input="tokens"`` for the gate/up projection of the token-major x, ``"slots"`` for the
+    down projection of its output. ``expert_rows`` defaults to the most tokens."""
+    if expert_rows is None:
+        expert_rows = upper(ids.shape[0])
+    return MoeGroupedGemmTile(
+        x, w, ids, None, block_m, block_n, epilogue, expert_rows, slot_input=slot_input
+    )

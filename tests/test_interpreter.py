@@ -327,3 +327,38 @@ def test_topk_partials_are_checked():
         ops.topk_softmax(TensorSpec((T, 8), torch.float32), k=2, logits_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="logits_dtype"):
         ops.topk_softmax(TensorSpec((2, T, 8), torch.float32), k=2, logits_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("max_t", [1, 2])
+def test_moe_slot_layout_matches_torch(scheduler, max_t):
+    """``MoeConfig.slots``: the grouped GEMMs on the top-k's ids (no route, no permute): the
+    same output as the reference, one tile per (token, pick), and a NaN logit row (fewer usable
+    experts than picks: id -1) only makes that token NaN."""
+    cfg = MoeConfig(
+        hidden=64, intermediate=32, num_experts=8, top_k=2, block_m=16, block_n=32, slots=True
+    )
+    g = moe_graph(mk.sym("T", max=max_t), cfg)
+    names = [n.op.name for n in g.nodes]
+    assert "moe_route" not in names and "moe_permute" not in names, names
+    gen = torch.Generator().manual_seed(23)
+    w = moe_weights(cfg, gen)
+    c = g.compile("interpret", num_sms=5, scheduler=scheduler, seed=4)
+    for t in range(1, max_t + 1):
+        x = torch.randn(t, cfg.hidden, generator=gen)
+        y = c(x, **w)
+        assert rel_err(y, moe_reference(x, **w, top_k=cfg.top_k)) < 1e-5
+        assert c.last_report.skipped == 0
+    # every logit NaN but expert 0's: each token's second pick is "no expert" (-1), its tiles
+    # do not exist and the token's output is NaN
+    w["w_router"][1:, 0] = float("nan")
+    y = c(torch.randn(max_t, cfg.hidden, generator=gen), **w)
+    assert torch.isnan(y).all()
+    per_tile = -(-cfg.intermediate // cfg.block_n) + -(-cfg.hidden // cfg.block_n)
+    assert c.last_report.skipped == per_tile * max_t  # one pick of each token has no expert
+
+
+def test_moe_slot_layout_refuses_too_many_tokens():
+    cfg = MoeConfig(64, 32, 8, 2, block_m=16, block_n=32, slots=True)
+    with pytest.raises(mk.ShapeError, match="expert_rows"):
+        moe_graph(mk.sym("T", max=17), cfg)

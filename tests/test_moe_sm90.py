@@ -211,3 +211,49 @@ def test_moe_with_512_experts_compiles_without_spills_and_matches_torch(tmp_path
         ref = moe_reference(x, **w, top_k=10)
         assert not torch.isnan(y).any()
         assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+
+
+SLOTS = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "gemv1")])
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_moe_slot_layout_compiles_for_hopper(tmp_path, scheduler, spill_stores):
+    """MegaMoE's one-token graph (``MoeConfig.slots``: the grouped GEMMs on the top-k's ids)
+    at Qwen3-30B-A3B's size: no routing node, the expert a TMA coordinate, no spills."""
+    g = moe_graph(mk.sym("T", max=1), SLOTS, torch.bfloat16)
+    assert [n.op.name for n in g.nodes] == [
+        "gemm_partial",
+        "topk_softmax",
+        "moe_grouped_gemm",
+        "moe_grouped_gemm",
+        "moe_combine",
+    ]
+    compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert _count(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", ptx) >= 3
+    assert _count(r"wgmma\.mma_async", ptx) >= 3
+    assert spill_stores(ptx_file) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("max_t", [1, 2])
+def test_moe_hopper_slot_layout(scheduler, max_t):
+    """The slot layout on the GPU at Qwen3-30B-A3B's size: random, one-expert and tied
+    routings against the fp32 reference (bf16 logits), bit-identical reruns; then a router
+    whose logits are NaN but one expert's: no expert for the other picks, every output NaN
+    (the tiles of picks without an expert do not exist; nothing is read outside a buffer)."""
+    _run(SLOTS, scheduler, tuple(range(1, max_t + 1)), ("random", "one_expert", "ties"), max_t)
+    c = moe_graph(mk.sym("T", max=max_t), SLOTS, torch.bfloat16).compile(
+        "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
+    )
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    w = _weights(SLOTS, gen)
+    w["w_router"][1:, 0] = float("nan")
+    x = torch.randn(max_t, SLOTS.hidden, generator=gen, device="cuda").bfloat16()
+    assert torch.isnan(c(x, **w)).all()
+    w = _weights(SLOTS, gen)  # and the same kernel is fine again with good data
+    y = c(x, **w)
+    ref = moe_reference(x, **w, top_k=SLOTS.top_k, router_dtype=torch.bfloat16)
+    assert _rel_err(y, ref) < 1e-2
