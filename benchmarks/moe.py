@@ -6,8 +6,8 @@ Implementations, one process, same bf16 inputs and weights:
   torch_graph              router matmul, softmax/top-k, a stable sort of the routed slots,
                            ``torch._grouped_mm`` for gate/up and down, SiLU*mul, a weighted
                            ``index_add_`` combine; replayed from a CUDA graph
-  mk_static[routed]        at one token: MegaMoE's 'gemv' graph (route and permute steps)
-                           beside the 'gemv1' graph that mk_static runs (the slot layout)
+  mk_static[routed]        at one or two tokens: MegaMoE's 'gemv' graph (route and permute
+                           steps) beside the 'slots' graph that mk_static runs there
   torch_eager              the same, launched eagerly
   hf_eager                 transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights, eager
                            (where transformers is importable)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if t <= MOE_DECODE_MAX_TOKENS:  # the prefill graph at a decode size: is the split right?
             other = megas["mk_static"].compiled("prefill")
             impls["mk_static[prefill tiles]"] = lambda: other(x, *w.values())
-        if t <= MOE_REGIME_LIMITS["gemv1"]:  # one token: the slot layout against the routed graph
+        if t <= MOE_REGIME_LIMITS["slots"]:  # the slot layout against the routed graph
             routed = megas["mk_static"].compiled("gemv")
             impls["mk_static[routed]"] = lambda: routed(x, *w.values())
         impls["torch_graph"] = lambda: torch_moe(x, **w)

@@ -93,15 +93,15 @@ MOE_DECODE_MAX_TOKENS = 512
 ones go to its prefill graph (128-row tiles)."""
 
 MOE_REGIME_LIMITS: dict[str, int | None] = {
-    "gemv1": 1,
+    "slots": 2,
     "gemv": 16,
     "decode": MOE_DECODE_MAX_TOKENS,
     "prefill": None,
 }
 """MegaMoE's regimes in order with the most tokens each serves. An expert holds at most T rows,
-so 'gemv' (decode compiled for T <= 16) loads 16-row A boxes instead of 64. 'gemv1' (one token)
-runs the experts on the top-k's ids directly (``MoeConfig.slots``: no route and no permute
-step before the expert weights stream)."""
+so 'gemv' (decode compiled for T <= 16) loads 16-row A boxes instead of 64. 'slots' (one or two
+tokens) runs the experts on the top-k's ids directly (``MoeConfig.slots``: no route and no
+permute step before the expert weights stream; an expert two tokens pick streams twice)."""
 
 MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
@@ -111,7 +111,7 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # until it divides the hidden size into whole slices). Prefill: 128-row tiles, wider
     # columns, the routing spread over SMs in chunks of 64 tokens (one task routes 32K slots
     # in ~100 us).
-    ("cute", "gemv1"): dict(
+    ("cute", "slots"): dict(
         block_m=64, block_n=64, down_block_n=128, router_block_n=16, router_split=8, slots=True
     ),
     ("cute", "gemv"): dict(
@@ -128,7 +128,7 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
         route_chunk=64,
         combine_block_m=16,
     ),
-    ("interpret", "gemv1"): dict(block_m=16, block_n=32, slots=True),
+    ("interpret", "slots"): dict(block_m=16, block_n=32, slots=True),
     ("interpret", "gemv"): dict(block_m=16, block_n=32),
     ("interpret", "decode"): dict(block_m=16, block_n=32),
     ("interpret", "prefill"): dict(block_m=16, block_n=32),

@@ -26,12 +26,12 @@ def _moe():
 def test_module_warmup_compiles_each_regime_and_plans_counts():
     m = _moe()
     report = mk.warmup(m, tokens=[3, 40, 600], progress=False)
-    assert [r for r, _ in m.regime_starts()] == ["gemv1", "gemv", "decode", "prefill"]
+    assert [r for r, _ in m.regime_starts()] == ["slots", "gemv", "decode", "prefill"]
     assert len(report.steps) == 4 + 3 and report.seconds > 0
     names = [name for name, _ in report.steps]
     assert names[:4] == [
-        "gemv1: compile + launch at T=1",
-        "gemv: compile + launch at T=2",
+        "slots: compile + launch at T=1",
+        "gemv: compile + launch at T=3",
         "decode: compile + launch at T=17",
         "prefill: compile + launch at T=513",
     ]

@@ -21,8 +21,8 @@ class MegaMoE(_KeyedModule):
     up), ``w_down`` (E, H, I): transformers 5.x's ``Qwen3MoeExperts`` layout. Routing is on
     logits in the weights' dtype, as Hugging Face's gate Linear computes them; exact ties go to
     the lower expert id. Four regimes (:data:`MOE_REGIME_LIMITS`), each one graph compiled on
-    first use: ``gemv1`` for one token (the experts on the top-k's ids, no routing step),
-    ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill``
+    first use: ``slots`` for one or two tokens (the experts on the top-k's ids, no routing
+    step), ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill``
     above (tiles in :data:`MOE_TILES`).
     Inference only (no backward).
     """
