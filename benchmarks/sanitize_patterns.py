@@ -16,6 +16,13 @@ shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
   reader released its slot itself.
 - ``mbarrier_all``: the same with every lane of warp 1 arriving on "empty" (it expects 32
   arrivals): the task queue now (``cutemk.device.ring.queue_put`` / ``queue_get``).
+- ``epi``: the staged tile's hand-over as the megakernel does it now: warp 1 (the consumers)
+  waits on the "empty" mbarrier, writes, ``bar.sync`` on barrier 1; warp 0 (the storer) arrives
+  on "empty" with every lane once at the start and after each read, which follows its own
+  ``bar.sync`` on barrier 1.
+- ``epi_late``: the same with warp 1 sleeping ~20 us before its first write, so warp 0 waits
+  long at its first barrier (in the MoE kernel the consumers run SIMT tasks before their first
+  ring tile, and racecheck reports the first hand-over there).
 
 PTX orders both: a ``bar.arrive`` synchronizes with the ``bar.sync`` that completes the same
 barrier phase, an ``mbarrier.arrive`` (release) with the ``mbarrier.try_wait`` (acquire) that
@@ -35,11 +42,12 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import torch  # noqa: E402
 from cutlass import Int32, cute  # noqa: E402
+from cutlass.experimental import primitives as prims  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 
 from cutemk.device.ring import init_barriers  # noqa: E402
 
-PATTERNS = ("named", "named_sync", "mbarrier", "mbarrier_all")
+PATTERNS = ("named", "named_sync", "mbarrier", "mbarrier_all", "epi", "epi_late")
 ROUNDS = 64
 WORDS = 32  # one word a lane
 
@@ -58,14 +66,30 @@ class Pattern:
         buf = smem.allocate_tensor(Int32, cute.make_layout(WORDS), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(2), byte_alignment=8)
         full, empty = bars.iterator, bars.iterator + 1
-        every_lane = cutlass.const_expr(self.name == "mbarrier_all")
+        every_lane = cutlass.const_expr(self.name in ("mbarrier_all", "epi", "epi_late"))
         if tidx == 0:
             init_barriers(full, 1, 1)
             init_barriers(empty, 1, 32 if every_lane else 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         bad = Int32(0)
-        if cutlass.const_expr(self.name in ("mbarrier", "mbarrier_all")):
+        if cutlass.const_expr(self.name in ("epi", "epi_late")):
+            if warp == 1:  # consumers: wait until the buffer is free, write, hand over
+                if cutlass.const_expr(self.name == "epi_late"):
+                    for _ in cutlass.range(20, unroll=1):
+                        prims.nanosleep(1000)
+                for r in cutlass.range(ROUNDS, unroll=1):
+                    cute.arch.mbarrier_wait(empty, r & 1)
+                    buf[lane] = r * WORDS + lane
+                    cute.arch.barrier(barrier_id=1, number_of_threads=64)
+            else:  # storer: free at the start, then read each round and free again
+                cute.arch.mbarrier_arrive(empty)
+                for r in cutlass.range(ROUNDS, unroll=1):
+                    cute.arch.barrier(barrier_id=1, number_of_threads=64)
+                    if buf[lane] != r * WORDS + lane:
+                        bad = bad + 1
+                    cute.arch.mbarrier_arrive(empty)
+        elif cutlass.const_expr(self.name in ("mbarrier", "mbarrier_all")):
             if warp == 0:
                 for r in cutlass.range(ROUNDS, unroll=1):
                     cute.arch.mbarrier_wait(empty, (r & 1) ^ 1)

@@ -182,14 +182,12 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     def check_producers(self, producers) -> None:
         route = producers.get("tile_info")
         if self.slot_input is not None:
-            if getattr(route, "name", None) == "topk_softmax" and isinstance(
-                route.logits.shape[-1], int
-            ):
-                if route.logits.shape[-1] != self.w.shape[0]:
-                    raise GraphError(
-                        f"moe_grouped_gemm has weights of {self.w.shape[0]} experts but its "
-                        f"ids come from a top-k over {route.logits.shape[-1]}"
-                    )
+            experts = getattr(route, "logits", None) and route.logits.shape[-1]
+            if getattr(route, "name", None) == "topk_softmax" and experts != self.w.shape[0]:
+                raise GraphError(
+                    f"moe_grouped_gemm has weights of {self.w.shape[0]} experts but its ids "
+                    f"come from a top-k over {experts}"
+                )
             return
         if getattr(route, "name", None) in ("moe_route", "moe_route_layout"):
             experts = self.w.shape[0]

@@ -362,3 +362,15 @@ def test_moe_slot_layout_refuses_too_many_tokens():
     cfg = MoeConfig(64, 32, 8, 2, block_m=16, block_n=32, slots=True)
     with pytest.raises(mk.ShapeError, match="expert_rows"):
         moe_graph(mk.sym("T", max=17), cfg)
+
+
+def test_moe_slot_gemm_refuses_ids_of_another_expert_count():
+    g = mk.Graph("slot_mismatch")
+    x = g.input("x", (mk.sym("T", max=1), 64))
+    logits = g.call(ops.gemm, x, g.weight("wr", (8, 64)), block_m=16, block_n=8)
+    _, ids = g.call(ops.topk_softmax, logits, k=2)
+    w = g.weight("w_gate_up", (4, 64, 64))  # 4 experts, the top-k picks among 8
+    act = g.call(ops.moe_slot_gemm, x, w, ids, block_m=16, block_n=32, epilogue="silu_mul")
+    g.output(act, "act")
+    with pytest.raises(mk.GraphError, match="top-k over 8"):
+        g.validate()

@@ -29,6 +29,9 @@ def _patterns():
         ("mbarrier", [r"mbarrier\.arrive", r"mbarrier\.try_wait", r"bar\.warp\.sync"],
          [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init"]),
         ("mbarrier_all", [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init", r"mbarrier\.try_wait"], []),
+        ("epi", [r"bar\.sync\s+1, 64", r"mbarrier\.arrive", r"mbarrier\.try_wait"],
+         [r"\bbar\.arrive", r"nanosleep"]),
+        ("epi_late", [r"bar\.sync\s+1, 64", r"mbarrier\.try_wait", r"nanosleep"], []),
     ],
 )
 def test_patterns_compile_with_their_synchronisation(tmp_path, name, present, absent):
