@@ -137,6 +137,13 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
 DECODER_REGIME_LIMITS: dict[str, int | None] = {"gemv": GEMV_MAX_BATCH, "batch": None}
 """:class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves."""
 
+DECODER_MOE_REGIME_LIMITS: dict[str, int | None] = {
+    "slots": MOE_REGIME_LIMITS["slots"],
+    **DECODER_REGIME_LIMITS,
+}
+"""The same for a layer with a sparse MoE block: its first regime runs the block on MegaMoE's
+'slots' tiles (the experts on the top-k's ids, no routing step)."""
+
 
 def regime_starts(limits: dict[str, int | None], max_tokens: int) -> list[tuple[str, int]]:
     """(regime, its smallest token count) of the regimes of ``limits`` (in order, the most
@@ -190,6 +197,17 @@ def mlp_regime_graph(
     )
 
 
+def moe_tiles(regime: str, hidden: int, backend: str = "cute") -> dict:
+    """:data:`MOE_TILES` of a regime for a block of ``hidden`` columns: the router's K split
+    halved until it divides the hidden size into whole slices."""
+    tiles = dict(MOE_TILES[(backend, regime)])
+    split = tiles.get("router_split", 1)
+    while split > 1 and hidden % (split * SPLIT_SLICE):  # whole k-slices a range
+        split //= 2
+    tiles["router_split"] = split
+    return tiles
+
+
 def moe_regime_graph(
     hidden: int,
     intermediate: int,
@@ -205,11 +223,7 @@ def moe_regime_graph(
     routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
-    tiles = dict(MOE_TILES[(backend, regime)])
-    split = tiles.get("router_split", 1)
-    while split > 1 and hidden % (split * SPLIT_SLICE):  # whole k-slices a range
-        split //= 2
-    tiles["router_split"] = split
+    tiles = moe_tiles(regime, hidden, backend)
     cfg = MoeConfig(
         hidden,
         intermediate,

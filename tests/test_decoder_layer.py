@@ -373,8 +373,12 @@ def test_moe_decode_step_matches_hf_layer():
         max_prefill_tokens=96,
         backend="interpret",
     )
-    inputs, want = _step_case(layer, rotary, CFG, [4, 12], gen)
-    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    assert mega.regimes() == ("slots", "gemv", "prefill")
+    for lens in ([7], [4, 12], [3, 9, 20]):  # slots (no routing step), slots, gemv
+        inputs, want = _step_case(layer, rotary, CFG, lens, gen)
+        torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    names = {n.op.name for n in mega.compiled("slots").graph.nodes}
+    assert "moe_grouped_gemm" in names and "moe_route" not in names, names
     # a prefill step of the same module: MegaMoE's prefill routing (chunks over SMs)
     inputs, want = _case(layer, rotary, CFG, [(40, 40), (50, 21), (3, 1)], gen)
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
@@ -528,3 +532,70 @@ def test_mega_decoder_layer_prefill_on_the_gpu(scheduler):
     y = mega(**args).float().cpu()
     err = ((y - want).norm() / want.norm()).item()
     assert err < 3e-2, err
+
+
+def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
+    """MegaDecoderLayer's 'slots' regime of a Qwen3-30B-A3B layer (one or two sequences): the
+    sparse block on MegaMoE's 'slots' tiles, bf16, static, for sm_90a."""
+    from cutemk.layers import MoeConfig
+    from cutemk.nn import MOE_TILES
+
+    cfg = DecoderConfig(
+        hidden=2048,
+        intermediate=768,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        max_pages=512,
+        block_m=64,
+        block_n=64,
+    )
+    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "slots")])
+    g = decoder_layer_graph(mk.sym("B", max=2), cfg, torch.bfloat16, moe=moe)
+    assert "moe_route" not in {n.op.name for n in g.nodes}
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert "wgmma.mma_async" in ptx_file.read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_mega_moe_decoder_layer_on_the_gpu(scheduler):
+    """A Qwen3-MoE decoder layer's decode steps on the GPU (bf16) against HF's layer: one and
+    two sequences run the 'slots' regime (the sparse block without a routing step), three the
+    'gemv' one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    cfg = DecoderConfig(
+        hidden=512,
+        intermediate=256,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        max_pages=64,
+        max_positions=2048,
+    )
+    layer, rotary = _hf_moe(cfg, 8, 2, 256)
+    mega = MegaDecoderLayer.from_hf(
+        layer.to(torch.bfloat16),
+        page_size=16,
+        max_pages=64,
+        max_positions=2048,
+        max_batch=8,
+        scheduler=scheduler,
+    ).cuda()
+    assert mega.regimes() == ("slots", "gemv")
+    layer.float()
+    gen = torch.Generator().manual_seed(4)
+    for lens in ([300], [1, 77], [5, 1024, 9]):
+        inputs, want = _step_case(layer, rotary, cfg, lens, gen)
+        cuda = {k: v.cuda() for k, v in inputs.items()}
+        for k in ("x", "k_cache", "v_cache"):
+            cuda[k] = cuda[k].bfloat16()
+        y = mega(**cuda)
+        err = ((y.float().cpu() - want).norm() / want.norm()).item()
+        assert err < 3e-2, (lens, err)

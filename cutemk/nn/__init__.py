@@ -19,6 +19,7 @@ cutemk`` reaches it lazily as ``cutemk.nn``.
 from ..regimes import (  # noqa: F401 (the regime tables are this module's API too)
     DECODE_GATE_UP_WIDTHS,
     DECODE_MAX_TOKENS,
+    DECODER_MOE_REGIME_LIMITS,
     DECODER_REGIME_LIMITS,
     GEMV_MAX_BATCH,
     MLP_SPLIT_K,

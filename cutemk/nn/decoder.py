@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import torch_ops
 from ..errors import CuteMKError, ShapeError
-from ..regimes import DECODER_REGIME_LIMITS, MOE_TILES
+from ..regimes import DECODER_MOE_REGIME_LIMITS, DECODER_REGIME_LIMITS, MOE_TILES, moe_tiles
 from ..symbolic import sym
 from ..tileop import expect_positive_int
 from .base import _KeyedModule
@@ -27,7 +27,9 @@ class MegaDecoderLayer(_KeyedModule):
     int32, ``seq_lens`` (B,) int32 counting the new token; returns the layer's output (B, H).
     Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
     sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
-    Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use.
+    Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use; a MoE
+    layer has a third before them for one or two sequences
+    (:data:`DECODER_MOE_REGIME_LIMITS`: the sparse block on MegaMoE's 'slots' tiles).
     With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
     :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
     dense GEMMs' tiles (default: the decode ones); a MoE layer's sparse block takes
@@ -62,6 +64,8 @@ class MegaDecoderLayer(_KeyedModule):
         if backend not in (None, "cute", "interpret"):
             raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
         self.cfg, self.moe, self.max_batch = cfg, moe, max_batch
+        if moe is not None:
+            self.regime_limits = DECODER_MOE_REGIME_LIMITS
         self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
         self._names = list(weights)
         for name, w in weights.items():
@@ -182,7 +186,10 @@ class MegaDecoderLayer(_KeyedModule):
                 return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
             limit = self.regime_limits[regime]
             limit = self.max_batch if limit is None else min(self.max_batch, limit)
-            return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, self.moe)
+            moe = self.moe
+            if regime == "slots":  # the sparse block without a routing step
+                moe = replace(moe, **moe_tiles("slots", moe.hidden, backend))
+            return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, moe)
 
         return self._graph(regime, like, build)
 
