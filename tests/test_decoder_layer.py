@@ -279,6 +279,28 @@ def test_mega_decoder_layer_prefill_from_hf():
     assert "prefill" in {k[1] for k in fresh._compiled}
 
 
+# a small layer for the GPU tests: 512 wide, 8 / 2 heads of 128, 16-token pages
+_GPU_CFG = DecoderConfig(
+    hidden=512,
+    intermediate=1024,
+    heads=8,
+    kv_heads=2,
+    head_dim=128,
+    page_size=16,
+    max_pages=64,
+    max_positions=2048,
+)
+
+
+def _gpu_step_err(mega, inputs, want) -> float:
+    """A decode step of ``mega`` on the GPU (x and the caches in bf16) against HF's output."""
+    cuda = {k: v.cuda() for k, v in inputs.items()}
+    for k in ("x", "k_cache", "v_cache"):
+        cuda[k] = cuda[k].bfloat16()
+    y = mega(**cuda)
+    return ((y.float().cpu() - want).norm() / want.norm()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_mega_decoder_layer_on_the_gpu(scheduler):
@@ -287,16 +309,7 @@ def test_mega_decoder_layer_on_the_gpu(scheduler):
     pytest.importorskip("transformers")
     from cutemk.nn import MegaDecoderLayer
 
-    cfg = DecoderConfig(
-        hidden=512,
-        intermediate=1024,
-        heads=8,
-        kv_heads=2,
-        head_dim=128,
-        page_size=16,
-        max_pages=64,
-        max_positions=2048,
-    )
+    cfg = _GPU_CFG
     layer, rotary = _hf(cfg)
     gen = torch.Generator().manual_seed(3)
     inputs, want = _step_case(layer, rotary, cfg, [1, 77, 1024], gen)
@@ -307,11 +320,7 @@ def test_mega_decoder_layer_on_the_gpu(scheduler):
         max_positions=2048,
         scheduler=scheduler,
     ).cuda()
-    cuda = {k: v.cuda() for k, v in inputs.items()}
-    for k in ("x", "k_cache", "v_cache"):
-        cuda[k] = cuda[k].bfloat16()
-    y = mega(**cuda)
-    err = ((y.float().cpu() - want).norm() / want.norm()).item()
+    err = _gpu_step_err(mega, inputs, want)
     assert err < 3e-2, err
 
 
@@ -398,6 +407,19 @@ _QWEN3_8B_DECODE = DecoderConfig(
 """Qwen3-8B's decode layer as the compile checks build it (64 x 64 GEMM tiles, norms folded)."""
 
 
+# Qwen3-30B-A3B's attention and hidden sizes (its sparse block given as a MoeConfig)
+_QWEN3_30B_DECODE = DecoderConfig(
+    hidden=2048,
+    intermediate=768,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    max_pages=512,
+    block_m=64,
+    block_n=64,
+)
+
+
 @pytest.mark.parametrize(
     "which,scheduler,max_batch",
     [
@@ -421,16 +443,7 @@ def test_decode_layer_compiles_for_hopper(
     if which == "qwen3_8b":
         cfg = _QWEN3_8B_DECODE
     else:
-        cfg = DecoderConfig(
-            hidden=2048,
-            intermediate=768,
-            heads=32,
-            kv_heads=4,
-            head_dim=128,
-            max_pages=512,
-            block_m=64,
-            block_n=64,
-        )
+        cfg = _QWEN3_30B_DECODE
         moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
     g = decoder_layer_graph(mk.sym("B", max=max_batch), cfg, torch.bfloat16, moe=moe)
     compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
@@ -540,18 +553,8 @@ def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
     from cutemk.layers import MoeConfig
     from cutemk.nn import MOE_TILES
 
-    cfg = DecoderConfig(
-        hidden=2048,
-        intermediate=768,
-        heads=32,
-        kv_heads=4,
-        head_dim=128,
-        max_pages=512,
-        block_m=64,
-        block_n=64,
-    )
     moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "slots")])
-    g = decoder_layer_graph(mk.sym("B", max=2), cfg, torch.bfloat16, moe=moe)
+    g = decoder_layer_graph(mk.sym("B", max=2), _QWEN3_30B_DECODE, torch.bfloat16, moe=moe)
     assert "moe_route" not in {n.op.name for n in g.nodes}
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
@@ -569,16 +572,7 @@ def test_mega_moe_decoder_layer_on_the_gpu(scheduler):
     pytest.importorskip("transformers")
     from cutemk.nn import MegaDecoderLayer
 
-    cfg = DecoderConfig(
-        hidden=512,
-        intermediate=256,
-        heads=8,
-        kv_heads=2,
-        head_dim=128,
-        page_size=16,
-        max_pages=64,
-        max_positions=2048,
-    )
+    cfg = replace(_GPU_CFG, intermediate=256)
     layer, rotary = _hf_moe(cfg, 8, 2, 256)
     mega = MegaDecoderLayer.from_hf(
         layer.to(torch.bfloat16),
@@ -593,9 +587,5 @@ def test_mega_moe_decoder_layer_on_the_gpu(scheduler):
     gen = torch.Generator().manual_seed(4)
     for lens in ([300], [1, 77], [5, 1024, 9]):
         inputs, want = _step_case(layer, rotary, cfg, lens, gen)
-        cuda = {k: v.cuda() for k, v in inputs.items()}
-        for k in ("x", "k_cache", "v_cache"):
-            cuda[k] = cuda[k].bfloat16()
-        y = mega(**cuda)
-        err = ((y.float().cpu() - want).norm() / want.norm()).item()
+        err = _gpu_step_err(mega, inputs, want)
         assert err < 3e-2, (lens, err)
