@@ -21,7 +21,7 @@ from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
-from cutemk.errors import ShapeError
+from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -76,8 +76,24 @@ class MoeCombineTile(TileOp):
                 raise ValueError("moe_combine slot_block_m must be a positive int (or 0)")
             if not isinstance(self.num_experts, int) or self.num_experts < 1:
                 raise ValueError("moe_combine in the slot layout needs num_experts >= 1")
-            if not isinstance(self.slot_row.shape[1], int):
+            k = self.slot_row.shape[1]
+            if not isinstance(k, int):
                 raise ShapeError("moe_combine: the slot layout needs a static top-k")
+            expect_same_dim(  # every slot's row must be inside rows
+                self.rows.shape[0],
+                self.slot_row.shape[0] * k * self.slot_block_m,
+                "moe_combine: slot-layout rows vs tokens*top_k*slot_block_m",
+            )
+
+    def check_producers(self, producers) -> None:
+        gemm = producers.get("rows")
+        if self.slot_block_m and getattr(gemm, "slot_input", None) is not None:
+            if (gemm.block_m, gemm.w.shape[0]) != (self.slot_block_m, self.num_experts):
+                raise GraphError(
+                    f"moe_combine reads the slot layout as block_m={self.slot_block_m} over "
+                    f"{self.num_experts} experts, its grouped GEMM has block_m={gemm.block_m} "
+                    f"over {gemm.w.shape[0]}"
+                )
 
     def _rows_of(self, slot_row: torch.Tensor, t0: int) -> torch.Tensor:
         """Rows gathered by tokens ``t0, t0 + 1, ...`` (-1: none): ``slot_row`` itself, or in

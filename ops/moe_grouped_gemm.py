@@ -90,8 +90,6 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         expect_ndim(self.tile_info, 2, "moe_grouped_gemm tile_info")
         expect_dtype(self.x, FLOAT_DTYPES, "moe_grouped_gemm x")
         expect_dtype(self.tile_info, (torch.int32,), "moe_grouped_gemm tile_info")
-        if self.slot_input is not None:
-            self._check_slots()
         if self.w.dtype != self.x.dtype:
             raise TypeError(
                 f"moe_grouped_gemm w must have x's dtype {self.x.dtype}, got {self.w.dtype}"
@@ -130,6 +128,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             raise ValueError(
                 f"moe_grouped_gemm expert_rows must be a positive int, got {self.expert_rows!r}"
             )
+        if self.slot_input is not None:
+            self._check_slots()
 
     def _check_slots(self) -> None:
         """The slot layout's extra rules (see the module doc)."""
@@ -382,14 +382,15 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         [mRowToken,] mOut).
 
         mX: (T, K) gathered through mRowToken (x token-major) or (tiles*block_m, K) padded,
-        mW: (E, N, K) or (E, 2N, K) with silu_mul, mTileInfo: (tiles, 2) int32, mRowToken:
+        mW: (E, N, K) or (E, 2N, K) with silu_mul, mTileInfo: (tiles, 2) int32 (in the slot
+        layout the top-k's ids (T, k): tiles = T * k, the tile's one row is row t), mRowToken:
         (tiles*block_m,) int32, mOut: (tiles*block_m, N). The portable path (fp32, or no
         Hopper): SIMT FMA. Each block_k slice of A and of w[e] is converted to fp32 into shared
         memory (zero outside valid rows, N and K: the main loop needs no predicates); thread t
         owns outputs t, t + NUM_THREADS, ... of the (block_m, block_n) tile in row-major order
         with fp32 accumulators in registers. Consecutive threads read consecutive n: the B pitch
-        block_k + 1 spreads them over all banks while A is a broadcast. Rows >= valid are not
-        written; no-op when e < 0.
+        block_k + 1 spreads them over all banks while A is a broadcast. Rows outside the tile's
+        own ([0, valid), or row t) are not written; no-op when e names no expert.
         """
         bm, bn, bk = self.block_m, self.block_n, self.block_k
         gathered = self.row_token is not None

@@ -1,5 +1,7 @@
 """The interpreter backend: MoE and MLP graphs vs plain torch, deadlock and race detection."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -374,3 +376,19 @@ def test_moe_slot_gemm_refuses_ids_of_another_expert_count():
     g.output(act, "act")
     with pytest.raises(mk.GraphError, match="top-k over 8"):
         g.validate()
+
+
+def test_moe_combine_refuses_a_slot_layout_it_does_not_match():
+    """The combine's slot rows must be its grouped GEMM's: the same block_m and experts (a
+    larger block_m would read past the rows, other experts would read tiles that never ran)."""
+    T = mk.sym("T", max=2)
+    rows = TensorSpec((T * 2 * 16, 64), torch.float32)
+    weights, ids = TensorSpec((T, 2), torch.float32), TensorSpec((T, 2), torch.int32)
+    with pytest.raises(mk.ShapeError, match="slot_block_m"):
+        ops.moe_combine(rows, weights, ids, slot_block_m=32, num_experts=8)
+    g = moe_graph(T, MoeConfig(64, 32, 8, 2, block_m=16, block_n=32, slots=True))
+    comb = g.nodes[-1]
+    gemm = comb.args["rows"].producer.op
+    bad = dataclasses.replace(comb.op, num_experts=4)
+    with pytest.raises(mk.GraphError, match="over 4 experts"):
+        bad.check_producers({"rows": gemm})

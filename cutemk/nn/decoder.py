@@ -167,7 +167,8 @@ class MegaDecoderLayer(_KeyedModule):
         return self.cfg.hidden
 
     def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
-        """The compiled graph of a regime (:data:`DECODER_REGIME_LIMITS`) for weights like
+        """The compiled graph of a regime (``regime_limits``: :data:`DECODER_REGIME_LIMITS`, or
+        :data:`DECODER_MOE_REGIME_LIMITS` with a MoE block) for weights like
         ``like`` (default: this module's ``w_down``), compiled on first use: one graph up to
         ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
         its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
