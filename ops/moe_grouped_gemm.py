@@ -230,9 +230,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         tiles = self._ev(self._tiles(), env)
         rows = block(i, self.block_m, tiles * self.block_m)
         k = self._slots
-        r = {"tile_info": ((i, i + 1), (0, 2)), "w": full_box(self.w.concrete(env))}
-        if k:
-            r["tile_info"] = ((i // k, i // k + 1), (i % k, i % k + 1))
+        info = ((i // k, i // k + 1), (i % k, i % k + 1)) if k else ((i, i + 1), (0, 2))
+        r = {"tile_info": info, "w": full_box(self.w.concrete(env))}
         if self.slot_input == "tokens":  # the first rows of x: every token
             r["x"] = full_box(self.x.concrete(env))
         elif self.row_token is None:
@@ -267,13 +266,12 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             return {"out": boxes(rows, blocks(coords[:, 1], self.block_n, self._ev(self.n, env)))}
         w = self.w.concrete(env)
         k = self._slots
-        r = {
-            "tile_info": boxes(np.stack([i, i + 1], axis=1), span(0, 2, n_t)),
-            "w": boxes(*(span(0, d, n_t) for d in w)),
-        }
-        if k:
+        if k:  # the pick's id: row t, column j of the ids
             t, j = i // k, i % k
-            r["tile_info"] = boxes(np.stack([t, t + 1], axis=1), np.stack([j, j + 1], axis=1))
+            info = boxes(np.stack([t, t + 1], axis=1), np.stack([j, j + 1], axis=1))
+        else:
+            info = boxes(np.stack([i, i + 1], axis=1), span(0, 2, n_t))
+        r = {"tile_info": info, "w": boxes(*(span(0, d, n_t) for d in w))}
         if self.slot_input == "tokens":
             r["x"] = boxes(*(span(0, d, n_t) for d in self.x.concrete(env)))
         elif self.row_token is None:

@@ -455,24 +455,14 @@ def test_decode_layer_compiles_for_hopper(
         assert not wgmma_serialized(ptx_file)
 
 
-def test_decode_layer_without_the_early_handover_compiles_for_hopper(
-    tmp_path, monkeypatch, spill_stores
+@pytest.mark.parametrize("switch", ["CUTEMK_EARLY_HANDOVER", "CUTEMK_EPI_MBARRIER"])
+def test_decode_layer_with_a_measuring_switch_off_compiles_for_hopper(
+    tmp_path, monkeypatch, spill_stores, switch
 ):
-    """``CUTEMK_EARLY_HANDOVER=0`` (every task handed over after its early loads, the
-    measuring switch): the Qwen3-8B decode layer, static, still without register spills."""
-    monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", "0")
-    g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)
-    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    assert spill_stores(ptx_file) == 0
-
-
-def test_decode_layer_without_the_epi_mbarrier_compiles_for_hopper(
-    tmp_path, monkeypatch, spill_stores
-):
-    """``CUTEMK_EPI_MBARRIER=0`` (the staging buffer released by a named barrier, the
-    measuring switch): the Qwen3-8B decode layer, static, still without register spills."""
-    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "0")
+    """A measuring switch off (``CUTEMK_EARLY_HANDOVER=0``: every task handed over after its
+    early loads; ``CUTEMK_EPI_MBARRIER=0``: the staging buffer released by a named barrier):
+    the Qwen3-8B decode layer, static, still without register spills."""
+    monkeypatch.setenv(switch, "0")
     g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
