@@ -8,6 +8,8 @@ Implementations, one process, same bf16 inputs and weights:
                            ``index_add_`` combine; replayed from a CUDA graph
   mk_static[routed]        at one or two tokens: MegaMoE's 'gemv' graph (route and permute
                            steps) beside the 'slots' graph that mk_static runs there
+  mk_static[combine step]  at one or two tokens: the 'slots' graph with a combine step of its
+                           own (``MoeConfig.fused_combine`` off) instead of the down tiles'
   torch_eager              the same, launched eagerly
   hf_eager                 transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights, eager
                            (where transformers is importable)
@@ -151,6 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                 **w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s, profile=True
             )
     hf = None if args.no_hf else hf_block(**w)
+    step = None  # the slots graph with its combine as a step of its own
+    if any(t <= MOE_REGIME_LIMITS["slots"] for t in args.tokens):
+        from cutemk import sym
+        from cutemk.layers import MoeConfig, moe_graph
+        from cutemk.regimes import moe_tiles
+
+        tiles = {**moe_tiles("slots", H), "fused_combine": False}
+        cfg = MoeConfig(H, I, E, TOP_K, True, router_dtype=None, **tiles)
+        limit = MOE_REGIME_LIMITS["slots"]
+        step = moe_graph(sym("T", max=limit), cfg, dt).compile("cute", scheduler="static")
     for t in args.tokens:
         case = f"T={t}"
         x = torch.randn(t, H, device=dev, generator=gen).to(dt)
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if t <= MOE_REGIME_LIMITS["slots"]:  # the slot layout against the routed graph
             routed = megas["mk_static"].compiled("gemv")
             impls["mk_static[routed]"] = lambda: routed(x, *w.values())
+            impls["mk_static[combine step]"] = lambda: step(x, *w.values())
         impls["torch_graph"] = lambda: torch_moe(x, **w)
         ref = moe_reference(x, **w, top_k=TOP_K, router_dtype=dt)
         errs = {name: rel_err(fn(), ref) for name, fn in impls.items()}

@@ -54,6 +54,9 @@ class MoeConfig:
     # route and no permute step between the top-k and the expert weights, but an expert is
     # streamed once per (token, pick), so only for a token or two a step (at most block_m)
     slots: bool = False
+    # with ``slots``: the combine fused into the down projection's tiles (the last pick of a
+    # token's column block sums the k weighted rows; no combine step). Hopper tile only
+    fused_combine: bool = False
 
 
 def _positive(**sizes: int) -> None:
@@ -390,6 +393,20 @@ def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, 
         epilogue="silu_mul",
         name="experts_gate_up",
     )
+    down_n = cfg.down_block_n or cfg.block_n
+    if cfg.fused_combine:
+        y, _, _ = g.call(
+            ops.moe_slot_gemm,
+            act,
+            w_down,
+            ids,
+            weights,
+            slot_input="slots",
+            block_m=cfg.block_m,
+            block_n=down_n,
+            name="experts_down",
+        )
+        return y
     down = g.call(
         ops.moe_slot_gemm,
         act,
@@ -397,7 +414,7 @@ def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, 
         ids,
         slot_input="slots",
         block_m=cfg.block_m,
-        block_n=cfg.down_block_n or cfg.block_n,
+        block_n=down_n,
         name="experts_down",
     )
     return g.call(

@@ -112,7 +112,13 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # columns, the routing spread over SMs in chunks of 64 tokens (one task routes 32K slots
     # in ~100 us).
     ("cute", "slots"): dict(
-        block_m=64, block_n=64, down_block_n=128, router_block_n=16, router_split=8, slots=True
+        block_m=64,
+        block_n=64,
+        down_block_n=128,
+        router_block_n=16,
+        router_split=8,
+        slots=True,
+        fused_combine=True,
     ),
     ("cute", "gemv"): dict(
         block_m=64, block_n=64, down_block_n=128, router_block_n=16, router_split=8
@@ -128,7 +134,7 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
         route_chunk=64,
         combine_block_m=16,
     ),
-    ("interpret", "slots"): dict(block_m=16, block_n=32, slots=True),
+    ("interpret", "slots"): dict(block_m=16, block_n=32, slots=True, fused_combine=True),
     ("interpret", "gemv"): dict(block_m=16, block_n=32),
     ("interpret", "decode"): dict(block_m=16, block_n=32),
     ("interpret", "prefill"): dict(block_m=16, block_n=32),

@@ -26,6 +26,7 @@ kernel views the same slots with its own layouts, stage stride = the kernel's sl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cutlass
@@ -82,13 +83,26 @@ class Sm90GemmConfig:
     # grouped, A is one box of ``a_rows`` rows that every tile loads (the token-major x of a
     # slot-layout grouped GEMM, ``ops.moe_grouped_gemm``), not tile coord0's rows
     a_one_box: bool = False
+    # grouped over the slot layout with the MoE combine fused (``ops.moe_slot_gemm``'s
+    # ``combine``): the top-k (0: none); tile i is pick i % k of token i // k, its weighted fp32
+    # row goes from registers to ``part`` and the last pick of a column block sums the k rows
+    combine_k: int = 0
 
     @property
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
-        (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, or (A, B,
-        tile_info, C) when grouped."""
+        (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, (A, B,
+        tile_info, C) when grouped, or (A, B, ids, weights, y, part, counts) with the
+        combine."""
+        if self.combine_k:
+            return 7
         return 3 + int(self.grouped) + int(self.residual) + int(self.norm_blocks > 0)
+
+    @property
+    def from_registers(self) -> bool:
+        """The tile's output goes from registers to global memory (split-K partials, the
+        combine's rows): nothing is staged and the storer has nothing to store."""
+        return self.split > 1 or self.combine_k > 0
 
     @property
     def a_bytes(self) -> int:
@@ -115,6 +129,8 @@ class Sm90GemmConfig:
         """The staged tile, then (with the row norm) the rows' scales in fp32."""
         if self.split > 1:  # partials go from registers to global memory
             return 0
+        if self.combine_k:  # one word: whether this tile is its column block's last pick
+            return 1024
         scales = 4 * self.bm if self.norm_blocks else 0
         return _round_up(self.bm * self.bn * self.out_dtype.itemsize + scales, 1024)
 
@@ -142,6 +158,7 @@ def sm90_config(
     split: int = 1,
     norm: tuple[int, int, float] | None = None,
     a_one_box: bool = False,
+    combine_k: int = 0,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -158,7 +175,10 @@ def sm90_config(
     ``split`` > 1: a split-K partial tile (fp32 output, K a multiple of ``split * BLOCK_K``,
     each tile ``K / split`` of it), see ``ops.gemm_splitk``.
 
-    ``norm``: ``(column blocks, width, eps)`` of the row norm (see ``ops.gemm``)."""
+    ``norm``: ``(column blocks, width, eps)`` of the row norm (see ``ops.gemm``).
+
+    ``combine_k``: the slot layout's top-k, with the MoE combine fused into the tile (grouped,
+    no epilogue, see ``ops.moe_grouped_gemm``)."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -179,6 +199,8 @@ def sm90_config(
     if split > 1 and k % (split * BLOCK_K):
         return None
     if norm is not None and (split > 1 or grouped):
+        return None
+    if combine_k and (not grouped or fused or residual or split > 1 or norm is not None):
         return None
     # a power of two >= 8: the swizzled A layout of other row counts (e.g. 40) aborts the
     # compiler
@@ -202,6 +224,7 @@ def sm90_config(
         width,
         float(eps),
         bool(grouped and a_one_box),
+        combine_k,
     )
 
 
@@ -287,7 +310,7 @@ def tma_args(cfg: Sm90GemmConfig, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Ten
     else:
         atom_b, tma_b = cpasync.make_tiled_tma_atom(load, gate, b_one, (cfg.bn, BLOCK_K))
         atom_u, tma_u = cpasync.make_tiled_tma_atom(load, up, b_one, (cfg.bn, BLOCK_K))
-    if cutlass.const_expr(cfg.split > 1):  # partials are stored from registers
+    if cutlass.const_expr(cfg.from_registers):  # nothing is TMA-stored
         return atom_a, tma_a, atom_b, tma_b, atom_u, tma_u
     store = cpasync.CopyBulkTensorTileS2GOp()
     atom_c, tma_c = cpasync.make_tiled_tma_atom(store, mC, _epi_layout(cfg), (cfg.bm, cfg.bn))
@@ -315,8 +338,9 @@ def _ring_views(
 @cute.jit
 def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr):
     """Storer warp: TMA-store the staged tile (coord0, coord1) of C (rows and columns past C's
-    extent are clipped by the copy engine). A split-K partial has nothing staged."""
-    if cutlass.const_expr(cfg.split > 1):
+    extent are clipped by the copy engine). A split-K partial or a combine tile has nothing
+    staged."""
+    if cutlass.const_expr(cfg.from_registers):
         return
     out = _CUTE_DTYPES[cfg.out_dtype]
     epi = _epi_layout(cfg)
@@ -364,6 +388,10 @@ def load_weights(
     if cutlass.const_expr(cfg.split > 1):  # K range coord1 % split of column block coord1 // split
         kt = kt + (coord1 % cfg.split) * cfg.k_tiles
         coord1 = coord1 // cfg.split
+    if cutlass.const_expr(cfg.combine_k):
+        # every pick has a tile (the combine counts k of them): a pick without an expert
+        # streams expert 0's weights and contributes NaN
+        expert = cute.max(Int32(0), cute.min(expert, tensors[1].shape[0] - 1))
     if cutlass.const_expr(cfg.grouped):
         tma_b = tma_b[None, None, expert]
         tma_u = tma_u[None, None, expert]
@@ -416,9 +444,11 @@ def compute(
     ctid: Int32,
     wait=plain_wait,
     epi_free=None,
+    word=None,
 ) -> Int32:
     """Consumer warpgroups: the tile's main loop over ring slices ``count ..`` and its output
-    staged in shared memory (``store`` writes it out); returns the ring count after the tile."""
+    staged in shared memory (``store`` writes it out); returns the ring count after the tile.
+    ``word``: the task word (a grouped tile's expert id as the routing wrote it)."""
     fused = cfg.n_b == 2
     sA, sB, sU = _ring_views(cfg, ring, stages, slot)
     tiled_mma = _tiled_mma(cfg)
@@ -437,6 +467,9 @@ def compute(
         acc_up.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     rs = Float32(1.0)  # with the row norm: the scale of the tile's row ``ctid``
+    pick_w = Float32(0.0)
+    if cutlass.const_expr(cfg.combine_k):  # loaded now, used after the main loop
+        pick_w = _pick_weight(cfg, tensors, coord0, word)
 
     for kt in cutlass.range(cfg.k_tiles, unroll=1):
         idx = consumer_wait(full, count + kt, stages, wait)
@@ -458,6 +491,9 @@ def compute(
 
     if cutlass.const_expr(cfg.split > 1):
         _store_partial(cfg, tensors[2], acc, tCcC, coord0, coord1, epi_free)
+        return count + cfg.k_tiles
+    if cutlass.const_expr(cfg.combine_k):
+        _combine(cfg, tensors, acc, tCcC, coord0, coord1, pick_w, epi_ptr, ctid, epi_free)
         return count + cfg.k_tiles
 
     # epilogue: registers -> shared memory (swizzled); the storer warp issues the TMA store
@@ -539,6 +575,93 @@ def _store_partial(
             mP[s, r0 + r, c0 + c] = acc[i]
 
 
+@cute.jit
+def _pick_weight(cfg: cutlass.Constexpr, tensors, coord0: Int32, word: Int32) -> Float32:
+    """The combine weight of tile ``coord0``'s pick, NaN where its id names no expert."""
+    k = cfg.combine_k
+    t = coord0 // k
+    wt = tensors[3][t, coord0 - t * k].to(Float32)
+    if word < 0 or word >= tensors[1].shape[0]:
+        wt = Float32(math.nan)
+    return wt
+
+
+@cute.jit
+def _combine(
+    cfg: cutlass.Constexpr,
+    tensors,
+    acc,
+    tCcC,
+    coord0: Int32,
+    coord1: Int32,
+    pick_w: Float32,
+    epi_ptr,
+    ctid: Int32,
+    epi_free,
+):
+    """The MoE combine in the down projection's tile (slot layout): tile ``coord0`` is pick
+    ``j`` of token ``t`` (``coord0 = t * k + j``, its row is row t of the tile). Its row times
+    the pick's weight goes from registers to ``part[t, j]`` (fp32); the consumers meet, thread 0
+    counts the pick in ``counts[t, coord1]`` (an acq_rel add: it releases this row and acquires
+    the other picks'), and the pick that brings the count to k puts it back to zero and writes
+    ``y[t]``'s columns as the k rows summed in pick order (a fixed order: bit-identical runs).
+    The storer's release after the consumers' barrier publishes ``y`` with the task's notify.
+    The staging buffer is taken and given back as every ring tile does; its first word carries
+    the verdict."""
+    epi_acquire(epi_free, STORE_THREADS)
+    k = cfg.combine_k
+    mY, mPart, mCnt = tensors[4], tensors[5], tensors[6]
+    t = coord0 // k
+    j = coord0 - t * k
+    c0 = coord1 * cfg.bn
+    cols = mY.shape[1]
+    for i in cutlass.range(cute.size(acc), unroll_full=True):
+        r, c = tCcC[i]
+        if r == t and c0 + c < cols:
+            mPart[t, j, c0 + c] = acc[i] * pick_w
+    sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    if ctid == 0:
+        ptr = mCnt.iterator + (t * mCnt.shape[1] + coord1)
+        old = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(0)
+        if old == k - 1:
+            last = Int32(1)
+            cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
+        sLast[0] = last
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    if sLast[0] != 0:
+        vec = 4  # fp32 partials a thread loads at once (16 bytes; H % 4 == 0 is checked)
+        p_tok = cute.assume(mPart.stride[0], divby=vec)
+        p_pick = cute.assume(mPart.stride[1], divby=vec)
+        p4 = cute.make_tensor(
+            mPart.iterator,
+            cute.make_layout(
+                (mPart.shape[0], k, cols // vec, vec), stride=(p_tok, p_pick, vec, 1)
+            ),
+        )
+        y_row = cute.assume(mY.stride[0], divby=vec)
+        y4 = cute.make_tensor(
+            mY.iterator,
+            cute.make_layout((mY.shape[0], cols // vec, vec), stride=(y_row, vec, 1)),
+        )
+        for cv in range(ctid, cfg.bn // vec, CONSUMER_THREADS):
+            w = c0 // vec + cv
+            if w < cols // vec:
+                rows = []
+                for jj in cutlass.range_constexpr(k):
+                    v = cute.make_rmem_tensor((vec,), Float32)
+                    cute.autovec_copy(p4[t, jj, w, None], v)
+                    rows.append(v)
+                out = cute.make_rmem_tensor((vec,), mY.element_type)
+                for e in cutlass.range_constexpr(vec):
+                    s = rows[0][e]
+                    for jj in cutlass.range_constexpr(1, k):
+                        s = s + rows[jj][e]
+                    out[e] = s.to(mY.element_type)
+                cute.autovec_copy(out, y4[t, w, None])
+
+
 class HopperGemmOp:
     """Mixin of the tile ops whose Hopper tile is this module's GEMM (``ops.gemm``, the grouped
     GEMM): the ring-op half of the ``TileOp`` contract, delegating to the functions above. The
@@ -556,7 +679,8 @@ class HopperGemmOp:
         cfg = self.sm90()
         if cfg is None:
             return ()
-        return tma_args(cfg, tensors[0], tensors[1], tensors[len(tensors) - 1])
+        c = tensors[4] if cfg.combine_k else tensors[len(tensors) - 1]
+        return tma_args(cfg, tensors[0], tensors[1], c)
 
     def reads_async_proxy(self) -> bool:
         return self.sm90() is not None
@@ -606,6 +730,7 @@ class HopperGemmOp:
             ctid,
             wait,
             epi_free,
+            word,
         )
 
     @cute.jit

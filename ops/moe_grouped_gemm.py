@@ -77,12 +77,28 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     epilogue: Optional[str] = None  # None or "silu_mul" (w stacks [W_gate; W_up] per expert)
     expert_rows: Optional[int] = None  # the most rows one expert can have (the max tokens)
     slot_input: Optional[str] = None  # None, or the slot layout's x: "tokens" or "slots"
+    # the slot layout's down projection with the MoE combine fused: the top-k's weights (T, k)
+    combine: Optional[TensorSpec] = None
 
     name: ClassVar[str] = "moe_grouped_gemm"
     block_k: ClassVar[int] = 32
     """K slice staged through shared memory per step of the device main loop."""
-    outputs: ClassVar[tuple[str, ...]] = ("out",)
     data_inputs: ClassVar[tuple[str, ...]] = ("tile_info", "row_token")
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        # with the combine: y (T, N), each pick's weighted fp32 row, the picks counted per
+        # (token, column block)
+        return ("y", "part", "counts") if self.combine is not None else ("out",)
+
+    @property
+    def scatter_outputs(self) -> tuple[str, ...]:
+        # the last pick of a (token, column block) to finish writes y's columns: any of them
+        return ("y",) if self.combine is not None else ()
+
+    @property
+    def zeroed_outputs(self) -> tuple[str, ...]:
+        return ("counts",) if self.combine is not None else ()
 
     def __post_init__(self) -> None:
         expect_ndim(self.x, 2, "moe_grouped_gemm x")
@@ -130,6 +146,25 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             )
         if self.slot_input is not None:
             self._check_slots()
+        if self.combine is not None:
+            self._check_combine()
+
+    def _check_combine(self) -> None:
+        if self.slot_input != "slots" or self.epilogue is not None:
+            raise GraphError(
+                "moe_grouped_gemm: the fused combine is the slot layout's down projection "
+                "(slot_input='slots', no epilogue)"
+            )
+        expect_ndim(self.combine, 2, "moe_grouped_gemm combine weights")
+        expect_dtype(self.combine, (torch.float32,), "moe_grouped_gemm combine weights")
+        expect_same_dim(self.combine.shape[0], self.tile_info.shape[0], "combine weights: tokens")
+        expect_same_dim(self.combine.shape[1], self.tile_info.shape[1], "combine weights: top-k")
+        n = self.n
+        if not isinstance(n, int) or n % 4 or self.block_n % 4:
+            raise ShapeError(
+                f"moe_grouped_gemm: the fused combine needs N and block_n multiples of 4, got "
+                f"{n} and {self.block_n}"
+            )
 
     def _check_slots(self) -> None:
         """The slot layout's extra rules (see the module doc)."""
@@ -210,9 +245,18 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     @property
     def inputs(self) -> tuple[str, ...]:
         base = ("x", "w", "tile_info")
+        if self.combine is not None:
+            return base + ("combine",)
         return base if self.row_token is None else base + ("row_token",)
 
     def output_specs(self):
+        if self.combine is not None:
+            t, k = self.tile_info.shape
+            return {
+                "y": TensorSpec((t, self.n), self.x.dtype),
+                "part": TensorSpec((t, k, self.n), torch.float32),
+                "counts": TensorSpec((t, cdiv(self.n, self.block_n)), torch.int32),
+            }
         rows = self._tiles() * self.block_m
         return {"out": TensorSpec((rows, self.n), self.x.dtype)}
 
@@ -223,7 +267,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         return d if isinstance(d, int) else d.eval(env)
 
     def exists(self, coord, env, data):
-        return self._expert_of(coord[0], data) >= 0
+        # with the combine every pick has a tile: the combine counts k of them
+        return self.combine is not None or self._expert_of(coord[0], data) >= 0
 
     def reads(self, coord, env, data=None):
         i, j = coord
@@ -232,6 +277,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         k = self._slots
         info = ((i // k, i // k + 1), (i % k, i % k + 1)) if k else ((i, i + 1), (0, 2))
         r = {"tile_info": info, "w": full_box(self.w.concrete(env))}
+        if self.combine is not None:
+            r["combine"] = info
         if self.slot_input == "tokens":  # the first rows of x: every token
             r["x"] = full_box(self.x.concrete(env))
         elif self.row_token is None:
@@ -242,6 +289,9 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             r["x"] = full_box(self.x.concrete(env))
         if data is not None:  # exact: only this expert's weight block
             e = self._expert_of(i, data)
+            if e < 0:  # the combine's tile of a pick without an expert: NaN, whatever it reads
+                r["x"] = ((rows[0], rows[0]), r["x"][1])
+                e = 0  # (the weights it streams: expert 0's)
             _, n2, k = self.w.concrete(env)
             n = self._ev(self.n, env)
             cols = block(j, self.block_n, n)
@@ -254,7 +304,18 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         i, j = coord
         rows = self._ev(self._tiles(), env) * self.block_m
         n = self._ev(self.n, env)
-        return {"out": (block(i, self.block_m, rows), block(j, self.block_n, n))}
+        cols = block(j, self.block_n, n)
+        if self.combine is not None:
+            # which pick is last is decided at run time (the counts, an atomic the tiles
+            # share; not an event): without data every pick may write y's columns, with data
+            # the last pick stands for the writer (the readers' order is the same)
+            k = self._slots
+            t = (i // k, i // k + 1)
+            w = {"part": (t, (i % k, i % k + 1), cols)}
+            if data is None or i % k == k - 1:
+                w["y"] = (t, cols)
+            return w
+        return {"out": (block(i, self.block_m, rows), cols)}
 
     uniform_cost: ClassVar[bool] = True
 
@@ -262,16 +323,21 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         n_t = len(coords)
         i = coords[:, 0]
         rows = blocks(i, self.block_m, self._ev(self._tiles(), env) * self.block_m)
-        if which == "writes":
-            return {"out": boxes(rows, blocks(coords[:, 1], self.block_n, self._ev(self.n, env)))}
-        w = self.w.concrete(env)
         k = self._slots
+        if which == "writes":
+            cols = blocks(coords[:, 1], self.block_n, self._ev(self.n, env))
+            if self.combine is not None:
+                return None  # per tile: the counts are the op's own (undeclared, as writes says)
+            return {"out": boxes(rows, cols)}
+        w = self.w.concrete(env)
         if k:  # the pick's id: row t, column j of the ids
             t, j = i // k, i % k
             info = boxes(np.stack([t, t + 1], axis=1), np.stack([j, j + 1], axis=1))
         else:
             info = boxes(np.stack([i, i + 1], axis=1), span(0, 2, n_t))
         r = {"tile_info": info, "w": boxes(*(span(0, d, n_t) for d in w))}
+        if self.combine is not None:
+            r["combine"] = info
         if self.slot_input == "tokens":
             r["x"] = boxes(*(span(0, d, n_t) for d in self.x.concrete(env)))
         elif self.row_token is None:
@@ -291,6 +357,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         )
 
     def reference(self, coord, env, t):
+        if self.combine is not None:
+            return self._combine_reference(coord, env, t)
         i, _ = coord
         (r0, r1), (c0, c1) = self.writes(coord, env)["out"]
         k = self._slots
@@ -315,6 +383,29 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         else:
             out[lo:hi] = (a @ t["w"][e, c0:c1].float().T).to(out.dtype)
 
+    def _combine_reference(self, coord, env, t):
+        """The down tile of pick j of token tok with the combine: its row times the pick's
+        weight (NaN for a pick without an expert) into ``part``, then the pick counted; the
+        last of the k sums them in pick order into ``y``."""
+        i, j = coord
+        k = self._slots
+        tok, pick = i // k, i % k
+        (c0, c1) = block(j, self.block_n, self._ev(self.n, env))
+        e = self._expert_of(i, t)
+        r0 = i * self.block_m + tok
+        a = t["x"][r0 : r0 + 1].float()
+        row = (a @ t["w"][max(e, 0), c0:c1].float().T)[0]
+        wt = float(t["combine"][tok, pick]) if e >= 0 else float("nan")
+        t["part"][tok, pick, c0:c1] = row * wt
+        t["counts"][tok, j] += 1
+        if int(t["counts"][tok, j]) == k:
+            t["counts"][tok, j] = 0
+            rows = t["part"][tok, :, c0:c1]
+            acc = rows[0].clone()
+            for q in range(1, k):  # pick order, as the device sums
+                acc = acc + rows[q]
+            t["y"][tok, c0:c1] = acc.to(t["y"].dtype)
+
     # -- device: the Hopper path (ring methods from gemm_sm90.HopperGemmOp) ----------------
     independent_inputs: ClassVar[tuple[str, ...]] = ("w",)
 
@@ -334,6 +425,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             self.expert_rows,
             grouped=True,
             a_one_box=self.slot_input == "tokens",
+            combine_k=self._slots if self.combine is not None else 0,
         )
 
     # -- device: the portable path ---------------------------------------------------------
@@ -362,11 +454,14 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
 
     @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
-        """Device twin of :meth:`exists`: row tile ``coord0`` has an expert at this routing."""
-        e = self._device_expert(tensors, coord0)
-        ok = e >= 0
-        if cutlass.const_expr(self._slots):
-            ok = ok and e < self.w.shape[0]
+        """Device twin of :meth:`exists`: row tile ``coord0`` has an expert at this routing
+        (with the combine every pick has a tile)."""
+        ok = Boolean(True)
+        if cutlass.const_expr(self.combine is None):
+            e = self._device_expert(tensors, coord0)
+            ok = e >= 0
+            if cutlass.const_expr(self._slots):
+                ok = ok and e < self.w.shape[0]
         return ok
 
     @cute.jit
@@ -394,6 +489,11 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         gathered = self.row_token is not None
         fused = self.epilogue == "silu_mul"
         mX, mW, mTileInfo = tensors[0], tensors[1], tensors[2]
+        if cutlass.const_expr(self.combine is not None):
+            raise GraphError(
+                "moe_grouped_gemm: the fused combine has only the Hopper tile (sm_90a); "
+                "build the graph without it here"
+            )
         mOut = tensors[len(tensors) - 1]
         k_slots = self._slots
         expert = self._device_expert(tensors, coord0)
@@ -512,6 +612,7 @@ def moe_slot_gemm(
     x: TensorSpec,
     w: TensorSpec,
     ids: TensorSpec,
+    combine: Optional[TensorSpec] = None,
     *,
     slot_input: str = "tokens",
     block_m: int = 64,
@@ -521,9 +622,22 @@ def moe_slot_gemm(
 ) -> MoeGroupedGemmTile:
     """Grouped GEMM over the slot layout of the top-k's ``ids`` (T, k) (see the module doc):
     ``slot_input="tokens"`` for the gate/up projection of the token-major x, ``"slots"`` for the
-    down projection of its output. ``expert_rows`` defaults to the most tokens."""
+    down projection of its output. ``expert_rows`` defaults to the most tokens.
+
+    ``combine``: the top-k's weights (T, k) fp32, for the down projection with the MoE combine
+    fused (Hopper tile only): the op's outputs are then ``(y, part, counts)``, y (T, N) the
+    block's output; use ``y``."""
     if expert_rows is None:
         expert_rows = upper(ids.shape[0])
     return MoeGroupedGemmTile(
-        x, w, ids, None, block_m, block_n, epilogue, expert_rows, slot_input=slot_input
+        x,
+        w,
+        ids,
+        None,
+        block_m,
+        block_n,
+        epilogue,
+        expert_rows,
+        slot_input=slot_input,
+        combine=combine,
     )

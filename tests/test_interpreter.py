@@ -331,18 +331,29 @@ def test_topk_partials_are_checked():
         ops.topk_softmax(TensorSpec((2, T, 8), torch.float32), k=2, logits_dtype=torch.int32)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused_combine"])
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("max_t", [1, 2])
-def test_moe_slot_layout_matches_torch(scheduler, max_t):
+def test_moe_slot_layout_matches_torch(scheduler, max_t, fused):
     """``MoeConfig.slots``: the grouped GEMMs on the top-k's ids (no route, no permute): the
     same output as the reference, one tile per (token, pick), and a NaN logit row (fewer usable
-    experts than picks: id -1) only makes that token NaN."""
+    experts than picks: id -1) only makes that token NaN. ``fused_combine``: no combine node,
+    the down tiles of every pick exist (a pick without an expert contributes NaN) and the last
+    of a token's picks sums them."""
     cfg = MoeConfig(
-        hidden=64, intermediate=32, num_experts=8, top_k=2, block_m=16, block_n=32, slots=True
+        hidden=64,
+        intermediate=32,
+        num_experts=8,
+        top_k=2,
+        block_m=16,
+        block_n=32,
+        slots=True,
+        fused_combine=fused,
     )
     g = moe_graph(mk.sym("T", max=max_t), cfg)
     names = [n.op.name for n in g.nodes]
     assert "moe_route" not in names and "moe_permute" not in names, names
+    assert ("moe_combine" in names) != fused, names
     gen = torch.Generator().manual_seed(23)
     w = moe_weights(cfg, gen)
     c = g.compile("interpret", num_sms=5, scheduler=scheduler, seed=4)
@@ -356,8 +367,10 @@ def test_moe_slot_layout_matches_torch(scheduler, max_t):
     w["w_router"][1:, 0] = float("nan")
     y = c(torch.randn(max_t, cfg.hidden, generator=gen), **w)
     assert torch.isnan(y).all()
-    per_tile = -(-cfg.intermediate // cfg.block_n) + -(-cfg.hidden // cfg.block_n)
+    per_tile = -(-cfg.intermediate // cfg.block_n) + -(-cfg.hidden // cfg.block_n) * (not fused)
     assert c.last_report.skipped == per_tile * max_t  # one pick of each token has no expert
+    y = c(torch.randn(max_t, cfg.hidden, generator=gen), **moe_weights(cfg, gen))
+    assert not torch.isnan(y).any()  # the counters were left at zero: good data is right again
 
 
 def test_moe_slot_layout_refuses_too_many_tokens():
