@@ -1,6 +1,9 @@
 """One small MoE or MLP megakernel launch per scheduler, checked against torch: a target for
 ``compute-sanitizer`` (memcheck / racecheck), which slows every access, so the layers are small.
 
+Targets: ``moe`` (routed, 37 tokens), ``moe_slots`` (the slot layout at 2 tokens, the combine
+in the down tiles: their partial rows and counters), ``mlp``.
+
 Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_target.py moe [static|dynamic]
 (both schedulers unless one is named).
 """
@@ -26,8 +29,14 @@ def main(argv=None) -> int:
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dt)
 
     t_sym, t = mk.sym("T", max=256), 37
-    if which == "moe":
-        cfg = MoeConfig(256, 128, 8, 2, block_m=64, block_n=64, down_block_n=128, route_chunk=8)
+    if which.startswith("moe"):
+        tiles = dict(block_m=64, block_n=64, down_block_n=128)
+        if which == "moe_slots":
+            t_sym, t = mk.sym("T", max=2), 2
+            tiles.update(slots=True, fused_combine=True)
+        else:
+            tiles.update(route_chunk=8)
+        cfg = MoeConfig(256, 128, 8, 2, **tiles)
         w = {
             "w_router": rnd(8, 256),
             "w_gate_up": rnd(8, 256, 256, scale=256**-0.5),
