@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .arch import pin_arch
 from .graph import Graph
 from .layers import MoeConfig, mlp_graph, moe_graph
 from .ops import DECODE_GATE_UP_WIDTHS, wave_fit_width  # noqa: F401 (re-exported)
@@ -203,14 +204,21 @@ def mlp_regime_graph(
     )
 
 
-def moe_tiles(regime: str, hidden: int, backend: str = "cute") -> dict:
+def moe_tiles(
+    regime: str, hidden: int, backend: str = "cute", dtype: torch.dtype | None = None
+) -> dict:
     """:data:`MOE_TILES` of a regime for a block of ``hidden`` columns: the router's K split
-    halved until it divides the hidden size into whole slices."""
+    halved until it divides the hidden size into whole slices. The combine stays a step of its
+    own (``fused_combine`` off) where the kernel would not run the Hopper tile (``dtype`` not
+    bf16 / fp16, or another arch than sm_90a): only that tile has the fused combine."""
     tiles = dict(MOE_TILES[(backend, regime)])
     split = tiles.get("router_split", 1)
     while split > 1 and hidden % (split * SPLIT_SLICE):  # whole k-slices a range
         split //= 2
     tiles["router_split"] = split
+    if tiles.get("fused_combine") and backend == "cute":
+        half = dtype in (torch.bfloat16, torch.float16)
+        tiles["fused_combine"] = half and pin_arch() == "sm_90a"
     return tiles
 
 
@@ -229,7 +237,7 @@ def moe_regime_graph(
     routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
-    tiles = moe_tiles(regime, hidden, backend)
+    tiles = moe_tiles(regime, hidden, backend, dtype)
     cfg = MoeConfig(
         hidden,
         intermediate,

@@ -236,6 +236,34 @@ def test_moe_slot_layout_compiles_for_hopper(tmp_path, scheduler, spill_stores):
     assert spill_stores(ptx_file) == 0
 
 
+@pytest.mark.parametrize(
+    "dtype, arch, fused",
+    [(torch.bfloat16, "sm_90a", True), (torch.float32, "sm_90a", False), (torch.bfloat16, "sm_80", False)],
+)
+def test_slots_regime_fuses_the_combine_only_on_the_hopper_tile(monkeypatch, dtype, arch, fused):
+    """Only the Hopper tile has the combine in the down tiles: an fp32 block (SIMT tiles) or
+    another arch keeps the combine step, so its 'slots' graph still has a device path; the
+    interpreter runs the fused graph whatever the dtype."""
+    from cutemk.regimes import moe_regime_graph
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    names = [
+        n.op.name for n in moe_regime_graph(256, 128, 8, 2, True, "slots", dtype, 2).nodes
+    ]
+    assert ("moe_combine" not in names) == fused, names
+    g = moe_regime_graph(256, 128, 8, 2, True, "slots", dtype, 2, backend="interpret")
+    assert "moe_combine" not in [n.op.name for n in g.nodes]
+
+
+def test_slots_fp32_compiles_with_its_combine_step(tmp_path, monkeypatch):
+    """The fp32 'slots' graph compiles (SIMT grouped GEMMs and the combine step)."""
+    from cutemk.regimes import moe_regime_graph
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    g = moe_regime_graph(256, 128, 8, 2, True, "slots", torch.float32, 2)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("max_t", [1, 2])
@@ -243,7 +271,8 @@ def test_moe_hopper_slot_layout(scheduler, max_t):
     """The slot layout on the GPU at Qwen3-30B-A3B's size: random, one-expert and tied
     routings against the fp32 reference (bf16 logits), bit-identical reruns; then a router
     whose logits are NaN but one expert's: no expert for the other picks, every output NaN
-    (the tiles of picks without an expert do not exist; nothing is read outside a buffer)."""
+    (the gate/up tiles of picks without an expert do not exist, their down tiles stream expert
+    0 and contribute NaN; nothing is read outside a buffer)."""
     _run(SLOTS, scheduler, tuple(range(1, max_t + 1)), ("random", "one_expert", "ties"), max_t)
     c = moe_graph(mk.sym("T", max=max_t), SLOTS, torch.bfloat16).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True

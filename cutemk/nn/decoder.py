@@ -189,7 +189,7 @@ class MegaDecoderLayer(_KeyedModule):
             limit = self.max_batch if limit is None else min(self.max_batch, limit)
             moe = self.moe
             if regime == "slots":  # the sparse block without a routing step
-                moe = replace(moe, **moe_tiles("slots", moe.hidden, backend))
+                moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
             return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, moe)
 
         return self._graph(regime, like, build)
