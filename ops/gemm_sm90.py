@@ -39,6 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutemk.device.config import CONSUMER_BARRIER, WARP_SIZE, WARPGROUP
 from cutemk.tileop import RingTile
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
+from cutemk.device.sync import claim_last
 
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
@@ -576,6 +577,11 @@ def _store_partial(
 
 
 @cute.jit
+def _consumer_sync():
+    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+
+@cute.jit
 def _pick_weight(cfg: cutlass.Constexpr, tensors, coord0: Int32, word: Int32) -> Float32:
     """The combine weight of tile ``coord0``'s pick, NaN where its id names no expert."""
     k = cfg.combine_k
@@ -620,17 +626,8 @@ def _combine(
         if r == t and c0 + c < cols:
             mPart[t, j, c0 + c] = acc[i] * pick_w
     sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-    if ctid == 0:
-        ptr = mCnt.iterator + (t * mCnt.shape[1] + coord1)
-        old = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(0)
-        if old == k - 1:
-            last = Int32(1)
-            cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
-        sLast[0] = last
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-    if sLast[0] != 0:
+    ptr = mCnt.iterator + (t * mCnt.shape[1] + coord1)
+    if claim_last(ptr, Int32(k), ctid, _consumer_sync, sLast):
         vec = 4  # fp32 partials a thread loads at once (16 bytes; H % 4 == 0 is checked)
         p_tok = cute.assume(mPart.stride[0], divby=vec)
         p_pick = cute.assume(mPart.stride[1], divby=vec)

@@ -26,6 +26,7 @@ import math
 import cutlass
 from cutlass import Float32, Int32, cute
 
+from cutemk.device.sync import claim_last
 from cutemk.symbolic import IntLike, smax, smin
 
 SPLITS = 16
@@ -125,17 +126,8 @@ def claim_merge(mCnt, b: Int32, h: Int32, kv_heads: cutlass.Constexpr, ranges, t
     calling): count its range in ``merges[b, h]``; True where it was the last one (the count
     then goes back to zero for the next launch). The acq_rel add releases this range's
     partials and acquires the others' for the merge that follows."""
-    sync()
-    if tid == 0:
-        ptr = mCnt.iterator + (b * kv_heads + h)
-        old = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(0)
-        if old == ranges - 1:
-            last = Int32(1)
-            cute.arch.store(ptr, Int32(0), sem="relaxed", scope="gpu")
-        sWord[0] = last
-    sync()
-    return sWord[0] != 0
+    ptr = mCnt.iterator + (b * kv_heads + h)
+    return claim_last(ptr, ranges, tid, sync, sWord)
 
 
 @cute.jit

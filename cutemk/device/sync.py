@@ -163,3 +163,23 @@ def notify_event(
     is not needed, so no round trip to L2 is waited for.
     """
     cute.arch.red(event_ptr, inc, op="add", dtype=Int32, sem="release", scope=scope)
+
+
+@cute.jit
+def claim_last(counter_ptr: cute.Pointer, group: Int32, tid: Int32, sync, sWord) -> Boolean:
+    """The tiles of a group that finish in any order, each ending here after its own global
+    writes (every thread of the caller's barrier ``sync``): thread 0 counts the tile in the
+    counter (a gpu-scope acq_rel add: it releases this tile's writes and acquires those of the
+    tiles counted before); True, on every thread, for the tile that brings the count to
+    ``group``, which then puts the counter back to zero for the next launch and may read the
+    other tiles' writes. ``sWord``: one Int32 of shared memory for the verdict."""
+    sync()
+    if tid == 0:
+        old = cute.arch.atomic_add(counter_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(0)
+        if old == group - 1:
+            last = Int32(1)
+            cute.arch.store(counter_ptr, Int32(0), sem="relaxed", scope="gpu")
+        sWord[0] = last
+    sync()
+    return sWord[0] != 0
