@@ -236,6 +236,39 @@ def test_moe_slot_layout_compiles_for_hopper(tmp_path, scheduler, spill_stores):
     assert spill_stores(ptx_file) == 0
 
 
+def _odd_slots(k: int) -> MoeConfig:
+    """A slot-layout block whose hidden size is not a multiple of the down tile (320 = 2 x 128
+    + 64: the last column block is partial) with top-k ``k``."""
+    return MoeConfig(
+        320,
+        128,
+        8,
+        k,
+        router_dtype=None,
+        block_m=64,
+        block_n=64,
+        down_block_n=128,
+        slots=True,
+        fused_combine=True,
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_odd_slot_layout_compiles_for_hopper(tmp_path, k, spill_stores):
+    g = moe_graph(mk.sym("T", max=2), _odd_slots(k), torch.bfloat16)
+    assert "moe_combine" not in [n.op.name for n in g.nodes]
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_moe_hopper_fused_combine_odd_shapes(scheduler, k):
+    """The combine in the down tiles with a partial last column block and k = 1 or 3 against
+    the fp32 reference, bit-identical reruns (the pick order is fixed)."""
+    _run(_odd_slots(k), scheduler, (1, 2), ("random", "ties"), 2)
+
+
 @pytest.mark.parametrize(
     "dtype, arch, fused",
     [(torch.bfloat16, "sm_90a", True), (torch.float32, "sm_90a", False), (torch.bfloat16, "sm_80", False)],
