@@ -325,10 +325,9 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         rows = blocks(i, self.block_m, self._ev(self._tiles(), env) * self.block_m)
         k = self._slots
         if which == "writes":
-            cols = blocks(coords[:, 1], self.block_n, self._ev(self.n, env))
             if self.combine is not None:
                 return None  # per tile: the counts are the op's own (undeclared, as writes says)
-            return {"out": boxes(rows, cols)}
+            return {"out": boxes(rows, blocks(coords[:, 1], self.block_n, self._ev(self.n, env)))}
         w = self.w.concrete(env)
         if k:  # the pick's id: row t, column j of the ids
             t, j = i // k, i % k
