@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from cutemk import ops
 from cutemk.costmodel import H200
 from cutemk.device.config import NUM_WARPS
-from cutemk.errors import GraphError
+from cutemk.errors import GraphError, ShapeError
 from cutemk.graph import Graph
 from cutemk.ops import kv_split
 from cutemk.symbolic import Sym, upper
@@ -112,6 +112,7 @@ def linear(
     norm_sumsq=None,
     sumsq: bool = False,
     reduce: bool = True,
+    fuse_reduce: bool = False,
     name: str | None = None,
 ):
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
@@ -133,7 +134,12 @@ def linear(
     norm of a projection that reads y. ``reduce`` False: where the projection is split, the
     partials (split_k, m, n) fp32 come back instead, the reduce (and a folded norm's row
     scale by ``x``) left to the op that reads them (``ops.qk_norm_rope``); check with
-    :func:`is_partial`."""
+    :func:`is_partial`.
+
+    ``fuse_reduce``: where the projection is split and needs no norm nor sums of squares, the
+    last partial tile of each output block reduces it (``ops.gemm_split``: no reduce node, no
+    hop) if the Hopper tile runs it (sm_90a, 16-bit operands; with ``silu_mul`` the gate half a
+    whole number of partial tiles); else the reduce node as above."""
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -186,6 +192,11 @@ def linear(
             **norm,
         )
         return (y, None) if sumsq else y
+    if fuse_reduce and reduce and norm_eps is None and not sumsq:
+        fused = _fused_split(x, w, res, split_k, epilogue, block_m, split_block_n)
+        if fused is not None:
+            c, _, _ = g.call(fused, x, w, *res, name=name)
+            return (c, None) if sumsq else c
     part = g.call(
         ops.gemm_partial, x, w, split_k=split_k, block_m=block_m, block_n=split_block_n, name=name
     )
@@ -212,6 +223,24 @@ def linear(
     )
 
 
+def _fused_split(x, w, res, split_k, epilogue, block_m, block_n):
+    """The ``ops.gemm_split`` op of a split projection, or None where it does not apply (its
+    shape checks, or no Hopper tile for it)."""
+    try:
+        op = ops.gemm_split(
+            x.spec,
+            w.spec,
+            *[v.spec for v in res],
+            split_k=split_k,
+            epilogue=epilogue,
+            block_m=block_m,
+            block_n=block_n,
+        )
+    except (ShapeError, ValueError, TypeError):
+        return None
+    return op if op.sm90() is not None else None
+
+
 def is_partial(v) -> bool:
     """Whether ``v`` is a split projection's partials (``linear(..., reduce=False)``)."""
     return v.producer is not None and v.producer.op.name == "gemm_partial"
@@ -233,6 +262,7 @@ def mlp_graph(
     fuse_silu: bool = False,
     down_block: tuple[int, int] | None = None,
     split_k: int | None | tuple[int | None, int | None] = 1,
+    fuse_reduce: bool = False,
 ) -> Graph:
     """Qwen3 MLP: down(silu(x @ W_gate^T) * (x @ W_up^T)). Leaves: x, w_gate_up, w_down.
 
@@ -240,7 +270,7 @@ def mlp_graph(
     the fused gate/up tile holds two accumulators, so it is half as wide as the down tile can
     be at the same register budget. ``split_k`` (see :func:`linear`; None: chosen per GEMM)
     splits the GEMMs along K, for decode sizes: one value for both, or a pair (gate/up,
-    down)."""
+    down); ``fuse_reduce``: a split GEMM's last partial tiles reduce it (see :func:`linear`)."""
     _positive(hidden=hidden, intermediate=intermediate, block_m=block_m, block_n=block_n)
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
@@ -250,8 +280,9 @@ def mlp_graph(
     gu_split, down_split = split_k if isinstance(split_k, tuple) else (split_k, split_k)
     if (gu_split, down_split) != (1, 1):
         tiles = {"block_m": block_m, "block_n": block_n, "split_k": gu_split}
-        act = linear(g, x, w_gu, epilogue="silu_mul", name="gate_up", **tiles)
-        y = linear(g, act, w_down, block_m=dm, block_n=dn, split_k=down_split, name="down")
+        fuse = {"fuse_reduce": fuse_reduce}
+        act = linear(g, x, w_gu, epilogue="silu_mul", name="gate_up", **tiles, **fuse)
+        y = linear(g, act, w_down, block_m=dm, block_n=dn, split_k=down_split, name="down", **fuse)
         g.output(y, "y")
         return g
     if fuse_silu:
@@ -498,6 +529,9 @@ class DecoderConfig:
     # their hand-overs fewer). Off by default: measured on the H200 (Qwen3-8B, one graph for
     # B <= 16) it saves ~3 us at B=1 but costs ~18 us at B=16 (benchmarks/NOTES.md)
     fused_qkv_tail: bool = False
+    # the down projection's split reduce (+ residual) in its last partial tiles
+    # (``linear(fuse_reduce=True)``: no reduce phase where the Hopper tile runs it)
+    fused_reduce: bool = False
 
 
 def decoder_layer_graph(
@@ -658,6 +692,7 @@ def _decoder_layer(
             epilogue="silu_mul",
             name="gate_up",
         )
-        y = linear(g, act, w_down, h1, **tiles, name="down")  # + residual
+        # + residual
+        y = linear(g, act, w_down, h1, **tiles, fuse_reduce=cfg.fused_reduce, name="down")
     g.output(y, "y")
     return g

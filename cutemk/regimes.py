@@ -14,6 +14,8 @@ tools such as ``benchmarks/host_path.py``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .arch import pin_arch
@@ -71,6 +73,19 @@ and K ranges spread it over every SM (``ops.gemm_splitk``). Up to 128 tokens it 
 in 64-column tiles (Qwen3-8B: 192 of them, ~1.5 waves), down split along K (its 4096 columns
 make too few 128-row tiles to fill 132 SMs; the split's partial tiles are 256 columns wide,
 ``cutemk.layers.SPLIT_BLOCK_N``, so the down tile width in :data:`MLP_TILES` applies unsplit)."""
+
+MLP_FUSED_REDUCE: dict[tuple[str, str], bool] = {
+    ("cute", "gemv1"): False,
+    ("cute", "gemv"): False,
+}
+"""(backend, regime) -> whether the MLP's split GEMMs reduce in their last partial tiles
+(``ops.gemm_split``: no reduce step, no hop) instead of a reduce step; regimes absent here
+always keep the step (at 128 tokens one SM would sum 128 x 128 x split partials that the
+step spreads over every SM). Off: measured on the H200 (Qwen3-8B, 50 timed runs, one
+process) it is level with the step (T=1 81.1 vs 81.3 us, T=16 86.1 vs 85.7): at decode sizes
+the MLP streams its weights at ~4.1 TB/s across the hops already, the next tiles' weights
+loading before their events. ``CUTEMK_SPLIT_REDUCE`` (read when a graph is built): ``tiles``
+turns it on for the regimes listed here, ``step`` off (:func:`split_reduce_in_tiles`)."""
 
 GEMV_MAX_BATCH = REGIME_LIMITS["gemv"]
 """MegaDecoderLayer: batches up to this run a graph compiled for it (its 'gemv' regime)."""
@@ -144,6 +159,12 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
 DECODER_REGIME_LIMITS: dict[str, int | None] = {"gemv": GEMV_MAX_BATCH, "batch": None}
 """:class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves."""
 
+DECODER_FUSED_REDUCE: dict[tuple[str, str], bool] = {("cute", "gemv"): False}
+""":class:`MegaDecoderLayer`'s (backend, regime) -> whether its down projection (split,
++ residual) reduces in its last partial tiles (``DecoderConfig.fused_reduce``); not timed on
+the GPU yet, so off (``CUTEMK_SPLIT_REDUCE=tiles`` turns it on, see
+:func:`split_reduce_in_tiles`)."""
+
 DECODER_MOE_REGIME_LIMITS: dict[str, int | None] = {
     "slots": MOE_REGIME_LIMITS["slots"],
     **DECODER_REGIME_LIMITS,
@@ -191,6 +212,7 @@ def mlp_regime_graph(
     gate_up_split = split_k[0] if isinstance(split_k, tuple) else split_k
     if backend == "cute" and regime == "decode" and gate_up_split == 1:
         block_n = wave_fit_width(intermediate, -(-limit // block_m), num_sms)
+    fuse = split_reduce_in_tiles(MLP_FUSED_REDUCE.get((backend, regime)))
     return mlp_graph(
         sym("T", max=limit),
         hidden,
@@ -201,7 +223,19 @@ def mlp_regime_graph(
         fuse_silu=True,
         down_block=down,
         split_k=split_k,
+        fuse_reduce=fuse,
     )
+
+
+def split_reduce_in_tiles(default: bool | None) -> bool:
+    """Whether a regime whose table entry is ``default`` (None: not listed, never) reduces its
+    split GEMMs in their tiles: ``CUTEMK_SPLIT_REDUCE=tiles`` / ``step`` override a listed
+    entry, for A/B timing. :func:`cutemk.layers.linear` still keeps the reduce step for a GEMM
+    the Hopper tile does not run."""
+    if default is None:
+        return False
+    mode = os.environ.get("CUTEMK_SPLIT_REDUCE", "")
+    return {"tiles": True, "step": False}.get(mode, default)
 
 
 def moe_tiles(

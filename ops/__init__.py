@@ -14,6 +14,7 @@ from .attention_prefill import AttentionPrefillTile, attention_prefill
 from .gemm import GemmTile, gemm
 from .gemm_splitk import (
     GemmPartialTile,
+    GemmSplitTile,
     SplitReduceTile,
     DECODE_GATE_UP_WIDTHS,
     SPLIT_WIDTHS,
@@ -21,6 +22,7 @@ from .gemm_splitk import (
     choose_split_k,
     wave_fit_width,
     gemm_partial,
+    gemm_split,
     gemm_split_reduce,
 )
 from .kv_append import KvAppendTile, kv_append
@@ -59,6 +61,8 @@ __all__ = [
     "gemm",
     "GemmPartialTile",
     "gemm_partial",
+    "GemmSplitTile",
+    "gemm_split",
     "SplitReduceTile",
     "gemm_split_reduce",
     "DECODE_GATE_UP_WIDTHS",

@@ -88,16 +88,35 @@ class Sm90GemmConfig:
     # ``combine``): the top-k (0: none); tile i is pick i % k of token i // k, its weighted fp32
     # row goes from registers to ``part`` and the last pick of a column block sums the k rows
     combine_k: int = 0
+    # split-K with the reduce in the tiles (``ops.gemm_split``): "" (none, the partials only),
+    # "sum", "silu_mul" or "residual"; the last of a group of partial tiles (the ``split``
+    # ranges of an output column block, of its gate and its up block with silu_mul) sums them
+    # and applies the epilogue. ``reduce_blocks``: the output's column blocks (the counters'
+    # columns; with silu_mul the gate half's blocks, so up block j + reduce_blocks is gate j's)
+    reduce: str = ""
+    reduce_blocks: int = 0
 
     @property
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
         (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, (A, B,
-        tile_info, C) when grouped, or (A, B, ids, weights, y, part, counts) with the
-        combine."""
+        tile_info, C) when grouped, (A, B, ids, weights, y, part, counts) with the
+        combine, or (A, B, [R,] C, part, counts) with the split's reduce in the tiles."""
         if self.combine_k:
             return 7
+        if self.reduce:
+            return 5 + int(self.reduce == "residual")
         return 3 + int(self.grouped) + int(self.residual) + int(self.norm_blocks > 0)
+
+    @property
+    def part_index(self) -> int:
+        """Index of a split-K tile's partials (split, m, n) fp32 in the op's tensors."""
+        return self.extra0 - 2 if self.reduce else 2
+
+    @property
+    def reduce_group(self) -> int:
+        """Partial tiles counted per output block before the last one reduces it."""
+        return self.split * (2 if self.reduce == "silu_mul" else 1)
 
     @property
     def from_registers(self) -> bool:
@@ -128,10 +147,10 @@ class Sm90GemmConfig:
     @property
     def epi_bytes(self) -> int:
         """The staged tile, then (with the row norm) the rows' scales in fp32."""
+        if self.combine_k or self.reduce:  # one word: whether this tile is its block's last
+            return 1024
         if self.split > 1:  # partials go from registers to global memory
             return 0
-        if self.combine_k:  # one word: whether this tile is its column block's last pick
-            return 1024
         scales = 4 * self.bm if self.norm_blocks else 0
         return _round_up(self.bm * self.bn * self.out_dtype.itemsize + scales, 1024)
 
@@ -160,6 +179,8 @@ def sm90_config(
     norm: tuple[int, int, float] | None = None,
     a_one_box: bool = False,
     combine_k: int = 0,
+    reduce: str = "",
+    reduce_blocks: int = 0,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -179,7 +200,10 @@ def sm90_config(
     ``norm``: ``(column blocks, width, eps)`` of the row norm (see ``ops.gemm``).
 
     ``combine_k``: the slot layout's top-k, with the MoE combine fused into the tile (grouped,
-    no epilogue, see ``ops.moe_grouped_gemm``)."""
+    no epilogue, see ``ops.moe_grouped_gemm``).
+
+    ``reduce`` / ``reduce_blocks``: a split-K tile whose group's last tile reduces the
+    partials (see :class:`Sm90GemmConfig` and ``ops.gemm_split``)."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -202,6 +226,8 @@ def sm90_config(
     if norm is not None and (split > 1 or grouped):
         return None
     if combine_k and (not grouped or fused or residual or split > 1 or norm is not None):
+        return None
+    if reduce and (split < 2 or reduce not in ("sum", "silu_mul", "residual") or reduce_blocks < 1):
         return None
     # a power of two >= 8: the swizzled A layout of other row counts (e.g. 40) aborts the
     # compiler
@@ -226,6 +252,8 @@ def sm90_config(
         float(eps),
         bool(grouped and a_one_box),
         combine_k,
+        reduce,
+        reduce_blocks,
     )
 
 
@@ -491,7 +519,9 @@ def compute(
     consumer_release(empty, count + cfg.k_tiles - 1, stages, lane)
 
     if cutlass.const_expr(cfg.split > 1):
-        _store_partial(cfg, tensors[2], acc, tCcC, coord0, coord1, epi_free)
+        _store_partial(cfg, tensors[cfg.part_index], acc, tCcC, coord0, coord1, epi_free)
+        if cutlass.const_expr(cfg.reduce != ""):
+            _reduce_last(cfg, tensors, coord0, coord1, epi_ptr, ctid)
         return count + cfg.k_tiles
     if cutlass.const_expr(cfg.combine_k):
         _combine(cfg, tensors, acc, tCcC, coord0, coord1, pick_w, epi_ptr, ctid, epi_free)
@@ -633,9 +663,7 @@ def _combine(
         p_pick = cute.assume(mPart.stride[1], divby=vec)
         p4 = cute.make_tensor(
             mPart.iterator,
-            cute.make_layout(
-                (mPart.shape[0], k, cols // vec, vec), stride=(p_tok, p_pick, vec, 1)
-            ),
+            cute.make_layout((mPart.shape[0], k, cols // vec, vec), stride=(p_tok, p_pick, vec, 1)),
         )
         y_row = cute.assume(mY.stride[0], divby=vec)
         y4 = cute.make_tensor(
@@ -659,6 +687,88 @@ def _combine(
                 cute.autovec_copy(out, y4[t, w, None])
 
 
+@cute.jit
+def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr, ctid):
+    """Split-K with the reduce in the tiles: after its partial is out (``_store_partial``),
+    tile (coord0, coord1) counts itself in ``counts[coord0, j]`` (j: its output column block;
+    a gate / up pair shares one), and the group's last tile (``claim_last``: the acq_rel count
+    releases this partial and acquires the others') sums the ``split`` ranges of its rows and
+    columns in range order (the reduce step's order: the same bits) and applies the epilogue
+    (``silu(gate) * up`` of the two halves, or ``+ R``), 4 columns a thread, every consumer
+    thread taking (row, 4 columns) vectors in turn. The storer's release after the consumers'
+    barrier publishes C with the task's notify; the staging buffer's first word carries the
+    verdict."""
+    n_r = int(cfg.reduce == "residual")
+    mC, mP, mCnt = tensors[2 + n_r], tensors[3 + n_r], tensors[4 + n_r]
+    silu = cfg.reduce == "silu_mul"
+    split = cfg.split
+    jj = coord1 // split
+    if cutlass.const_expr(silu):  # the up block j + reduce_blocks counts with gate block j
+        if jj >= cfg.reduce_blocks:
+            jj = jj - cfg.reduce_blocks
+    sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
+    ptr = mCnt.iterator + (coord0 * cfg.reduce_blocks + jj)
+    if claim_last(ptr, Int32(cfg.reduce_group), ctid, _consumer_sync, sLast):
+        vec = 4  # fp32 partials a thread loads at once (16 bytes; N % 4 == 0 is checked)
+        rows = mC.shape[0]
+        cols = mC.shape[1]
+        nv = cols // vec
+        p_split = cute.assume(mP.stride[0], divby=vec)
+        p_row = cute.assume(mP.stride[1], divby=vec)
+        p4 = cute.make_tensor(
+            mP.iterator,
+            cute.make_layout(
+                (split, rows, mP.shape[2] // vec, vec), stride=(p_split, p_row, vec, 1)
+            ),
+        )
+        c_row = cute.assume(mC.stride[0], divby=vec)
+        c3 = cute.make_tensor(
+            mC.iterator, cute.make_layout((rows, nv, vec), stride=(c_row, vec, 1))
+        )
+        r3 = c3
+        if cutlass.const_expr(n_r):
+            mR = tensors[2]
+            r_row = cute.assume(mR.stride[0], divby=vec)
+            r3 = cute.make_tensor(
+                mR.iterator, cute.make_layout((rows, nv, vec), stride=(r_row, vec, 1))
+            )
+        r0 = coord0 * cfg.bm
+        tile_v = cfg.bn // vec
+        v0 = jj * tile_v
+        live = cute.min(rows - r0, Int32(cfg.bm))
+        for q in range(ctid, live * tile_v, CONSUMER_THREADS):
+            r = r0 + q // tile_v
+            cv = v0 + q % tile_v
+            if cv < nv:
+                gs = []
+                us = []
+                for s in cutlass.range_constexpr(split):
+                    g = cute.make_rmem_tensor((vec,), Float32)
+                    cute.autovec_copy(p4[s, r, cv, None], g)
+                    gs.append(g)
+                    if cutlass.const_expr(silu):
+                        u = cute.make_rmem_tensor((vec,), Float32)
+                        cute.autovec_copy(p4[s, r, nv + cv, None], u)
+                        us.append(u)
+                res = cute.make_rmem_tensor((vec,), mC.element_type)
+                if cutlass.const_expr(n_r):
+                    cute.autovec_copy(r3[r, cv, None], res)
+                out = cute.make_rmem_tensor((vec,), mC.element_type)
+                for e in cutlass.range_constexpr(vec):
+                    acc = gs[0][e]
+                    for s in cutlass.range_constexpr(1, split):
+                        acc = acc + gs[s][e]
+                    if cutlass.const_expr(silu):
+                        up = us[0][e]
+                        for s in cutlass.range_constexpr(1, split):
+                            up = up + us[s][e]
+                        acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * up
+                    if cutlass.const_expr(n_r):
+                        acc = acc + res[e].to(Float32)
+                    out[e] = acc.to(mC.element_type)
+                cute.autovec_copy(out, c3[r, cv, None])
+
+
 class HopperGemmOp:
     """Mixin of the tile ops whose Hopper tile is this module's GEMM (``ops.gemm``, the grouped
     GEMM): the ring-op half of the ``TileOp`` contract, delegating to the functions above. The
@@ -676,7 +786,11 @@ class HopperGemmOp:
         cfg = self.sm90()
         if cfg is None:
             return ()
-        c = tensors[4] if cfg.combine_k else tensors[len(tensors) - 1]
+        c = tensors[len(tensors) - 1]
+        if cfg.combine_k:
+            c = tensors[4]
+        elif cfg.reduce:  # the partials: their width is B's rows
+            c = tensors[cfg.part_index]
         return tma_args(cfg, tensors[0], tensors[1], c)
 
     def reads_async_proxy(self) -> bool:

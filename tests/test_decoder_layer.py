@@ -480,6 +480,20 @@ def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_st
     assert spill_stores(ptx_file) == 0
 
 
+def test_decode_layer_with_the_down_reduce_in_its_tiles_compiles_for_hopper(tmp_path, spill_stores):
+    """``DecoderConfig.fused_reduce`` (MegaDecoderLayer's graph of up to 16 sequences): the
+    down projection (+ residual) is one gemm_split node, its last partial tiles adding the
+    ranges and the residual; the Qwen3-8B decode layer, static, no spills."""
+    cfg = replace(_QWEN3_8B_DECODE, fused_reduce=True)
+    g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+    down = g.nodes[-1]
+    assert down.name == "down" and down.op.name == "gemm_split"
+    assert down.op.sm90().reduce == "residual"
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
 def test_prefill_layer_compiles_for_hopper(tmp_path):
     """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
     projections on the Hopper GEMM, the append and the causal attention on the tensor cores.

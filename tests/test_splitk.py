@@ -25,9 +25,12 @@ def rel_err(y, ref):
     return float((y.float() - ref).norm() / ref.norm())
 
 
-def proj_graph(k, n, dtype, epilogue=None, split_k=2, max_t=16, block=(64, 64), norm_eps=None):
+def proj_graph(
+    k, n, dtype, epilogue=None, split_k=2, max_t=16, block=(64, 64), norm_eps=None, fuse=False
+):
     """One projection through ``linear``: x (T, k) @ w^T with the epilogue (``norm_eps``:
-    rmsnorm(x) @ w^T, the norm's weight folded into w)."""
+    rmsnorm(x) @ w^T, the norm's weight folded into w; ``fuse``: the reduce in the partial
+    tiles where it applies)."""
     g = mk.Graph("proj")
     t = mk.sym("T", max_t)
     x = g.input("x", (t, k), dtype)
@@ -43,6 +46,7 @@ def proj_graph(k, n, dtype, epilogue=None, split_k=2, max_t=16, block=(64, 64), 
         epilogue=epilogue,
         split_k=split_k,
         norm_eps=norm_eps,
+        fuse_reduce=fuse,
     )
     g.output(y, "y")
     return g
@@ -287,6 +291,130 @@ def test_norm_in_the_gemm_epilogue_on_the_interpreter():
         assert rel_err(h, want_h) < 1e-2 and rel_err(y, want_y) < 1e-2
 
 
+def split_op_graph(k, n, dtype, epilogue, split_k, max_t=16, block=(8, 32)):
+    """One ``ops.gemm_split`` node (the reduce in the partial tiles), called directly."""
+    g = mk.Graph("split_in_tiles")
+    t = mk.sym("T", max_t)
+    x = g.input("x", (t, k), dtype)
+    w = g.weight("w", (2 * n if epilogue == "silu_mul" else n, k), dtype)
+    res = (g.input("r", (t, n), dtype),) if epilogue == "residual" else ()
+    c, _, _ = g.call(
+        ops.gemm_split,
+        x,
+        w,
+        *res,
+        split_k=split_k,
+        epilogue=epilogue,
+        block_m=block[0],
+        block_n=block[1],
+    )
+    g.output(c, "y")
+    return g
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("epilogue", [None, "silu_mul", "residual"])
+def test_reduce_in_the_partial_tiles_on_the_interpreter(scheduler, epilogue):
+    """gemm_split: the last partial tile of each output block sums the ranges and applies the
+    epilogue (a partial last row block: T=9 of 8-row tiles, a partial last column block: 100
+    columns of 32 without silu_mul); its counters are back at zero after every launch (the
+    interpreter checks), so the same graph is right launch after launch."""
+    n = 96 if epilogue == "silu_mul" else 100
+    c = split_op_graph(256, n, torch.float32, epilogue, 4).compile(
+        "interpret", num_sms=5, scheduler=scheduler
+    )
+    gen = torch.Generator().manual_seed(11)
+    nb = 2 if epilogue == "silu_mul" else 1
+    w = torch.randn(nb * n, 256, generator=gen) / 16
+    for t in (1, 9, 16, 1):
+        x = torch.randn(t, 256, generator=gen)
+        r = torch.randn(t, n, generator=gen) if epilogue == "residual" else None
+        y = c(x, w) if r is None else c(x, w, r)
+        assert rel_err(y, proj_reference(x, w, r, epilogue)) < 1e-5, f"T={t}"
+
+
+def test_reduce_in_the_partial_tiles_waits_for_the_whole_group():
+    """A reader of gemm_split's output waits for every partial tile of its columns (any of
+    them may be the one that reduces): with silu_mul its gate block's ranges and its up
+    block's, and no other tile."""
+    g = mk.Graph("split_reader")
+    t = mk.sym("T", 16)
+    x = g.input("x", (t, 256), torch.float32)
+    w = g.weight("w", (256, 256), torch.float32)  # gate and up: 128 rows each, 2 blocks of 64
+    w2 = g.weight("w2", (32, 128), torch.float32)
+    c, _, _ = g.call(ops.gemm_split, x, w, split_k=2, epilogue="silu_mul", block_m=8, block_n=64)
+    # K range s of the reader reads c's columns [64 s, 64 s + 64): output block s
+    g.output(g.call(ops.gemm_partial, c, w2, split_k=2, block_m=8, block_n=32), "p")
+    plan = g.compile("interpret", num_sms=4).plan({"T": 3})
+    coord = {task: plan.tasks[task].coord for task in plan.node_tasks[0]}
+    producers_of: dict[int, set[int]] = {}
+    for task, events in enumerate(plan.notifies):
+        for e in events:
+            producers_of.setdefault(e, set()).add(task)
+    for task in plan.node_tasks[1]:
+        s = plan.tasks[task].coord[1] % 2
+        producers = {p for e in plan.waits[task] for p in producers_of[e]}
+        # partial column blocks s (gate) and s + 2 (up), ranges 0 and 1 of each
+        assert sorted(coord[p][1] for p in producers) == [2 * s, 2 * s + 1, 4 + 2 * s, 5 + 2 * s]
+
+
+def test_linear_fuses_the_reduce_only_where_the_hopper_tile_runs():
+    """``fuse_reduce``: a 16-bit split projection becomes one gemm_split node; fp32 (no Hopper
+    tile), a folded norm, or a silu_mul whose gate half is not a whole number of partial tiles
+    keep the reduce node."""
+
+    def ops_of(*args, **kw):
+        return [n.op.name for n in proj_graph(*args, fuse=True, **kw).nodes]
+
+    for epi in (None, "silu_mul", "residual"):
+        assert ops_of(1024, 512, BF, epi, split_k=4, block=(64, 128)) == ["gemm_split"]
+        assert ops_of(1024, 512, torch.float32, epi, split_k=4, block=(64, 128)) == [
+            "gemm_partial",
+            "gemm_split_reduce",
+        ]
+    # 2 x 320 gate/up rows in 256-wide partial tiles: gate block 1 would hold up rows
+    assert ops_of(1024, 320, BF, "silu_mul", split_k=4) == ["gemm_partial", "gemm_split_reduce"]
+    assert ops_of(1024, 512, BF, None, split_k=4, norm_eps=1e-6) == [
+        "gemm_partial",
+        "gemm_split_reduce",
+    ]
+
+
+def test_gemm_split_refuses_bad_configurations():
+    x = TensorSpec((mk.sym("T", 16), 512), BF)
+    with pytest.raises(ShapeError, match="multiple of block_n"):
+        ops.gemm_split(x, TensorSpec((640, 512), BF), split_k=2, epilogue="silu_mul")
+    with pytest.raises(ShapeError, match="multiples of 4"):
+        ops.gemm_split(x, TensorSpec((254, 512), BF), split_k=2, block_n=64)
+    with pytest.raises(ShapeError, match="whole number"):
+        ops.gemm_split(x, TensorSpec((256, 512), BF), split_k=3)
+    with pytest.raises(ValueError, match=">= 2"):
+        ops.gemm_split(x, TensorSpec((256, 512), BF), split_k=1)
+
+
+def test_split_mlp_with_the_reduce_in_the_tiles_compiles_for_hopper(spill_stores):
+    """The Qwen3-8B MLP of one token as MegaMLP builds it under ``CUTEMK_SPLIT_REDUCE=tiles``:
+    gate/up and down as gemm_split tiles (no reduce node), the counters' acq_rel adds in the
+    PTX, no spills."""
+    from cutemk.regimes import mlp_regime_graph
+
+    os.environ["CUTEMK_SPLIT_REDUCE"] = "tiles"
+    try:
+        g = mlp_regime_graph(4096, 12288, "gemv1", BF, 1)
+    finally:
+        del os.environ["CUTEMK_SPLIT_REDUCE"]
+    assert [n.op.name for n in g.nodes] == ["gemm_split", "gemm_split"]
+    assert [n.op.sm90().reduce for n in g.nodes] == ["silu_mul", "sum"]
+    with tempfile.TemporaryDirectory() as d:
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
+        (path,) = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")]
+        ptx = open(path).read()
+        assert "wgmma.mma_async" in ptx
+        assert ptx.count("atom.global.acq_rel.add") >= 2  # one count per gemm_split node
+        assert "ld.global.v4" in ptx  # the reducing tile loads 16-byte vectors of partials
+        assert spill_stores(path) == 0
+
+
 def test_split_mlp_compiles_for_hopper(spill_stores):
     """Qwen3-8B MLP, decode-sized: gate/up unsplit in one wave of 96-column fused tiles, down
     as partial tiles on the Hopper path (TMA + wgmma, stored from registers) and reduce tiles
@@ -312,15 +440,20 @@ def test_split_mlp_compiles_for_hopper(spill_stores):
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("split_k", [2, None])
 @pytest.mark.parametrize("early,epi", [("0", "0"), ("1", "0"), ("1", "1")])
-def test_split_mlp_on_the_gpu(scheduler, split_k, early, epi, monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True], ids=["step", "in_tiles"])
+def test_split_mlp_on_the_gpu(scheduler, split_k, early, epi, fuse, monkeypatch):
     """early: ``CUTEMK_EARLY_HANDOVER`` (tasks without events handed over before their
-    loads); epi: ``CUTEMK_EPI_MBARRIER`` (the staging buffer released by an mbarrier)."""
+    loads); epi: ``CUTEMK_EPI_MBARRIER`` (the staging buffer released by an mbarrier); fuse:
+    the reduce in the partial tiles (gemm_split) or a reduce step."""
     monkeypatch.setenv("CUTEMK_EARLY_HANDOVER", early)
     monkeypatch.setenv("CUTEMK_EPI_MBARRIER", epi)
     torch.manual_seed(3)
     H, I = 1024, 1536
-    g = mlp_graph(mk.sym("T", max=16), H, I, BF, 64, 128, fuse_silu=True, split_k=split_k)
-    assert any(n.op.name == "gemm_partial" for n in g.nodes)
+    g = mlp_graph(
+        mk.sym("T", max=16), H, I, BF, 64, 128, fuse_silu=True, split_k=split_k, fuse_reduce=fuse
+    )
+    split_op = "gemm_split" if fuse else "gemm_partial"
+    assert any(n.op.name == split_op for n in g.nodes)
     c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
     wgu = (torch.randn(2 * I, H, device="cuda") / H**0.5).to(BF)
     wd = (torch.randn(H, I, device="cuda") / I**0.5).to(BF)
@@ -381,13 +514,19 @@ def test_norm_from_sums_of_squares_on_the_gpu(scheduler, split2):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [BF, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("epilogue", [None, "silu_mul", "residual"])
-def test_split_projection_on_the_gpu(dtype, epilogue):
-    """Every epilogue; fp32 runs the portable partial tile (SIMT) and the scalar reduce."""
+@pytest.mark.parametrize("fuse", [False, True], ids=["step", "in_tiles"])
+def test_split_projection_on_the_gpu(dtype, epilogue, fuse):
+    """Every epilogue; fp32 runs the portable partial tile (SIMT) and the scalar reduce; fuse:
+    16-bit projections reduce in the partial tiles (256-wide: 320 columns end in a partial
+    column block, T=40 in a partial block of 64 rows; silu_mul needs whole gate blocks, so
+    2 x 512 rows there)."""
     torch.manual_seed(5)
     k, n = 768, 202 if dtype == torch.float32 else 320  # 202: the reduce's scalar path
-    c = proj_graph(k, n, dtype, epilogue, split_k=3, max_t=40).compile(
-        "cute", watchdog=True, poison_outputs=True
-    )
+    if fuse and dtype == BF and epilogue == "silu_mul":
+        n = 512
+    g = proj_graph(k, n, dtype, epilogue, split_k=3, max_t=40, fuse=fuse)
+    assert (g.nodes[0].op.name == "gemm_split") == (fuse and dtype == BF)
+    c = g.compile("cute", watchdog=True, poison_outputs=True)
     nb = 2 if epilogue == "silu_mul" else 1
     w = (torch.randn(nb * n, k, device="cuda") / k**0.5).to(dtype)
     for t in (1, 7, 40):
@@ -397,6 +536,8 @@ def test_split_projection_on_the_gpu(dtype, epilogue):
         assert not torch.isnan(y).any()
         tol = 1e-2 if dtype == BF else 1e-5
         assert rel_err(y, proj_reference(x, w, r, epilogue)) < tol, f"T={t}"
+        if fuse:  # the same bits again: the range order is fixed, the counters back at zero
+            assert torch.equal(y, c(x, w) if r is None else c(x, w, r))
 
 
 def test_norm_width_needs_sums_of_squares_from_a_reduce():

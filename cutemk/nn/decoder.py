@@ -10,7 +10,14 @@ from torch import nn
 
 from .. import torch_ops
 from ..errors import CuteMKError, ShapeError
-from ..regimes import DECODER_MOE_REGIME_LIMITS, DECODER_REGIME_LIMITS, MOE_TILES, moe_tiles
+from ..regimes import (
+    DECODER_FUSED_REDUCE,
+    DECODER_MOE_REGIME_LIMITS,
+    DECODER_REGIME_LIMITS,
+    MOE_TILES,
+    split_reduce_in_tiles,
+    moe_tiles,
+)
 from ..symbolic import sym
 from ..tileop import expect_positive_int
 from .base import _KeyedModule
@@ -187,10 +194,12 @@ class MegaDecoderLayer(_KeyedModule):
                 return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
             limit = self.regime_limits[regime]
             limit = self.max_batch if limit is None else min(self.max_batch, limit)
-            moe = self.moe
+            moe, cfg = self.moe, self.cfg
             if regime == "slots":  # the sparse block without a routing step
                 moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
-            return decoder_layer_graph(sym("B", max=limit), self.cfg, dtype, moe)
+            if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
+                cfg = replace(cfg, fused_reduce=True)
+            return decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
 
         return self._graph(regime, like, build)
 
