@@ -15,8 +15,11 @@ median task time; microseconds since the launch's first task) go to the JSON's `
 are printed; ``--records DIR`` also writes each case's raw per-task records (SM, start, end,
 node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 
-``--fused-tail``: one more column, a static module with ``DecoderConfig.fused_qkv_tail`` on
-(the split QKV projection's reduce, ``qk_norm_rope`` and ``kv_append`` as one phase).
+``--ab FIELD [FIELD ...]``: one more column each, a static module with that boolean of
+``DecoderConfig`` on (e.g. ``fused_qkv_tail``: the split QKV projection's reduce,
+``qk_norm_rope`` and ``kv_append`` as one phase; ``fused_append``: ``qk_norm_rope`` appends,
+no ``kv_append``), timed in the same process. ``--set FIELD=VALUE``: change the layer's
+config for every module (the traced one too), for a separate-process A/B with a trace.
 
 ``--prefill 2048``: also prefill steps (one sequence of that many new tokens, no cached prefix)
 as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the same layer in torch
@@ -24,7 +27,8 @@ as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the sa
 With ``--trace`` the prefill steps are traced too.
 
 Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [--records DIR]]
-[--unfolded-norms] [--attention-align 64|128] [--fused-tail]
+[--unfolded-norms] [--attention-align 64|128] [--ab FIELD ...] [--set FIELD=VALUE ...]
+[--rounds N]
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, profile_launch, time_impl
+from cutemk.bench import Results, floor_us, profile_launch, time_impl, time_rounds
 
 H, I, HQ, HKV, D = 4096, 12288, 32, 8, 128
 KV, PAGE, EPS = 4096, 16, 1e-6
@@ -135,10 +140,25 @@ def torch_prefill(x, kc, vc, w, fp32=False):
     return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
 
 
-def _time_impls(res, case, impls, errs, fl, warmup, rep, flops=None) -> None:
+def _time_impls(res, case, impls, errs, fl, warmup, rep, flops=None, rounds=1) -> None:
     """Each of ``impls`` timed into a row of ``res`` (CUDA-graph replays from a cold L2, but
     'torch_eager', called as it is), with its error ``errs[name]``, its share of the floor
-    ``fl`` and, given ``flops``, its TFLOP/s."""
+    ``fl`` and, given ``flops``, its TFLOP/s. ``rounds`` > 1: timed in that many rounds of
+    rotated order (``cutemk.bench.time_rounds``), the row's median the median of the rounds'
+    (each round's in ``rounds_us``)."""
+    if rounds > 1:
+        per = time_rounds(impls, {"torch_eager"}, warmup, rep, rounds)
+        for name, us in per.items():
+            res.add_timed(
+                case,
+                name,
+                statistics.median(us),
+                fl,
+                flops,
+                rel_err=round(errs[name], 5),
+                rounds_us=[round(u, 2) for u in us],
+            )
+        return
     for name, fn in impls.items():
         us = time_impl(fn, name == "torch_eager", warmup, rep)
         res.add_timed(case, name, us, fl, flops, rel_err=round(errs[name], 5))
@@ -185,6 +205,22 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
         _time_impls(res, case, impls, errs, fl, warmup, rep, flops=flops)
 
 
+def _config_fields(p, cfg, sets: list[str], ab: list[str]) -> dict[str, int]:
+    """``--set`` as DecoderConfig fields (checked: a known field, an int value), after
+    checking that every ``--ab`` names a boolean field."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for name in ab:
+        if not isinstance(fields.get(name), bool):
+            p.error(f"--ab {name}: not a boolean field of DecoderConfig")
+    out = {}
+    for item in sets:
+        name, _, value = item.partition("=")
+        if name not in fields or not value.lstrip("-").isdigit():
+            p.error(f"--set {item}: expected FIELD=INT with FIELD a DecoderConfig field")
+        out[name] = bool(int(value)) if isinstance(fields[name], bool) else int(value)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", nargs="*", type=int, default=[1, 16, 64])
@@ -198,9 +234,24 @@ def main(argv=None) -> int:
         "--unfolded-norms", action="store_true", help="RMSNorm phases of their own (no folding)"
     )
     p.add_argument(
-        "--fused-tail",
-        action="store_true",
-        help="also a static module whose QKV reduce, qk_norm_rope and kv_append are one phase",
+        "--ab",
+        nargs="*",
+        default=[],
+        metavar="FIELD",
+        help="also a static module with this DecoderConfig boolean on (e.g. fused_append)",
+    )
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="DecoderConfig fields for every module (ints; booleans as 0 / 1)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the decode steps in this many rounds of rotated order (A/Bs)",
     )
     p.add_argument("--records", type=Path, help="with --trace: write raw task records here")
     p.add_argument(
@@ -230,6 +281,7 @@ def main(argv=None) -> int:
     )
     if args.attention_align is not None:
         cfg = dataclasses.replace(cfg, attention_align=args.attention_align)
+    cfg = dataclasses.replace(cfg, **_config_fields(p, cfg, args.set, args.ab))
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
         wm = fold_decoder_norms(wm)
@@ -250,10 +302,10 @@ def main(argv=None) -> int:
         )
         for s in ("static", "dynamic")
     }
-    if args.fused_tail:  # the same-process A/B of DecoderConfig.fused_qkv_tail
-        megas["mk_static_fused_tail"] = MegaDecoderLayer(
+    for field in args.ab:  # same-process A/Bs of DecoderConfig switches
+        megas[f"mk_static_{field}"] = MegaDecoderLayer(
             wm,
-            dataclasses.replace(cfg, fused_qkv_tail=True),
+            dataclasses.replace(cfg, **{field: True}),
             max_batch=max(args.batch or [1]),
             scheduler="static",
             **prefill_kw,
@@ -271,6 +323,7 @@ def main(argv=None) -> int:
         "block_n": args.block_n,
         "fold_norms": cfg.fold_norms,
         "attention_align": cfg.attention_align,
+        "config": dataclasses.asdict(cfg),
     }
     res = Results("decoder_layer", meta=meta)
     weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
@@ -309,7 +362,7 @@ def main(argv=None) -> int:
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
         fl = floor_us(0.0, weight_bytes + 2.0 * 2 * b * KV * HKV * D)
-        _time_impls(res, case, impls, errs, fl, warmup, rep)
+        _time_impls(res, case, impls, errs, fl, warmup, rep, rounds=args.rounds)
     if args.prefill:
         run_prefill(res, megas, w, args.prefill, warmup, rep, gen, profiled)
     res.add_ratios("torch_graph")

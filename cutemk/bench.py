@@ -50,6 +50,21 @@ def time_impl(fn: Callable[[], Any], eager: bool, warmup: int, rep: int) -> floa
     return time_us(fn if eager else graphed(fn), warmup=warmup, rep=rep, cold_l2=not eager)
 
 
+def time_rounds(
+    impls: dict[str, Callable[[], Any]], eager: set[str], warmup: int, rep: int, rounds: int
+) -> dict[str, list[float]]:
+    """:func:`time_impl` of every implementation in ``rounds`` rounds, the order rotated by
+    one each round (each captured once), so a drift of the machine (clocks, another tenant)
+    or a place in the order does not fall on one of them: {name: [median of each round]}."""
+    calls = {n: (fn if n in eager else graphed(fn)) for n, fn in impls.items()}
+    names = list(impls)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            out[n].append(time_us(calls[n], warmup=warmup, rep=rep, cold_l2=n not in eager))
+    return out
+
+
 def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     """``NAME:VAR=VALUE[,VAR=VALUE...]`` -> {NAME: {VAR: VALUE}}: the environment a variant of
     an implementation is compiled under (an A/B of a compile-time switch in one process)."""

@@ -529,6 +529,10 @@ class DecoderConfig:
     # their hand-overs fewer). Off by default: measured on the H200 (Qwen3-8B, one graph for
     # B <= 16) it saves ~3 us at B=1 but costs ~18 us at B=16 (benchmarks/NOTES.md)
     fused_qkv_tail: bool = False
+    # decode: qk_norm_rope (on the summed QKV projection) also appends k and v to the cache,
+    # so the step has no ``kv_append`` phase and attention waits on one hand-over fewer
+    # (implied by ``fused_qkv_tail``)
+    fused_append: bool = False
     # the down projection's split reduce (+ residual) in its last partial tiles
     # (``linear(fuse_reduce=True)``: no reduce phase where the Hopper tile runs it)
     fused_reduce: bool = False
@@ -614,24 +618,29 @@ def _decoder_layer(
     tiles = {"block_m": cfg.block_m, "block_n": cfg.block_n, "split_k": cfg.split_k}
     # a norm tile is a row per SIMT warp: the rows spread over SMs, each a memory round trip
     norm_rows = NUM_WARPS
-    # a decode step's qk_norm_rope sums the split projection's partials (the folded norm's
-    # row scale too) and appends k and v to the cache itself: one phase where there were three
+    # a decode step's qk_norm_rope may append k and v to the cache itself (``fused_append``:
+    # no kv_append phase) and also sum the split projection's partials, the folded norm's row
+    # scale too (``fused_qkv_tail``: one phase where there were three)
     fuse = cfg.fused_qkv_tail and not prefill
+    append = (fuse or cfg.fused_append) and not prefill
     a_qkv, norm_eps = x, cfg.eps
     if not cfg.fold_norms:
         a_qkv = g.call(ops.rmsnorm, x, input_norm, eps=cfg.eps, block_m=norm_rows, name="attn_norm")
         norm_eps = None
     qkv = linear(g, a_qkv, w_qkv, **tiles, norm_eps=norm_eps, reduce=not fuse, name="qkv_proj")
     rope = {"heads": hq, "kv_heads": hkv, "eps": cfg.eps}
-    if fuse:
-        # its items are serial on a warp, each ~2 round trips: the fewest tokens a tile
-        # that still fits the tiles in one wave (B=16: 2 tokens, 96 tiles of 8 items)
-        heads_blocks = -(-(hq + 2 * hkv) // ops.QkNormRopeTile.head_block)
-        rope["block_m"] = next(
-            (bm for bm in (1, 2) if -(-upper(tokens) // bm) * heads_blocks <= H200.num_sms), 4
-        )
-        split = is_partial(qkv)
-        norm_x = (x,) if split and norm_eps is not None else ()
+    if append:
+        norm_x = ()
+        if fuse:
+            # its items are serial on a warp, each ~2 round trips: the fewest tokens a tile
+            # that still fits the tiles in one wave (B=16: 2 tokens, 96 tiles of 8 items)
+            heads_blocks = -(-(hq + 2 * hkv) // ops.QkNormRopeTile.head_block)
+            rope["block_m"] = next(
+                (bm for bm in (1, 2) if -(-upper(tokens) // bm) * heads_blocks <= H200.num_sms),
+                4,
+            )
+            if is_partial(qkv) and norm_eps is not None:
+                norm_x = (x,)
         q, k2, v2 = g.call(
             ops.qk_norm_rope,
             qkv,
@@ -656,7 +665,7 @@ def _decoder_layer(
         )
         o = g.call(ops.attention_prefill, q, k2, v2, page_table, seq_lens, cu_seqlens)
     else:
-        if not fuse:
+        if not append:
             k2, v2 = g.call(ops.kv_append, k, v, k_cache, v_cache, page_table, seq_lens)
         o = g.call(
             ops.attention_decode,

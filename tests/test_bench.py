@@ -4,7 +4,15 @@ import pytest
 
 import os
 
-from cutemk.bench import Results, bar_chart, floor_us, parse_variants, time_us, with_env
+from cutemk.bench import (
+    Results,
+    bar_chart,
+    floor_us,
+    parse_variants,
+    time_rounds,
+    time_us,
+    with_env,
+)
 
 
 def test_results_json_convention(tmp_path, capsys):
@@ -114,3 +122,13 @@ def test_variants_compile_under_their_environment(monkeypatch):
     seen = with_env(env, lambda: (os.environ["CUTEMK_X"], os.environ["CUTEMK_Y"]))()
     assert seen == ("inner", "1")
     assert os.environ["CUTEMK_X"] == "outer" and "CUTEMK_Y" not in os.environ
+
+
+def test_time_rounds_rotates_the_order():
+    """Every implementation timed once a round, the order rotated by one each round (eager
+    implementations: no CUDA graph, so this runs on the CPU)."""
+    seen = []
+    impls = {n: (lambda n=n: seen.append(n)) for n in "abc"}
+    out = time_rounds(impls, set(impls), warmup=0, rep=1, rounds=4)
+    assert seen == list("abcbcacababc")
+    assert list(out) == list("abc") and all(len(v) == 4 and min(v) >= 0 for v in out.values())

@@ -160,6 +160,8 @@ LAYERS = {
     "folded_split": CFG_SPLIT,
     # the split QKV projection's reduce, qk_norm_rope and kv_append in one phase
     "fused_tail": replace(CFG_SPLIT, fused_qkv_tail=True),
+    # the split projection reduced by its own phase, qk_norm_rope appending k and v
+    "fused_append": replace(CFG_SPLIT, fused_append=True),
 }
 
 
@@ -171,10 +173,14 @@ def test_decode_step_matches_hf_layer(scheduler, which):
     layer, rotary = _hf(cfg)
     g = decoder_layer_graph(mk.sym("B", max=8), cfg)
     norm_nodes = [n.name for n in g.nodes if n.op.name == "rmsnorm"]
-    assert (norm_nodes == []) == (cfg is CFG_SPLIT or which == "fused_tail"), norm_nodes
-    # fused: the split QKV projection's partials go straight to qk_norm_rope, which appends
-    # k and v itself
-    assert ("kv_append" in {n.op.name for n in g.nodes}) == (which != "fused_tail")
+    assert (norm_nodes == []) == (cfg.fold_norms and cfg.split_k == 2), norm_nodes
+    # fused: qk_norm_rope appends k and v itself (with the tail, from the split QKV
+    # projection's partials: no reduce phase either)
+    names = {n.op.name for n in g.nodes}
+    assert ("kv_append" in names) == (which not in ("fused_tail", "fused_append")), names
+    assert ("gemm_split_reduce" in names) == (cfg.split_k == 2), names
+    qnr = next(n for n in g.nodes if n.op.name == "qk_norm_rope")
+    assert qnr.op.appends == (which in ("fused_tail", "fused_append"))
     if which == "folded_split":  # the MLP's norm comes from o_proj's sums of squares
         gu = next(n for n in g.nodes if n.name == "gate_up_sum")
         assert gu.op.norm_width == cfg.hidden and gu.op.x.shape[1] == -(-cfg.hidden // 512)
@@ -247,6 +253,27 @@ def test_mega_decoder_layer_from_hf():
         mk.warmup(fresh, tokens=[4], progress=False)
 
 
+def test_mega_decoder_layer_from_hf_takes_config_options():
+    """``from_hf(options=...)``: DecoderConfig fields past the HF layer's (here the decode
+    step's fused append: no kv_append node); the step still matches HF's layer, and an unknown
+    field is refused."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = _hf(CFG)
+    kw = {"page_size": CFG.page_size, "max_pages": CFG.max_pages, "max_positions": 256}
+    mega = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=4, backend="interpret", options={"fused_append": True}
+    )
+    assert mega.cfg.fused_append
+    inputs, want = _step_case(layer, rotary, CFG, [3, 40], torch.Generator().manual_seed(5))
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    (compiled,) = mega._compiled.values()
+    assert "kv_append" not in {n.op.name for n in compiled.graph.nodes}
+    with pytest.raises(TypeError, match="no_such_field"):
+        MegaDecoderLayer.from_hf(layer, **kw, options={"no_such_field": True})
+
+
 def test_mega_decoder_layer_prefill_from_hf():
     """``MegaDecoderLayer.forward(..., cu_seqlens=)``: a prefill step matches HF's layer; a
     module built without ``max_prefill_tokens`` refuses it, and so does a step past it."""
@@ -302,8 +329,9 @@ def _gpu_step_err(mega, inputs, want) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", ["three_phases", "fused_append", "fused_qkv_tail"])
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_mega_decoder_layer_on_the_gpu(scheduler):
+def test_mega_decoder_layer_on_the_gpu(scheduler, tail):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("transformers")
@@ -319,7 +347,9 @@ def test_mega_decoder_layer_on_the_gpu(scheduler):
         max_pages=64,
         max_positions=2048,
         scheduler=scheduler,
+        options={} if tail == "three_phases" else {tail: True},
     ).cuda()
+    assert getattr(mega.cfg, tail, True)
     err = _gpu_step_err(mega, inputs, want)
     assert err < 3e-2, err
 
@@ -469,12 +499,16 @@ def test_decode_layer_with_a_measuring_switch_off_compiles_for_hopper(
     assert spill_stores(ptx_file) == 0
 
 
-def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_stores):
+@pytest.mark.parametrize("fused", ["fused_qkv_tail", "fused_append"])
+def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_stores, fused):
     """``DecoderConfig.fused_qkv_tail`` (the split QKV projection's partials into
-    qk_norm_rope, which appends k and v): the Qwen3-8B decode layer, static, no spills."""
-    cfg = replace(_QWEN3_8B_DECODE, fused_qkv_tail=True)
+    qk_norm_rope, which appends k and v) and ``fused_append`` (the reduce a phase of its own,
+    qk_norm_rope appending): the Qwen3-8B decode layer, static, no spills."""
+    cfg = replace(_QWEN3_8B_DECODE, **{fused: True})
     g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
-    assert not {"kv_append", "gemm_split_reduce"} & {n.op.name for n in g.nodes[:3]}
+    first = [n.op.name for n in g.nodes[:4]]
+    assert "kv_append" not in first, first
+    assert ("gemm_split_reduce" in first) == (fused == "fused_append"), first
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     assert spill_stores(ptx_file) == 0

@@ -93,11 +93,13 @@ class MegaDecoderLayer(_KeyedModule):
         max_positions: int | None = None,
         rope_theta: float | None = None,
         tiles: tuple[int, int] = (64, 64),
+        options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> MegaDecoderLayer:
         """From transformers' ``Qwen3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` (its weights
         copied; its rotary settings from its attention's config: the default rope,
-        ``rope_theta``)."""
+        ``rope_theta``). ``options``: further :class:`cutemk.layers.DecoderConfig` fields
+        (e.g. ``{"fused_append": True}``)."""
         from ..layers import DecoderConfig, MoeConfig, fold_decoder_norms
         from ..ops import rope_table
 
@@ -146,6 +148,8 @@ class MegaDecoderLayer(_KeyedModule):
             block_n=tiles[1],
             fold_norms=True,
         )
+        if options:
+            cfg = replace(cfg, **options)
         w = {
             "input_norm": layer.input_layernorm.weight,
             "w_qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
