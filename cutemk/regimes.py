@@ -156,18 +156,42 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     ("interpret", "prefill"): dict(block_m=16, block_n=32),
 }
 
-DECODER_REGIME_LIMITS: dict[str, int | None] = {"gemv": GEMV_MAX_BATCH, "batch": None}
-""":class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves."""
+FUSED_TAIL_MAX_BATCH = 8
+"""MegaDecoderLayer: batches up to this run the graph whose q/k/v tail is one phase."""
 
-DECODER_FUSED_REDUCE: dict[tuple[str, str], bool] = {("cute", "gemv"): False}
+DECODER_REGIME_LIMITS: dict[str, int | None] = {
+    "gemv_tail": FUSED_TAIL_MAX_BATCH,
+    "gemv": GEMV_MAX_BATCH,
+    "batch": None,
+}
+""":class:`MegaDecoderLayer`'s regimes in order with the most sequences each serves: the same
+tiles up to ``GEMV_MAX_BATCH`` sequences, with the decode step's q/k/v tail as one phase
+(:data:`DECODER_REGIME_CONFIG`) up to ``FUSED_TAIL_MAX_BATCH``."""
+
+DECODER_REGIME_CONFIG: dict[str, dict[str, bool]] = {"gemv_tail": {"fused_qkv_tail": True}}
+"""Regime -> the :class:`cutemk.layers.DecoderConfig` switches its graph turns on. The fused
+q/k/v tail (the split QKV projection's reduce, ``qk_norm_rope`` and the KV append in one
+phase) measured on the H200 (Qwen3-8B, KV 4096, one process, three rounds of rotated order,
+``benchmarks/decoder_layer.py --batch 1 4 8 16 --ab fused_append fused_qkv_tail --rounds
+3``), three phases / fused tail / qk_norm_rope appending only, us: B=1 148.2 / 142.4 / 146.1,
+B=4 168.6 / 162.3 / 166.5, B=8 180.6 / 176.9 / 179.8, B=16 204.6 / 219.8 / 207.9. At 16
+sequences the fused tile's longer items delay the attention tiles queued behind them, so the
+batches past 8 keep three phases in a graph of their own."""
+
+DECODER_FUSED_REDUCE: dict[tuple[str, str], bool] = {
+    ("cute", "gemv_tail"): False,
+    ("cute", "gemv"): False,
+}
 """:class:`MegaDecoderLayer`'s (backend, regime) -> whether its down projection (split,
-+ residual) reduces in its last partial tiles (``DecoderConfig.fused_reduce``); not timed on
-the GPU yet, so off (``CUTEMK_SPLIT_REDUCE=tiles`` turns it on, see
++ residual) reduces in its last partial tiles (``DecoderConfig.fused_reduce``). Off: measured
+level with the reduce step on the H200 (Qwen3-8B, KV 4096, separate processes, us: B=1 148.5
+with it / 149.2 without, B=16 207.3 / 206.7); ``CUTEMK_SPLIT_REDUCE=tiles`` turns it on (see
 :func:`split_reduce_in_tiles`)."""
 
 DECODER_MOE_REGIME_LIMITS: dict[str, int | None] = {
     "slots": MOE_REGIME_LIMITS["slots"],
-    **DECODER_REGIME_LIMITS,
+    "gemv": GEMV_MAX_BATCH,
+    "batch": None,
 }
 """The same for a layer with a sparse MoE block: its first regime runs the block on MegaMoE's
 'slots' tiles (the experts on the top-k's ids, no routing step)."""

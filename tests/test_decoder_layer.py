@@ -233,22 +233,33 @@ def test_mega_decoder_layer_from_hf():
 
     mega = mega_of(18)
     gen = torch.Generator().manual_seed(2)
-    # 2 sequences run the graph compiled for at most 16, 17 the one for max_batch
-    for lens in ([3, 40], [1 + i for i in range(17)]):
+    # 2 sequences run the graph compiled for at most 8 (the q/k/v tail in one phase), 10 the
+    # one for at most 16 (three phases), 17 the one for max_batch
+    for lens in ([3, 40], [2 + i for i in range(10)], [1 + i for i in range(17)]):
         inputs, want = _step_case(layer, rotary, CFG, lens, gen)
         torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
-    assert sorted(k[1] for k in mega._compiled) == ["batch", "gemv"]  # 16 and 18 sequences
+    compiled = {k[1]: fn for k, fn in mega._compiled.items()}
+    assert sorted(compiled) == ["batch", "gemv", "gemv_tail"]
+    appends = {
+        r: "kv_append" not in {n.op.name for n in fn.graph.nodes} for r, fn in compiled.items()
+    }
+    assert appends == {"gemv_tail": True, "gemv": False, "batch": False}
     # warm-up compiles (here: builds) both regimes' graphs by a step of each on its own inputs
     # (a module of another max batch: a key of its own, nothing compiled yet)
     fresh = mega_of(19)
     assert not fresh._compiled
     report = mk.warmup(fresh, progress=False)
     names = [name for name, _ in report.steps]
-    assert len(names) == 2, names
-    for name, want in zip(names, ("gemv: {} + launch at T=1", "batch: {} + launch at T=17")):
+    assert len(names) == 3, names
+    wants = (
+        "gemv_tail: {} + launch at T=1",
+        "gemv: {} + launch at T=9",
+        "batch: {} + launch at T=17",
+    )
+    for name, want in zip(names, wants):
         # a kernel an earlier process compiled comes from the on-disk cache
         assert name in (want.format("compile"), want.format("load cached kernel")), name
-    assert sorted(k[1] for k in fresh._compiled) == ["batch", "gemv"]
+    assert sorted(k[1] for k in fresh._compiled) == ["batch", "gemv", "gemv_tail"]
     with pytest.raises(ValueError, match="page count"):
         mk.warmup(fresh, tokens=[4], progress=False)
 

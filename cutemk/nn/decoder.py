@@ -13,6 +13,7 @@ from ..errors import CuteMKError, ShapeError
 from ..regimes import (
     DECODER_FUSED_REDUCE,
     DECODER_MOE_REGIME_LIMITS,
+    DECODER_REGIME_CONFIG,
     DECODER_REGIME_LIMITS,
     MOE_TILES,
     split_reduce_in_tiles,
@@ -34,8 +35,9 @@ class MegaDecoderLayer(_KeyedModule):
     int32, ``seq_lens`` (B,) int32 counting the new token; returns the layer's output (B, H).
     Built from transformers' ``Qwen3DecoderLayer`` or ``Qwen3MoeDecoderLayer`` (``moe``: its
     sparse block's :class:`cutemk.layers.MoeConfig`) by :meth:`from_hf`. Inference only.
-    Two regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use; a MoE
-    layer has a third before them for one or two sequences
+    Three regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use: up
+    to 8 sequences with the q/k/v tail as one phase, up to 16 with it in three, then larger
+    tiles; a MoE layer has instead one for one or two sequences, then the last two
     (:data:`DECODER_MOE_REGIME_LIMITS`: the sparse block on MegaMoE's 'slots' tiles).
     With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
     :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
@@ -180,10 +182,11 @@ class MegaDecoderLayer(_KeyedModule):
     def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
         """The compiled graph of a regime (``regime_limits``: :data:`DECODER_REGIME_LIMITS`, or
         :data:`DECODER_MOE_REGIME_LIMITS` with a MoE block) for weights like
-        ``like`` (default: this module's ``w_down``), compiled on first use: one graph up to
+        ``like`` (default: this module's ``w_down``), compiled on first use: graphs up to
         ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
         its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
-        one)."""
+        one); a regime's :data:`DECODER_REGIME_CONFIG` switches on top of the module's
+        config."""
 
         def build(dtype, device, backend):
             from ..layers import decoder_layer_graph, decoder_prefill_graph
@@ -201,6 +204,7 @@ class MegaDecoderLayer(_KeyedModule):
             moe, cfg = self.moe, self.cfg
             if regime == "slots":  # the sparse block without a routing step
                 moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
+            cfg = replace(cfg, **DECODER_REGIME_CONFIG.get(regime, {}))
             if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
                 cfg = replace(cfg, fused_reduce=True)
             return decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
