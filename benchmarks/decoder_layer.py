@@ -15,11 +15,12 @@ median task time; microseconds since the launch's first task) go to the JSON's `
 are printed; ``--records DIR`` also writes each case's raw per-task records (SM, start, end,
 node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 
-``--ab FIELD [FIELD ...]``: one more column each, a static module with that boolean of
-``DecoderConfig`` on (e.g. ``fused_qkv_tail``: the split QKV projection's reduce,
-``qk_norm_rope`` and ``kv_append`` as one phase; ``fused_append``: ``qk_norm_rope`` appends,
-no ``kv_append``), timed in the same process. ``--set FIELD=VALUE``: change the layer's
-config for every module (the traced one too), for a separate-process A/B with a trace.
+``--ab FIELD[=INT] ...``: one more column each, a static module with that ``DecoderConfig``
+field set (a switch alone: on; e.g. ``fused_qkv_tail=0``: the q/k/v tail in three phases in
+every regime, where ``MegaDecoderLayer`` fuses it up to 8 sequences; ``fused_append``:
+``qk_norm_rope`` appends, no ``kv_append``), timed in the same process. ``--set
+FIELD=VALUE``: change the layer's config for every module (the traced one too), for a
+separate-process A/B with a trace.
 
 ``--prefill 2048``: also prefill steps (one sequence of that many new tokens, no cached prefix)
 as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the same layer in torch
@@ -205,19 +206,19 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
         _time_impls(res, case, impls, errs, fl, warmup, rep, flops=flops)
 
 
-def _config_fields(p, cfg, sets: list[str], ab: list[str]) -> dict[str, int]:
-    """``--set`` as DecoderConfig fields (checked: a known field, an int value), after
-    checking that every ``--ab`` names a boolean field."""
+def _config_fields(p, cfg, items: list[str]) -> dict[str, int | bool]:
+    """``FIELD=INT`` items (``FIELD`` alone: ``FIELD=1``) as DecoderConfig fields, checked: a
+    known field, an int value (a boolean for a switch: a bool field, or one that defaults to
+    None)."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for name in ab:
-        if not isinstance(fields.get(name), bool):
-            p.error(f"--ab {name}: not a boolean field of DecoderConfig")
-    out = {}
-    for item in sets:
+    out: dict[str, int | bool] = {}
+    for item in items:
         name, _, value = item.partition("=")
+        value = value or "1"
         if name not in fields or not value.lstrip("-").isdigit():
-            p.error(f"--set {item}: expected FIELD=INT with FIELD a DecoderConfig field")
-        out[name] = bool(int(value)) if isinstance(fields[name], bool) else int(value)
+            p.error(f"{item}: expected FIELD[=INT] with FIELD a DecoderConfig field")
+        switch = fields[name] is None or isinstance(fields[name], bool)
+        out[name] = bool(int(value)) if switch else int(value)
     return out
 
 
@@ -237,8 +238,8 @@ def main(argv=None) -> int:
         "--ab",
         nargs="*",
         default=[],
-        metavar="FIELD",
-        help="also a static module with this DecoderConfig boolean on (e.g. fused_append)",
+        metavar="FIELD[=INT]",
+        help="also a static module with this DecoderConfig field set (a switch: on, or =0)",
     )
     p.add_argument(
         "--set",
@@ -281,7 +282,8 @@ def main(argv=None) -> int:
     )
     if args.attention_align is not None:
         cfg = dataclasses.replace(cfg, attention_align=args.attention_align)
-    cfg = dataclasses.replace(cfg, **_config_fields(p, cfg, args.set, args.ab))
+    cfg = dataclasses.replace(cfg, **_config_fields(p, cfg, args.set))
+    variants = {item: _config_fields(p, cfg, [item]) for item in args.ab}
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
         wm = fold_decoder_norms(wm)
@@ -302,10 +304,10 @@ def main(argv=None) -> int:
         )
         for s in ("static", "dynamic")
     }
-    for field in args.ab:  # same-process A/Bs of DecoderConfig switches
-        megas[f"mk_static_{field}"] = MegaDecoderLayer(
+    for item, fields in variants.items():  # same-process A/Bs of DecoderConfig switches
+        megas[f"mk_static_{item}"] = MegaDecoderLayer(
             wm,
-            dataclasses.replace(cfg, **{field: True}),
+            dataclasses.replace(cfg, **fields),
             max_batch=max(args.batch or [1]),
             scheduler="static",
             **prefill_kw,

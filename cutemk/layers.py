@@ -526,9 +526,10 @@ class DecoderConfig:
     fold_norms: bool = False
     # decode: the q/k norm and rotary phase also sums the split QKV projection's partials
     # and appends k and v to the cache (no reduce phase, no ``kv_append``: two phases and
-    # their hand-overs fewer). Off by default: measured on the H200 (Qwen3-8B, one graph for
-    # B <= 16) it saves ~3 us at B=1 but costs ~18 us at B=16 (benchmarks/NOTES.md)
-    fused_qkv_tail: bool = False
+    # their hand-overs fewer). It pays at small batches only (measured on the H200: -6 us at
+    # B=1, +15 us at B=16), so None (off in a graph built from this config directly) lets
+    # MegaDecoderLayer decide per regime (``cutemk.regimes.DECODER_REGIME_CONFIG``)
+    fused_qkv_tail: bool | None = None
     # decode: qk_norm_rope (on the summed QKV projection) also appends k and v to the cache,
     # so the step has no ``kv_append`` phase and attention waits on one hand-over fewer
     # (implied by ``fused_qkv_tail``)
@@ -621,7 +622,7 @@ def _decoder_layer(
     # a decode step's qk_norm_rope may append k and v to the cache itself (``fused_append``:
     # no kv_append phase) and also sum the split projection's partials, the folded norm's row
     # scale too (``fused_qkv_tail``: one phase where there were three)
-    fuse = cfg.fused_qkv_tail and not prefill
+    fuse = bool(cfg.fused_qkv_tail) and not prefill
     append = (fuse or cfg.fused_append) and not prefill
     a_qkv, norm_eps = x, cfg.eps
     if not cfg.fold_norms:
@@ -632,11 +633,18 @@ def _decoder_layer(
     if append:
         norm_x = ()
         if fuse:
-            # its items are serial on a warp, each ~2 round trips: the fewest tokens a tile
-            # that still fits the tiles in one wave (B=16: 2 tokens, 96 tiles of 8 items)
+            # a tile's items are serial on a warp, each ~2 round trips, and it holds its SM
+            # ahead of the attention tiles queued there: the fewest tokens a tile that keeps
+            # the tiles on at most half the SMs (Qwen3-8B, 12 head blocks: 1 token a tile up
+            # to 5 sequences, 2 up to 8, 4 up to 16). Measured at B=8 on the H200: 48 tiles of
+            # 2 tokens 176.9 us a step, 96 tiles of 1 token 190.1
             heads_blocks = -(-(hq + 2 * hkv) // ops.QkNormRopeTile.head_block)
             rope["block_m"] = next(
-                (bm for bm in (1, 2) if -(-upper(tokens) // bm) * heads_blocks <= H200.num_sms),
+                (
+                    bm
+                    for bm in (1, 2)
+                    if -(-upper(tokens) // bm) * heads_blocks <= H200.num_sms // 2
+                ),
                 4,
             )
             if is_partial(qkv) and norm_eps is not None:

@@ -285,6 +285,22 @@ def test_mega_decoder_layer_from_hf_takes_config_options():
         MegaDecoderLayer.from_hf(layer, **kw, options={"no_such_field": True})
 
 
+@pytest.mark.parametrize("tail", [None, True, False])
+def test_regime_switches_keep_what_the_config_sets(tail):
+    """``DECODER_REGIME_CONFIG`` fills only the switches the module's config leaves None: the
+    q/k/v tail is one phase up to 8 sequences and three past them unless the config says."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, _ = _hf(CFG_SPLIT)
+    w = _folded(_weights(layer, CFG_SPLIT))
+    cfg = replace(CFG_SPLIT, fused_qkv_tail=tail)
+    mega = MegaDecoderLayer(w, cfg, max_batch=12, backend="interpret")
+    for regime, fused in (("gemv_tail", True), ("gemv", False)):
+        names = {n.name for n in mega.compiled(regime).graph.nodes}
+        assert ("qkv_proj_sum" not in names) == (fused if tail is None else tail), names
+
+
 def test_mega_decoder_layer_prefill_from_hf():
     """``MegaDecoderLayer.forward(..., cu_seqlens=)``: a prefill step matches HF's layer; a
     module built without ``max_prefill_tokens`` refuses it, and so does a step past it."""
@@ -339,8 +355,15 @@ def _gpu_step_err(mega, inputs, want) -> float:
     return ((y.float().cpu() - want).norm() / want.norm()).item()
 
 
+_TAILS = {  # MegaDecoderLayer's choice per regime (3 sequences: one phase), or forced
+    "regime": {},
+    "three_phases": {"fused_qkv_tail": False},
+    "fused_append": {"fused_qkv_tail": False, "fused_append": True},
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tail", ["three_phases", "fused_append", "fused_qkv_tail"])
+@pytest.mark.parametrize("tail", list(_TAILS))
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_mega_decoder_layer_on_the_gpu(scheduler, tail):
     if not torch.cuda.is_available():
@@ -358,9 +381,8 @@ def test_mega_decoder_layer_on_the_gpu(scheduler, tail):
         max_pages=64,
         max_positions=2048,
         scheduler=scheduler,
-        options={} if tail == "three_phases" else {tail: True},
+        options=_TAILS[tail],
     ).cuda()
-    assert getattr(mega.cfg, tail, True)
     err = _gpu_step_err(mega, inputs, want)
     assert err < 3e-2, err
 

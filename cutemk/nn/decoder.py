@@ -185,8 +185,8 @@ class MegaDecoderLayer(_KeyedModule):
         ``like`` (default: this module's ``w_down``), compiled on first use: graphs up to
         ``GEMV_MAX_BATCH`` sequences, one for the rest (a graph's weight loads are sized for
         its largest batch, and a box of mostly absent rows costs the copy engine nearly a full
-        one); a regime's :data:`DECODER_REGIME_CONFIG` switches on top of the module's
-        config."""
+        one); a regime's :data:`DECODER_REGIME_CONFIG` sets the switches the module's config
+        leaves None."""
 
         def build(dtype, device, backend):
             from ..layers import decoder_layer_graph, decoder_prefill_graph
@@ -204,7 +204,8 @@ class MegaDecoderLayer(_KeyedModule):
             moe, cfg = self.moe, self.cfg
             if regime == "slots":  # the sparse block without a routing step
                 moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
-            cfg = replace(cfg, **DECODER_REGIME_CONFIG.get(regime, {}))
+            chosen = DECODER_REGIME_CONFIG.get(regime, {})
+            cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
             if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
                 cfg = replace(cfg, fused_reduce=True)
             return decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
