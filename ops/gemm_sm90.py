@@ -41,6 +41,8 @@ from cutemk.tileop import RingTile
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
 from cutemk.device.sync import claim_last
 
+from .split_reduce import load_ranges, reduce_vector
+
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
 
@@ -740,33 +742,13 @@ def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, 
             r = r0 + q // tile_v
             cv = v0 + q % tile_v
             if cv < nv:
-                gs = []
-                us = []
-                for s in cutlass.range_constexpr(split):
-                    g = cute.make_rmem_tensor((vec,), Float32)
-                    cute.autovec_copy(p4[s, r, cv, None], g)
-                    gs.append(g)
-                    if cutlass.const_expr(silu):
-                        u = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(p4[s, r, nv + cv, None], u)
-                        us.append(u)
-                res = cute.make_rmem_tensor((vec,), mC.element_type)
+                gs, us = load_ranges(p4, split, r, cv, vec, nv if silu else None)
+                res = None
                 if cutlass.const_expr(n_r):
+                    res = cute.make_rmem_tensor((vec,), mC.element_type)
                     cute.autovec_copy(r3[r, cv, None], res)
                 out = cute.make_rmem_tensor((vec,), mC.element_type)
-                for e in cutlass.range_constexpr(vec):
-                    acc = gs[0][e]
-                    for s in cutlass.range_constexpr(1, split):
-                        acc = acc + gs[s][e]
-                    if cutlass.const_expr(silu):
-                        up = us[0][e]
-                        for s in cutlass.range_constexpr(1, split):
-                            up = up + us[s][e]
-                        acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * up
-                    if cutlass.const_expr(n_r):
-                        acc = acc + res[e].to(Float32)
-                    out[e] = acc.to(mC.element_type)
-                cute.autovec_copy(out, c3[r, cv, None])
+                cute.autovec_copy(reduce_vector(gs, us, out, vec, res=res), c3[r, cv, None])
 
 
 class HopperGemmOp:

@@ -55,6 +55,7 @@ from cutemk.tileop import (
 
 from . import gemm_sm90
 from .gemm import GemmTile
+from .split_reduce import load_ranges, reduce_vector
 
 REDUCE_EPILOGUES = (None, "silu_mul", "residual")
 
@@ -633,34 +634,15 @@ class SplitReduceTile(TileOp):
                 lv = tidx + j * NUM_THREADS
                 cv = v0 + lv
                 if row < rows and lv < tile_v and cv < nv:
-                    gs = []
-                    us = []
-                    for s in cutlass.range_constexpr(splits):
-                        g = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(p4[s, row, cv, None], g)
-                        gs.append(g)
-                        if cutlass.const_expr(fused):
-                            u = cute.make_rmem_tensor((vec,), Float32)
-                            cute.autovec_copy(p4[s, row, nv + cv, None], u)
-                            us.append(u)
-                    res = cute.make_rmem_tensor((vec,), mC.element_type)
+                    gs, us = load_ranges(p4, splits, row, cv, vec, nv if fused else None)
+                    res = None
                     if cutlass.const_expr(self.r is not None):
+                        res = cute.make_rmem_tensor((vec,), mC.element_type)
                         cute.autovec_copy(r3[row, cv, None], res)
                     out = cute.make_rmem_tensor((vec,), mC.element_type)
-                    for e in cutlass.range_constexpr(vec):
-                        acc = gs[0][e]
-                        for s in cutlass.range_constexpr(1, splits):
-                            acc = acc + gs[s][e]
-                        acc = acc * scale
-                        if cutlass.const_expr(fused):
-                            up = us[0][e]
-                            for s in cutlass.range_constexpr(1, splits):
-                                up = up + us[s][e]
-                            acc = acc / (Float32(1.0) + cute.math.exp(-acc)) * (up * scale)
-                        if cutlass.const_expr(self.r is not None):
-                            acc = acc + res[e].to(Float32)
-                        out[e] = acc.to(mC.element_type)
-                        if cutlass.const_expr(self.sumsq):
+                    reduce_vector(gs, us, out, vec, scale=scale, res=res)
+                    if cutlass.const_expr(self.sumsq):
+                        for e in cutlass.range_constexpr(vec):
                             stored = out[e].to(Float32)
                             sq = sq + stored * stored
                     cute.autovec_copy(out, c3[row, cv, None])
