@@ -136,10 +136,11 @@ def linear(
     scale by ``x``) left to the op that reads them (``ops.qk_norm_rope``); check with
     :func:`is_partial`.
 
-    ``fuse_reduce``: where the projection is split and needs no norm nor sums of squares, the
-    last partial tile of each output block reduces it (``ops.gemm_split``: no reduce node, no
-    hop) if the Hopper tile runs it (sm_90a, 16-bit operands; with ``silu_mul`` the gate half a
-    whole number of partial tiles); else the reduce node as above."""
+    ``fuse_reduce``: where the projection is split and needs no norm, the last partial tile
+    of each output block reduces it (``ops.gemm_split``: no reduce node, no hop; with
+    ``sumsq`` it writes the sums of squares too) if the Hopper tile runs it (sm_90a, 16-bit
+    operands; with ``silu_mul`` the gate half a whole number of partial tiles); else the
+    reduce node as above."""
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -192,11 +193,11 @@ def linear(
             **norm,
         )
         return (y, None) if sumsq else y
-    if fuse_reduce and reduce and norm_eps is None and not sumsq:
-        fused = _fused_split(x, w, res, split_k, epilogue, block_m, split_block_n)
+    if fuse_reduce and reduce and norm_eps is None:
+        fused = _fused_split(x, w, res, split_k, epilogue, block_m, split_block_n, sumsq)
         if fused is not None:
-            c, _, _ = g.call(fused, x, w, *res, name=name)
-            return (c, None) if sumsq else c
+            out = g.call(fused, x, w, *res, name=name)
+            return (out[0], out[3]) if sumsq else out[0]
     part = g.call(
         ops.gemm_partial, x, w, split_k=split_k, block_m=block_m, block_n=split_block_n, name=name
     )
@@ -223,7 +224,7 @@ def linear(
     )
 
 
-def _fused_split(x, w, res, split_k, epilogue, block_m, block_n):
+def _fused_split(x, w, res, split_k, epilogue, block_m, block_n, sumsq=False):
     """The ``ops.gemm_split`` op of a split projection, or None where it does not apply (its
     shape checks, or no Hopper tile for it)."""
     try:
@@ -235,6 +236,7 @@ def _fused_split(x, w, res, split_k, epilogue, block_m, block_n):
             epilogue=epilogue,
             block_m=block_m,
             block_n=block_n,
+            sumsq=sumsq,
         )
     except (ShapeError, ValueError, TypeError):
         return None
@@ -534,7 +536,8 @@ class DecoderConfig:
     # so the step has no ``kv_append`` phase and attention waits on one hand-over fewer
     # (implied by ``fused_qkv_tail``)
     fused_append: bool = False
-    # the down projection's split reduce (+ residual) in its last partial tiles
+    # the split reduces of o_proj (+ residual, with folded norms the sums of squares the
+    # MLP's norm takes) and of the down projection (+ residual) in their last partial tiles
     # (``linear(fuse_reduce=True)``: no reduce phase where the Hopper tile runs it)
     fused_reduce: bool = False
 
@@ -686,7 +689,10 @@ def _decoder_layer(
             align=cfg.attention_align,
         )[0]
     # + residual; folded, its split reduce also hands the MLP's norm h1's sums of squares
-    o_proj = linear(g, o, w_o, x, **tiles, sumsq=fold_mlp, name="o_proj")
+    fuse_reduce = cfg.fused_reduce and not prefill
+    o_proj = linear(
+        g, o, w_o, x, **tiles, sumsq=fold_mlp, fuse_reduce=fuse_reduce, name="o_proj"
+    )
     h1, h1_ss = o_proj if fold_mlp else (o_proj, None)
     if moe is None:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
@@ -710,6 +716,6 @@ def _decoder_layer(
             name="gate_up",
         )
         # + residual
-        y = linear(g, act, w_down, h1, **tiles, fuse_reduce=cfg.fused_reduce, name="down")
+        y = linear(g, act, w_down, h1, **tiles, fuse_reduce=fuse_reduce, name="down")
     g.output(y, "y")
     return g

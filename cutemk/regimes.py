@@ -187,11 +187,12 @@ DECODER_FUSED_REDUCE: dict[tuple[str, str], bool] = {
     ("cute", "gemv_tail"): False,
     ("cute", "gemv"): False,
 }
-""":class:`MegaDecoderLayer`'s (backend, regime) -> whether its down projection (split,
-+ residual) reduces in its last partial tiles (``DecoderConfig.fused_reduce``). Off: measured
-level with the reduce step on the H200 (Qwen3-8B, KV 4096, separate processes, us: B=1 148.5
-with it / 149.2 without, B=16 207.3 / 206.7); ``CUTEMK_SPLIT_REDUCE=tiles`` turns it on (see
-:func:`split_reduce_in_tiles`)."""
+""":class:`MegaDecoderLayer`'s (backend, regime) -> whether its split o_proj (+ residual, the
+MLP norm's sums of squares) and down projection (+ residual) reduce in their last partial
+tiles (``DecoderConfig.fused_reduce``). Off: measured level with the reduce steps on the H200
+(Qwen3-8B, KV 4096, one process, two rounds, us: B=1 143.2 with it / 143.8 without, B=16
+207.8 / 207.9; the down projection's alone, separate processes: B=1 148.5 / 149.2, B=16
+207.3 / 206.7). ``CUTEMK_SPLIT_REDUCE=tiles`` turns it on (see :func:`split_reduce_in_tiles`)."""
 
 DECODER_MOE_REGIME_LIMITS: dict[str, int | None] = {
     "slots": MOE_REGIME_LIMITS["slots"],

@@ -45,6 +45,10 @@ from .split_reduce import load_ranges, reduce_vector
 
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
+REDUCE_VEC = 4
+"""fp32 partials a thread of the in-tile reduce loads at once (16 bytes)."""
+SS_WIDTH = WARP_SIZE * REDUCE_VEC
+"""Columns of one sum of squares the in-tile reduce writes: one warp's vectors of a row."""
 
 MAX_ACC_PER_THREAD = 128
 """fp32 accumulators per consumer thread (gate and up together): what fits beside the rest
@@ -97,23 +101,29 @@ class Sm90GemmConfig:
     # columns; with silu_mul the gate half's blocks, so up block j + reduce_blocks is gate j's)
     reduce: str = ""
     reduce_blocks: int = 0
+    # with ``reduce``: the reducing tile also writes its rows' sums of squares of the stored
+    # values, one per SS_WIDTH columns, to ``ss`` (the next GEMM's folded norm, ``ops.gemm``'s
+    # norm_ss)
+    reduce_sumsq: bool = False
 
     @property
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
         (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, (A, B,
         tile_info, C) when grouped, (A, B, ids, weights, y, part, counts) with the
-        combine, or (A, B, [R,] C, part, counts) with the split's reduce in the tiles."""
+        combine, or (A, B, [R,] C, part, counts[, SS]) with the split's reduce in the
+        tiles."""
         if self.combine_k:
             return 7
         if self.reduce:
-            return 5 + int(self.reduce == "residual")
+            return 5 + int(self.reduce == "residual") + int(self.reduce_sumsq)
         return 3 + int(self.grouped) + int(self.residual) + int(self.norm_blocks > 0)
 
     @property
     def part_index(self) -> int:
-        """Index of a split-K tile's partials (split, m, n) fp32 in the op's tensors."""
-        return self.extra0 - 2 if self.reduce else 2
+        """Index of a split-K tile's partials (split, m, n) fp32 in the op's tensors: after
+        (A, B, [R,] C) with the reduce in the tiles."""
+        return 3 + int(self.reduce == "residual") if self.reduce else 2
 
     @property
     def reduce_group(self) -> int:
@@ -183,6 +193,7 @@ def sm90_config(
     combine_k: int = 0,
     reduce: str = "",
     reduce_blocks: int = 0,
+    reduce_sumsq: bool = False,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -204,8 +215,8 @@ def sm90_config(
     ``combine_k``: the slot layout's top-k, with the MoE combine fused into the tile (grouped,
     no epilogue, see ``ops.moe_grouped_gemm``).
 
-    ``reduce`` / ``reduce_blocks``: a split-K tile whose group's last tile reduces the
-    partials (see :class:`Sm90GemmConfig` and ``ops.gemm_split``)."""
+    ``reduce`` / ``reduce_blocks`` / ``reduce_sumsq``: a split-K tile whose group's last tile
+    reduces the partials (see :class:`Sm90GemmConfig` and ``ops.gemm_split``)."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -230,6 +241,9 @@ def sm90_config(
     if combine_k and (not grouped or fused or residual or split > 1 or norm is not None):
         return None
     if reduce and (split < 2 or reduce not in ("sum", "silu_mul", "residual") or reduce_blocks < 1):
+        return None
+    # the sums of squares: a warp's vectors are one SS_WIDTH-wide column group of one row
+    if reduce_sumsq and (not reduce or reduce == "silu_mul" or block_n % SS_WIDTH):
         return None
     # a power of two >= 8: the swizzled A layout of other row counts (e.g. 40) aborts the
     # compiler
@@ -256,6 +270,7 @@ def sm90_config(
         combine_k,
         reduce,
         reduce_blocks,
+        reduce_sumsq,
     )
 
 
@@ -702,6 +717,7 @@ def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, 
     verdict."""
     n_r = int(cfg.reduce == "residual")
     mC, mP, mCnt = tensors[2 + n_r], tensors[3 + n_r], tensors[4 + n_r]
+    mSS = tensors[5 + n_r] if cfg.reduce_sumsq else None
     silu = cfg.reduce == "silu_mul"
     split = cfg.split
     jj = coord1 // split
@@ -711,7 +727,7 @@ def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, 
     sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
     ptr = mCnt.iterator + (coord0 * cfg.reduce_blocks + jj)
     if claim_last(ptr, Int32(cfg.reduce_group), ctid, _consumer_sync, sLast):
-        vec = 4  # fp32 partials a thread loads at once (16 bytes; N % 4 == 0 is checked)
+        vec = REDUCE_VEC  # N % 4 == 0 is checked
         rows = mC.shape[0]
         cols = mC.shape[1]
         nv = cols // vec
@@ -738,9 +754,13 @@ def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, 
         tile_v = cfg.bn // vec
         v0 = jj * tile_v
         live = cute.min(rows - r0, Int32(cfg.bm))
+        lane = ctid % WARP_SIZE
+        # a warp's 32 consecutive q are one row's vectors (tile_v is a multiple of 32 with
+        # sums of squares), and every lane of it runs the same trips: its shuffles converge
         for q in range(ctid, live * tile_v, CONSUMER_THREADS):
             r = r0 + q // tile_v
             cv = v0 + q % tile_v
+            sq = Float32(0.0)
             if cv < nv:
                 gs, us = load_ranges(p4, split, r, cv, vec, nv if silu else None)
                 res = None
@@ -748,7 +768,18 @@ def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, 
                     res = cute.make_rmem_tensor((vec,), mC.element_type)
                     cute.autovec_copy(r3[r, cv, None], res)
                 out = cute.make_rmem_tensor((vec,), mC.element_type)
-                cute.autovec_copy(reduce_vector(gs, us, out, vec, res=res), c3[r, cv, None])
+                reduce_vector(gs, us, out, vec, res=res)
+                if cutlass.const_expr(cfg.reduce_sumsq):  # of the values as stored
+                    for e in cutlass.range_constexpr(vec):
+                        stored = out[e].to(Float32)
+                        sq = sq + stored * stored
+                cute.autovec_copy(out, c3[r, cv, None])
+            if cutlass.const_expr(cfg.reduce_sumsq):
+                tot = cute.arch.warp_reduction_sum(sq)
+                first = cv - lane  # the warp's first vector: SS column first // 32
+                if lane == 0:
+                    if first < nv:
+                        mSS[r, first // WARP_SIZE] = tot
 
 
 class HopperGemmOp:

@@ -54,6 +54,7 @@ from cutemk.tileop import (
 )
 
 from . import gemm_sm90
+from .gemm_sm90 import SS_WIDTH
 from .gemm import GemmTile
 from .split_reduce import load_ranges, reduce_vector
 
@@ -160,12 +161,23 @@ class GemmSplitTile(GemmPartialTile):
 
     ``block_n`` is the partial tile's width in B's rows, as for :class:`GemmPartialTile`; with
     ``silu_mul`` (B = [W_gate; W_up], 2N rows) N must be a multiple of it, so a gate block and
-    its up block pair up. Outputs ``(c, part, counts)``; ``counts`` is the op's own (zeroed)."""
+    its up block pair up. Outputs ``(c, part, counts)``; ``counts`` is the op's own (zeroed).
+
+    ``sumsq`` (not with ``silu_mul``; ``block_n`` a multiple of ``SS_WIDTH`` = 128): the
+    reducing tile also writes each row's sum of the squares of the values it stored (rounded,
+    as the next GEMM reads them) per 128 columns to ``ss`` (m, ceil(N / 128)) fp32, the fourth
+    output: what :class:`SplitReduceTile`'s ``sumsq`` hands a folded norm (``ops.gemm``'s
+    ``norm_ss``, a reduce's ``norm_width``), in narrower column blocks."""
+
+    sumsq: bool = False
 
     name: ClassVar[str] = "gemm_split"
-    outputs: ClassVar[tuple[str, ...]] = ("c", "part", "counts")
-    scatter_outputs: ClassVar[tuple[str, ...]] = ("c",)
+    scatter_outputs: ClassVar[tuple[str, ...]] = ("c", "ss")
     zeroed_outputs: ClassVar[tuple[str, ...]] = ("counts",)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return ("c", "part", "counts") + ("ss",) * self.sumsq
 
     def __post_init__(self) -> None:
         GemmTile.__post_init__(self)
@@ -191,6 +203,11 @@ class GemmSplitTile(GemmPartialTile):
             raise ShapeError(
                 f"gemm_split silu_mul: N={n_out} must be a multiple of block_n={self.block_n} "
                 "(a gate block and its up block reduce together)"
+            )
+        if self.sumsq and (self.epilogue == "silu_mul" or self.block_n % SS_WIDTH):
+            raise ValueError(
+                f"gemm_split sumsq: not with silu_mul, and block_n={self.block_n} a multiple of "
+                f"{SS_WIDTH} (a warp's columns make one sum of squares)"
             )
 
     @property
@@ -219,7 +236,19 @@ class GemmSplitTile(GemmPartialTile):
             "part": TensorSpec((self.split_k, self.m, self.n), torch.float32),
             # sized for the most rows (static: a live token count binds only T's dims)
             "counts": TensorSpec((-(-upper(self.m) // self.block_m), self.out_blocks), torch.int32),
+            **({"ss": TensorSpec((self.m, self.ss_cols), torch.float32)} if self.sumsq else {}),
         }
+
+    @property
+    def ss_cols(self) -> int:
+        """Sums of squares a row (``sumsq``): one per ``SS_WIDTH`` columns of C."""
+        return -(-self.out_n // SS_WIDTH)
+
+    def _ss_box(self, coord, env):
+        """The ``ss`` columns of tile ``coord``'s output block, with its rows."""
+        rows, _ = self._c_box(coord, env)
+        jj = self._out_block(coord[1] // self.split_k)
+        return rows, block(jj, self.block_n // SS_WIDTH, self.ss_cols)
 
     def _out_block(self, j):
         """The output column block of partial column block ``j`` (ints or an array)."""
@@ -260,6 +289,8 @@ class GemmSplitTile(GemmPartialTile):
         w = super().writes(coord, env, data)
         if data is None or self._is_last(coord):
             w["c"] = self._c_box(coord, env)
+            if self.sumsq:
+                w["ss"] = self._ss_box(coord, env)
         return w
 
     def region_arrays(self, which, env, coords):
@@ -270,6 +301,8 @@ class GemmSplitTile(GemmPartialTile):
             jj = self._out_block(coords[:, 1] // self.split_k)
             box = boxes(rows, blocks(jj, self.block_n, self.out_n))
             arrays["c" if which == "writes" else "r"] = box
+            if which == "writes" and self.sumsq:
+                arrays["ss"] = boxes(rows, blocks(jj, self.block_n // SS_WIDTH, self.ss_cols))
         return arrays
 
     def reference(self, coord, env, t):
@@ -296,6 +329,11 @@ class GemmSplitTile(GemmPartialTile):
         if self.r is not None:
             v = v + t["r"][r0:r1, c0:c1].float()
         t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
+        if self.sumsq:  # of the values as stored, SS_WIDTH columns a sum
+            sq = t["c"][r0:r1, c0:c1].float().square()
+            for lo in range(0, c1 - c0, SS_WIDTH):
+                col = (c0 + lo) // SS_WIDTH
+                t["ss"][r0:r1, col] = sq[:, lo : lo + SS_WIDTH].sum(-1)
 
     def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
         if target_arch() != "sm_90a":
@@ -312,6 +350,7 @@ class GemmSplitTile(GemmPartialTile):
             split=self.split_k,
             reduce={None: "sum"}.get(self.epilogue, self.epilogue),
             reduce_blocks=self.out_blocks,
+            reduce_sumsq=self.sumsq,
         )
 
     @cute.jit
@@ -408,10 +447,10 @@ class SplitReduceTile(TileOp):
         src = producers.get("part")
         if self.norm_width is not None:
             ss = producers.get("x")
-            if not (isinstance(ss, SplitReduceTile) and ss.sumsq):
+            if not (isinstance(ss, (SplitReduceTile, GemmSplitTile)) and ss.sumsq):
                 raise GraphError(
                     "gemm_split_reduce: with norm_width, x must be the ss output of a "
-                    "gemm_split_reduce with sumsq"
+                    "gemm_split_reduce or gemm_split with sumsq"
                 )
             width = ss.n if isinstance(ss.n, int) else None
             if isinstance(src, GemmPartialTile) and not (width == self.norm_width == src.k):
@@ -669,16 +708,20 @@ def gemm_split(
     out_dtype: Optional[torch.dtype] = None,
     block_m: int = 64,
     block_n: int = 256,
+    sumsq: bool = False,
 ) -> GemmSplitTile:
     """``epilogue(a @ b^T)`` split along K into ``split_k`` ranges, the last partial tile of
     each output block reducing it (:class:`GemmSplitTile`); ``operands``: the residual ``r``
-    (which implies the residual epilogue). Outputs ``(c, part, counts)``."""
+    (which implies the residual epilogue). Outputs ``(c, part, counts)``, then ``ss`` with
+    ``sumsq``."""
     if len(operands) > 1:
         raise ValueError(f"gemm_split takes one operand (r), got {len(operands)}")
     r = operands[0] if operands else None
     if r is not None and epilogue is None:
         epilogue = "residual"
-    return GemmSplitTile(a, b, block_m, block_n, epilogue, out_dtype, r, split_k=split_k)
+    return GemmSplitTile(
+        a, b, block_m, block_n, epilogue, out_dtype, r, split_k=split_k, sumsq=sumsq
+    )
 
 
 def gemm_split_reduce(

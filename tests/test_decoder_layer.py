@@ -548,14 +548,19 @@ def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_st
 
 
 def test_decode_layer_with_the_down_reduce_in_its_tiles_compiles_for_hopper(tmp_path, spill_stores):
-    """``DecoderConfig.fused_reduce`` (MegaDecoderLayer's graph of up to 16 sequences): the
-    down projection (+ residual) is one gemm_split node, its last partial tiles adding the
-    ranges and the residual; the Qwen3-8B decode layer, static, no spills."""
+    """``DecoderConfig.fused_reduce`` (MegaDecoderLayer's graph of up to 16 sequences): o_proj
+    (+ residual, the sums of squares gate/up's norm takes) and the down projection (+
+    residual) are gemm_split nodes, their last partial tiles adding the ranges; the Qwen3-8B
+    decode layer, static, no spills."""
     cfg = replace(_QWEN3_8B_DECODE, fused_reduce=True)
     g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
-    down = g.nodes[-1]
-    assert down.name == "down" and down.op.name == "gemm_split"
-    assert down.op.sm90().reduce == "residual"
+    nodes = {n.name: n for n in g.nodes}
+    assert "o_proj_sum" not in nodes and "down_sum" not in nodes, list(nodes)
+    o, down, gu = nodes["o_proj"], nodes["down"], nodes["gate_up"]
+    assert o.op.name == down.op.name == "gemm_split"
+    assert o.op.sm90().reduce == down.op.sm90().reduce == "residual"
+    assert o.op.sm90().reduce_sumsq and not down.op.sm90().reduce_sumsq
+    assert gu.op.norm_ss is not None and gu.op.norm_width == cfg.hidden
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     assert spill_stores(ptx_file) == 0

@@ -211,11 +211,11 @@ def test_folded_norm_on_the_interpreter(split_k, epilogue):
         assert rel_err(c(x, fold_norm(w, gamma)), want) < 1e-5
 
 
-def norm_chain_graph(k, n, dtype, max_t=16, block=(64, 64), split2=2):
-    """h = a @ w1^T + r (split, ``sumsq``), then rmsnorm(h) @ w2^T with SiLU-mul (``split2``
-    ranges, the norm folded into w2 and taken from h's sums of squares: by the reduce tiles,
-    or unsplit by the GEMM's epilogue): the decoder layer's o_proj -> gate/up. Outputs h
-    and y."""
+def norm_chain_graph(k, n, dtype, max_t=16, block=(64, 64), split2=2, fuse=False):
+    """h = a @ w1^T + r (split, ``sumsq``; ``fuse``: reduced in its last partial tiles where
+    the Hopper tile runs it), then rmsnorm(h) @ w2^T with SiLU-mul (``split2`` ranges, the
+    norm folded into w2 and taken from h's sums of squares: by the reduce tiles, or unsplit by
+    the GEMM's epilogue): the decoder layer's o_proj -> gate/up. Outputs h and y."""
     g = mk.Graph("norm_chain")
     t = mk.sym("T", max_t)
     a = g.input("a", (t, k), dtype)
@@ -223,7 +223,7 @@ def norm_chain_graph(k, n, dtype, max_t=16, block=(64, 64), split2=2):
     w1 = g.weight("w1", (k, k), dtype)
     w2 = g.weight("w2", (2 * n, k), dtype)
     tiles = {"block_m": block[0], "block_n": block[1]}
-    h, ss = linear(g, a, w1, r, **tiles, split_k=2, sumsq=True, name="o")
+    h, ss = linear(g, a, w1, r, **tiles, split_k=2, sumsq=True, fuse_reduce=fuse, name="o")
     y = linear(
         g,
         h,
@@ -268,15 +268,24 @@ def test_norm_from_sums_of_squares_on_the_interpreter(scheduler):
         assert rel_err(h, want_h) < 1e-5 and rel_err(y, want_y) < 1e-5
 
 
-def test_norm_in_the_gemm_epilogue_on_the_interpreter():
-    """Unsplit, a 16-bit projection scales its rows by the norm from h's sums of squares in
-    its epilogue (no norm node, no reduce)."""
+@pytest.mark.parametrize("split2", [1, 2])
+@pytest.mark.parametrize("fuse", [False, True], ids=["step", "in_tiles"])
+def test_norm_in_the_gemm_epilogue_on_the_interpreter(fuse, split2):
+    """Unsplit (``split2`` 1), a 16-bit projection scales its rows by the norm from h's sums
+    of squares in its epilogue (no norm node, no reduce); split, its reduce tiles do. h's
+    sums of squares come from its reduce step, or (``fuse``) from its last partial tiles
+    (``gemm_split`` with ``sumsq``: 128 columns a sum)."""
     from cutemk.layers import fold_norm
 
     k = 1536
-    g = norm_chain_graph(k, 64, BF, block=(64, 64), split2=1)
-    gu = next(n for n in g.nodes if n.name == "gu")
-    assert gu.op.name == "gemm" and gu.op.norm_width == k
+    g = norm_chain_graph(k, 64, BF, block=(64, 64), split2=split2, fuse=fuse)
+    o = next(n for n in g.nodes if n.name == "o")
+    assert o.op.name == ("gemm_split" if fuse else "gemm_partial")
+    if fuse:
+        assert o.op.sumsq and o.op.sm90().reduce_sumsq and o.op.ss_cols == k // 128
+    gu = next(n for n in g.nodes if n.name == ("gu" if split2 == 1 else "gu_sum"))
+    assert gu.op.name == ("gemm" if split2 == 1 else "gemm_split_reduce")
+    assert gu.op.norm_width == k
     assert not any(n.op.name == "rmsnorm" for n in g.nodes)
     c = g.compile("interpret", num_sms=5)
     gen = torch.Generator().manual_seed(10)
@@ -331,6 +340,32 @@ def test_reduce_in_the_partial_tiles_on_the_interpreter(scheduler, epilogue):
         r = torch.randn(t, n, generator=gen) if epilogue == "residual" else None
         y = c(x, w) if r is None else c(x, w, r)
         assert rel_err(y, proj_reference(x, w, r, epilogue)) < 1e-5, f"T={t}"
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_sums_of_squares_from_the_partial_tiles_on_the_interpreter(scheduler):
+    """gemm_split with ``sumsq`` (residual; 320 columns in 128-wide blocks: a last block of 64,
+    its sums one column): ``ss[row, j]`` is the sum of the squares of columns [128 j, 128 j +
+    128) of the row as stored, and it is an output a reader can wait for."""
+    g = mk.Graph("split_sumsq")
+    t = mk.sym("T", 16)
+    x = g.input("x", (t, 256), BF)
+    w = g.weight("w", (320, 256), BF)
+    r = g.input("r", (t, 320), BF)
+    c, _, _, ss = g.call(ops.gemm_split, x, w, r, split_k=2, block_m=8, block_n=128, sumsq=True)
+    g.output(c, "y")
+    g.output(ss, "ss")
+    run = g.compile("interpret", num_sms=3, scheduler=scheduler)
+    gen = torch.Generator().manual_seed(12)
+    wt = (torch.randn(320, 256, generator=gen) / 16).to(BF)
+    for n in (1, 9):
+        xt = torch.randn(n, 256, generator=gen).to(BF)
+        rt = torch.randn(n, 320, generator=gen).to(BF)
+        y, s = run(xt, wt, rt)
+        assert rel_err(y, proj_reference(xt, wt, rt, "residual")) < 1e-2
+        sq = y.float().square()
+        want = torch.stack([sq[:, j : j + 128].sum(-1) for j in (0, 128, 256)], dim=1)
+        assert s.shape == (n, 3) and rel_err(s, want) < 1e-5
 
 
 def test_reduce_in_the_partial_tiles_waits_for_the_whole_group():
@@ -390,6 +425,13 @@ def test_gemm_split_refuses_bad_configurations():
         ops.gemm_split(x, TensorSpec((256, 512), BF), split_k=3)
     with pytest.raises(ValueError, match=">= 2"):
         ops.gemm_split(x, TensorSpec((256, 512), BF), split_k=1)
+    with pytest.raises(ValueError, match="sumsq"):  # a silu_mul output is no norm's input
+        ops.gemm_split(x, TensorSpec((512, 512), BF), split_k=2, epilogue="silu_mul", sumsq=True)
+    with pytest.raises(ValueError, match="sumsq"):  # a warp's 128 columns make one sum
+        ops.gemm_split(x, TensorSpec((256, 512), BF), split_k=2, block_n=64, sumsq=True)
+    # a last block of 64 columns: its sums of squares are one column (of three)
+    op = ops.gemm_split(x, TensorSpec((320, 512), BF), split_k=2, block_n=128, sumsq=True)
+    assert op.outputs == ("c", "part", "counts", "ss") and op.ss_cols == 3
 
 
 def test_split_mlp_with_the_reduce_in_the_tiles_compiles_for_hopper(spill_stores):
@@ -488,16 +530,26 @@ def test_folded_norm_on_the_gpu(split_k):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("scheduler,split2", [("static", 2), ("dynamic", 2), ("static", 1)])
-def test_norm_from_sums_of_squares_on_the_gpu(scheduler, split2):
-    """split2 1: the gate/up GEMM applies the norm in its epilogue (64 x 96 fused tiles)."""
+@pytest.mark.parametrize(
+    "scheduler,split2,fuse",
+    [
+        ("static", 2, False),
+        ("dynamic", 2, False),
+        ("static", 1, False),
+        ("static", 1, True),
+        ("dynamic", 2, True),
+    ],
+)
+def test_norm_from_sums_of_squares_on_the_gpu(scheduler, split2, fuse):
+    """split2 1: the gate/up GEMM applies the norm in its epilogue (64 x 96 fused tiles);
+    ``fuse``: h and its sums of squares from the first projection's last partial tiles."""
     from cutemk.layers import fold_norm
 
     torch.manual_seed(9)
     k, n = 1536, 480
-    c = norm_chain_graph(k, n, BF, block=(64, 96), split2=split2).compile(
-        "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
-    )
+    g = norm_chain_graph(k, n, BF, block=(64, 96), split2=split2, fuse=fuse)
+    assert (g.nodes[0].op.name == "gemm_split") == fuse
+    c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
     w1 = (torch.randn(k, k, device="cuda") / k**0.5).to(BF)
     w2 = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(BF)
     gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(BF)
