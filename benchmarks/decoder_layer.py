@@ -208,16 +208,18 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
 
 def _config_fields(p, cfg, items: list[str]) -> dict[str, int | bool]:
     """``FIELD=INT`` items (``FIELD`` alone: ``FIELD=1``) as DecoderConfig fields, checked: a
-    known field, an int value (a boolean for a switch: a bool field, or one that defaults to
-    None)."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    known int or switch field (typed ``bool`` or ``bool | None``; its value as a bool), an int
+    value."""
+    types = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(cfg)}
     out: dict[str, int | bool] = {}
     for item in items:
         name, _, value = item.partition("=")
         value = value or "1"
-        if name not in fields or not value.lstrip("-").isdigit():
+        if name not in types or not value.lstrip("-").isdigit():
             p.error(f"{item}: expected FIELD[=INT] with FIELD a DecoderConfig field")
-        switch = fields[name] is None or isinstance(fields[name], bool)
+        switch = types[name] in ("bool", "bool|None")
+        if not switch and types[name] not in ("int", "int|None"):
+            p.error(f"{item}: {name} is a {types[name]}, not an int or a switch")
         out[name] = bool(int(value)) if switch else int(value)
     return out
 

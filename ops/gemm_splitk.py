@@ -204,6 +204,8 @@ class GemmSplitTile(GemmPartialTile):
                 f"gemm_split silu_mul: N={n_out} must be a multiple of block_n={self.block_n} "
                 "(a gate block and its up block reduce together)"
             )
+        if self.norm_ss is not None:
+            raise ValueError("gemm_split takes no row norm (norm_ss): ops.gemm applies it")
         if self.sumsq and (self.epilogue == "silu_mul" or self.block_n % SS_WIDTH):
             raise ValueError(
                 f"gemm_split sumsq: not with silu_mul, and block_n={self.block_n} a multiple of "

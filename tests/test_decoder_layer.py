@@ -283,6 +283,9 @@ def test_mega_decoder_layer_from_hf_takes_config_options():
     assert "kv_append" not in {n.op.name for n in compiled.graph.nodes}
     with pytest.raises(TypeError, match="no_such_field"):
         MegaDecoderLayer.from_hf(layer, **kw, options={"no_such_field": True})
+    for taken in ({"fold_norms": False}, {"hidden": 64}, {"page_size": 8}):
+        with pytest.raises(ValueError, match=next(iter(taken))):
+            MegaDecoderLayer.from_hf(layer, **kw, options=taken)
 
 
 @pytest.mark.parametrize("tail", [None, True, False])

@@ -342,30 +342,42 @@ def test_reduce_in_the_partial_tiles_on_the_interpreter(scheduler, epilogue):
         assert rel_err(y, proj_reference(x, w, r, epilogue)) < 1e-5, f"T={t}"
 
 
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_sums_of_squares_from_the_partial_tiles_on_the_interpreter(scheduler):
-    """gemm_split with ``sumsq`` (residual; 320 columns in 128-wide blocks: a last block of 64,
-    its sums one column): ``ss[row, j]`` is the sum of the squares of columns [128 j, 128 j +
-    128) of the row as stored, and it is an output a reader can wait for."""
+def sumsq_graph(block_m):
+    """One gemm_split with ``sumsq`` (+ residual; 320 columns in 128-wide blocks: a last
+    block of 64, its sums one column). Outputs y and ss."""
     g = mk.Graph("split_sumsq")
     t = mk.sym("T", 16)
     x = g.input("x", (t, 256), BF)
     w = g.weight("w", (320, 256), BF)
     r = g.input("r", (t, 320), BF)
-    c, _, _, ss = g.call(ops.gemm_split, x, w, r, split_k=2, block_m=8, block_n=128, sumsq=True)
+    c, _, _, ss = g.call(
+        ops.gemm_split, x, w, r, split_k=2, block_m=block_m, block_n=128, sumsq=True
+    )
     g.output(c, "y")
     g.output(ss, "ss")
-    run = g.compile("interpret", num_sms=3, scheduler=scheduler)
-    gen = torch.Generator().manual_seed(12)
-    wt = (torch.randn(320, 256, generator=gen) / 16).to(BF)
-    for n in (1, 9):
-        xt = torch.randn(n, 256, generator=gen).to(BF)
-        rt = torch.randn(n, 320, generator=gen).to(BF)
+    return g
+
+
+def check_sumsq(run, gen, device, ss_tol):
+    """``ss[row, j]`` is the sum of the squares of columns [128 j, 128 j + 128) of y's row as
+    stored (T = 1, 9, 16)."""
+    wt = (torch.randn(320, 256, generator=gen, device=device) / 16).to(BF)
+    for n in (1, 9, 16):
+        xt = torch.randn(n, 256, generator=gen, device=device).to(BF)
+        rt = torch.randn(n, 320, generator=gen, device=device).to(BF)
         y, s = run(xt, wt, rt)
-        assert rel_err(y, proj_reference(xt, wt, rt, "residual")) < 1e-2
+        assert rel_err(y, proj_reference(xt, wt, rt, "residual")) < 1e-2, f"T={n}"
         sq = y.float().square()
         want = torch.stack([sq[:, j : j + 128].sum(-1) for j in (0, 128, 256)], dim=1)
-        assert s.shape == (n, 3) and rel_err(s, want) < 1e-5
+        assert s.shape == (n, 3) and rel_err(s, want) < ss_tol, f"T={n}"
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_sums_of_squares_from_the_partial_tiles_on_the_interpreter(scheduler):
+    """gemm_split with ``sumsq``: ``ss`` as :func:`check_sumsq` says, an output a reader can
+    wait for."""
+    run = sumsq_graph(8).compile("interpret", num_sms=3, scheduler=scheduler)
+    check_sumsq(run, torch.Generator().manual_seed(12), "cpu", 1e-5)
 
 
 def test_reduce_in_the_partial_tiles_waits_for_the_whole_group():
@@ -429,6 +441,15 @@ def test_gemm_split_refuses_bad_configurations():
         ops.gemm_split(x, TensorSpec((512, 512), BF), split_k=2, epilogue="silu_mul", sumsq=True)
     with pytest.raises(ValueError, match="sumsq"):  # a warp's 128 columns make one sum
         ops.gemm_split(x, TensorSpec((256, 512), BF), split_k=2, block_n=64, sumsq=True)
+    with pytest.raises(ValueError, match="no row norm"):
+        ops.GemmSplitTile(
+            x,
+            TensorSpec((256, 512), BF),
+            norm_ss=TensorSpec((mk.sym("T", 16), 4), torch.float32),
+            norm_width=512,
+            norm_eps=1e-6,
+            split_k=2,
+        )
     # a last block of 64 columns: its sums of squares are one column (of three)
     op = ops.gemm_split(x, TensorSpec((320, 512), BF), split_k=2, block_n=128, sumsq=True)
     assert op.outputs == ("c", "part", "counts", "ss") and op.ss_cols == 3
@@ -526,6 +547,28 @@ def test_folded_norm_on_the_gpu(split_k):
         assert not torch.isnan(y).any()
         want = proj_reference(x, w.float() * gamma.float(), None, "silu_mul", norm_eps=1e-6)
         assert rel_err(y, want) < 1e-2, f"T={t}"
+
+
+def test_sums_of_squares_from_the_partial_tiles_compiles_for_hopper(tmp_path):
+    """The GPU case below compiles for sm_90a: the sums' warp shuffle is in the PTX."""
+    from cutemk.kernels import compile_offline
+
+    compile_offline(sumsq_graph(64), "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert "shfl.sync.bfly" in ptx_file.read_text()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_sums_of_squares_from_the_partial_tiles_on_the_gpu(scheduler):
+    """The Hopper tile's in-tile reduce with sums of squares (a warp shuffle a 128-column
+    group): a partial last column block (64 of 128 columns, half a tile's warps without a
+    column), 64-row tiles with 1-16 live rows; fp32 summation orders differ from torch's."""
+    g = sumsq_graph(64)
+    assert g.nodes[0].op.sm90().reduce_sumsq
+    run = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+    check_sumsq(run, torch.Generator(device="cuda").manual_seed(13), "cuda", 1e-4)
 
 
 @pytest.mark.gpu

@@ -151,6 +151,16 @@ class MegaDecoderLayer(_KeyedModule):
             fold_norms=True,
         )
         if options:
+            # what the layer and the arguments above decide (the folded weights below assume
+            # fold_norms) is not an option
+            fixed = {"hidden", "intermediate", "heads", "kv_heads", "head_dim", "eps"}
+            fixed |= {"page_size", "max_pages", "max_positions", "block_m", "block_n"}
+            taken = sorted((fixed | {"fold_norms"}) & set(options))
+            if taken:
+                raise ValueError(
+                    f"MegaDecoderLayer.from_hf: options may not set {taken} (the HF layer and "
+                    "from_hf's own arguments decide them)"
+                )
             cfg = replace(cfg, **options)
         w = {
             "input_norm": layer.input_layernorm.weight,
