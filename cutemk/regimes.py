@@ -168,14 +168,10 @@ DECODER_REGIME_LIMITS: dict[str, int | None] = {
 tiles up to ``GEMV_MAX_BATCH`` sequences, with the decode step's q/k/v tail as one phase
 (:data:`DECODER_REGIME_CONFIG`) up to ``FUSED_TAIL_MAX_BATCH``."""
 
-DECODER_REGIME_CONFIG: dict[str, dict[str, bool]] = {
-    "gemv_tail": {"fused_qkv_tail": True},
-    "gemv": {"fused_qkv_tail": False},
-    "batch": {"fused_qkv_tail": False},
-}
+DECODER_REGIME_CONFIG: dict[str, dict[str, bool]] = {"gemv_tail": {"fused_qkv_tail": True}}
 """Regime -> the :class:`cutemk.layers.DecoderConfig` switches its graph sets where the
-module's config leaves them None (a value the caller set is kept). The fused
-q/k/v tail (the split QKV projection's reduce, ``qk_norm_rope`` and the KV append in one
+module's config leaves them None (a value the caller set is kept; None elsewhere is off). The
+fused q/k/v tail (the split QKV projection's reduce, ``qk_norm_rope`` and the KV append in one
 phase) measured on the H200 (Qwen3-8B, KV 4096, one process, three rounds of rotated order,
 ``benchmarks/decoder_layer.py --batch 1 4 8 16 --ab fused_append fused_qkv_tail --rounds
 3``), three phases / fused tail / qk_norm_rope appending only, us: B=1 148.2 / 142.4 / 146.1,

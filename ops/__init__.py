@@ -12,9 +12,9 @@ from .attention_decode import (
 )
 from .attention_prefill import AttentionPrefillTile, attention_prefill
 from .gemm import GemmTile, gemm
+from .gemm_split import GemmSplitTile, gemm_split
 from .gemm_splitk import (
     GemmPartialTile,
-    GemmSplitTile,
     SplitReduceTile,
     DECODE_GATE_UP_WIDTHS,
     SPLIT_WIDTHS,
@@ -22,7 +22,6 @@ from .gemm_splitk import (
     choose_split_k,
     wave_fit_width,
     gemm_partial,
-    gemm_split,
     gemm_split_reduce,
 )
 from .kv_append import KvAppendTile, kv_append

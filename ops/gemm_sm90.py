@@ -41,14 +41,10 @@ from cutemk.tileop import RingTile
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
 from cutemk.device.sync import claim_last
 
-from .split_reduce import load_ranges, reduce_vector
+from .split_reduce import SS_WIDTH, reduce_last_tile
 
 BLOCK_K = 64
 """k-slice per ring slot: 64 bf16 = one 128-byte swizzle row."""
-REDUCE_VEC = 4
-"""fp32 partials a thread of the in-tile reduce loads at once (16 bytes)."""
-SS_WIDTH = WARP_SIZE * REDUCE_VEC
-"""Columns of one sum of squares the in-tile reduce writes: one warp's vectors of a row."""
 
 MAX_ACC_PER_THREAD = 128
 """fp32 accumulators per consumer thread (gate and up together): what fits beside the rest
@@ -538,7 +534,9 @@ def compute(
     if cutlass.const_expr(cfg.split > 1):
         _store_partial(cfg, tensors[cfg.part_index], acc, tCcC, coord0, coord1, epi_free)
         if cutlass.const_expr(cfg.reduce != ""):
-            _reduce_last(cfg, tensors, coord0, coord1, epi_ptr, ctid)
+            reduce_last_tile(
+                cfg, tensors, coord0, coord1, epi_ptr, ctid, _consumer_sync, CONSUMER_THREADS
+            )
         return count + cfg.k_tiles
     if cutlass.const_expr(cfg.combine_k):
         _combine(cfg, tensors, acc, tCcC, coord0, coord1, pick_w, epi_ptr, ctid, epi_free)
@@ -702,84 +700,6 @@ def _combine(
                         s = s + rows[jj][e]
                     out[e] = s.to(mY.element_type)
                 cute.autovec_copy(out, y4[t, w, None])
-
-
-@cute.jit
-def _reduce_last(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr, ctid):
-    """Split-K with the reduce in the tiles: after its partial is out (``_store_partial``),
-    tile (coord0, coord1) counts itself in ``counts[coord0, j]`` (j: its output column block;
-    a gate / up pair shares one), and the group's last tile (``claim_last``: the acq_rel count
-    releases this partial and acquires the others') sums the ``split`` ranges of its rows and
-    columns in range order (the reduce step's order: the same bits) and applies the epilogue
-    (``silu(gate) * up`` of the two halves, or ``+ R``), 4 columns a thread, every consumer
-    thread taking (row, 4 columns) vectors in turn. The storer's release after the consumers'
-    barrier publishes C with the task's notify; the staging buffer's first word carries the
-    verdict."""
-    n_r = int(cfg.reduce == "residual")
-    mC, mP, mCnt = tensors[2 + n_r], tensors[3 + n_r], tensors[4 + n_r]
-    mSS = tensors[5 + n_r] if cfg.reduce_sumsq else None
-    silu = cfg.reduce == "silu_mul"
-    split = cfg.split
-    jj = coord1 // split
-    if cutlass.const_expr(silu):  # the up block j + reduce_blocks counts with gate block j
-        if jj >= cfg.reduce_blocks:
-            jj = jj - cfg.reduce_blocks
-    sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
-    ptr = mCnt.iterator + (coord0 * cfg.reduce_blocks + jj)
-    if claim_last(ptr, Int32(cfg.reduce_group), ctid, _consumer_sync, sLast):
-        vec = REDUCE_VEC  # N % 4 == 0 is checked
-        rows = mC.shape[0]
-        cols = mC.shape[1]
-        nv = cols // vec
-        p_split = cute.assume(mP.stride[0], divby=vec)
-        p_row = cute.assume(mP.stride[1], divby=vec)
-        p4 = cute.make_tensor(
-            mP.iterator,
-            cute.make_layout(
-                (split, rows, mP.shape[2] // vec, vec), stride=(p_split, p_row, vec, 1)
-            ),
-        )
-        c_row = cute.assume(mC.stride[0], divby=vec)
-        c3 = cute.make_tensor(
-            mC.iterator, cute.make_layout((rows, nv, vec), stride=(c_row, vec, 1))
-        )
-        r3 = c3
-        if cutlass.const_expr(n_r):
-            mR = tensors[2]
-            r_row = cute.assume(mR.stride[0], divby=vec)
-            r3 = cute.make_tensor(
-                mR.iterator, cute.make_layout((rows, nv, vec), stride=(r_row, vec, 1))
-            )
-        r0 = coord0 * cfg.bm
-        tile_v = cfg.bn // vec
-        v0 = jj * tile_v
-        live = cute.min(rows - r0, Int32(cfg.bm))
-        lane = ctid % WARP_SIZE
-        # a warp's 32 consecutive q are one row's vectors (tile_v is a multiple of 32 with
-        # sums of squares), and every lane of it runs the same trips: its shuffles converge
-        for q in range(ctid, live * tile_v, CONSUMER_THREADS):
-            r = r0 + q // tile_v
-            cv = v0 + q % tile_v
-            sq = Float32(0.0)
-            if cv < nv:
-                gs, us = load_ranges(p4, split, r, cv, vec, nv if silu else None)
-                res = None
-                if cutlass.const_expr(n_r):
-                    res = cute.make_rmem_tensor((vec,), mC.element_type)
-                    cute.autovec_copy(r3[r, cv, None], res)
-                out = cute.make_rmem_tensor((vec,), mC.element_type)
-                reduce_vector(gs, us, out, vec, res=res)
-                if cutlass.const_expr(cfg.reduce_sumsq):  # of the values as stored
-                    for e in cutlass.range_constexpr(vec):
-                        stored = out[e].to(Float32)
-                        sq = sq + stored * stored
-                cute.autovec_copy(out, c3[r, cv, None])
-            if cutlass.const_expr(cfg.reduce_sumsq):
-                tot = cute.arch.warp_reduction_sum(sq)
-                first = cv - lane  # the warp's first vector: SS column first // 32
-                if lane == 0:
-                    if first < nv:
-                        mSS[r, first // WARP_SIZE] = tot
 
 
 class HopperGemmOp:
