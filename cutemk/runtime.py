@@ -30,6 +30,7 @@ from .codegen.lower import (
     lower,
     pack_int32,
 )
+from .codegen.layout import PROF_END
 from .codegen.megakernel import (
     DEVICE_STATE,
     PROF_WIDTH,
@@ -51,6 +52,7 @@ from .kernels import (  # noqa: F401 (re-exported: the backend's compile entry p
 from .plan import Plan, dump_stage, instantiate, no_gc
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
+from .trace import task_record
 
 
 def _off_graph(fn, *args):
@@ -696,22 +698,17 @@ class CuteGraph:
 
     # -- profiling ------------------------------------------------------------------------------
     def profile_records(self) -> list[dict[str, Any]]:
-        """Per task of the last launch: SM, start/end ns (``%globaltimer``), label."""
+        """Per task of the last launch that ran (``%globaltimer`` ns): its SM, when its
+        consumers took it (``start_ns``) and when it was published (``end_ns``), its label and
+        node, and its phases (``cutemk.trace.PHASES``; None where not recorded): when the
+        producer took it up (``fetched_ns``), when its events were met (``ready_ns``), when a
+        ring tile's first slice had landed (``landed_ns``) and when its output was staged for
+        the storer (``staged_ns``)."""
         if not self.spec.profile or self.last_env is None:
             raise ValueError("compile with profile=True and run once before reading a profile")
         b = self._bufs(self.last_env)
         raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[: b.plan.num_tasks]
-        return [
-            {
-                "sm": int(r[0]),
-                "start_ns": int(r[1]),
-                "end_ns": int(r[2]),
-                "label": b.plan.tasks[t].label,
-                "node": b.plan.tasks[t].node.name,
-            }
-            for t, r in enumerate(raw)
-            if r[2] > 0
-        ]
+        return [task_record(r, b.plan.tasks[t]) for t, r in enumerate(raw) if r[PROF_END] > 0]
 
     def profile_ctas(self) -> list[dict[str, Any]]:
         """Per CTA of the last launch (``%globaltimer`` ns): its SM, when it entered the plan,

@@ -1,7 +1,9 @@
-"""Exporting megakernel profiles: Chrome-trace JSON (Perfetto) and a timeline PNG.
+"""Reading megakernel profiles: task records, where a task's time goes, Chrome-trace JSON
+(Perfetto) and a timeline PNG.
 
-A record is one task: ``{"sm", "start_ns", "end_ns", "label", "node"}`` with ``%globaltimer``
-nanoseconds. Times are shifted so the launch's first task starts at 0.
+A record is one task (``task_record``): ``{"sm", "start_ns", "end_ns", "label", "node"}`` and
+its phases, ``%globaltimer`` nanoseconds. Times are shifted so the launch's first task starts
+at 0.
 """
 
 from __future__ import annotations
@@ -9,9 +11,64 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from .codegen.layout import (
+    PROF_END,
+    PROF_FETCHED,
+    PROF_LANDED,
+    PROF_READY,
+    PROF_SM,
+    PROF_STAGED,
+    PROF_START,
+)
+
+PHASES = ("fetched_ns", "ready_ns", "landed_ns", "staged_ns")
+"""A task's stamps besides its start and end, in the order they happen: the producer took it
+up (the previous task's slices all issued), its events were met, a ring tile's first slice had
+landed in shared memory (as its consumers first saw it), its output was staged for the storer.
+A ring tile's first slices may land before its start (loaded before its events)."""
+
+GAPS = (
+    ("wait_us", "fetched_ns", "ready_ns"),
+    ("queued_us", "ready_ns", "start_ns"),
+    ("first_slice_us", "start_ns", "landed_ns"),
+    ("stream_us", "landed_ns", "staged_ns"),
+    ("store_us", "staged_ns", "end_ns"),
+)
+"""A task's time between its stamps: its producer waiting for its events (``wait``), ready
+but not yet taken by its consumers, which were busy with earlier tasks or waited for the
+producer's hand-over (``queued``), its consumers waiting for its first slice
+(``first_slice``: 0 where it had landed before they took the task), the rest of its slices
+and its compute (``stream``), its store and publication (``store``)."""
+
+
+def task_record(row: Sequence[int], task: Any) -> dict[str, Any]:
+    """One task's record from its raw profile row (``codegen.layout.PROF_WIDTH`` int64s) and
+    its plan task (``label``, ``node``); a phase not recorded (0) is None."""
+    rec: dict[str, Any] = {
+        "sm": int(row[PROF_SM]),
+        "start_ns": int(row[PROF_START]),
+        "end_ns": int(row[PROF_END]),
+        "label": task.label,
+        "node": task.node.name,
+    }
+    for key, col in zip(PHASES, (PROF_FETCHED, PROF_READY, PROF_LANDED, PROF_STAGED)):
+        rec[key] = int(row[col]) or None
+    return rec
+
+
+def task_gaps(rec: dict[str, Any]) -> dict[str, float]:
+    """A record's ``GAPS`` in us, those whose two stamps it has (a gap that the clock's skew
+    between roles makes negative counts 0: the stamps are of different warps)."""
+    out = {}
+    for name, a, b in GAPS:
+        if rec.get(a) is not None and rec.get(b) is not None:
+            out[name] = max(rec[b] - rec[a], 0) / 1e3
+    return out
+
 
 def chrome_trace(records: Sequence[dict[str, Any]], name: str = "megakernel") -> dict[str, Any]:
-    """Trace-event JSON: one process (the kernel), one thread track per SM, one event per task."""
+    """Trace-event JSON: one process (the kernel), one thread track per SM, one event per task
+    (from its start to its end; its ``GAPS`` as the event's arguments)."""
     t0 = min((r["start_ns"] for r in records), default=0)
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": name}}
@@ -30,6 +87,7 @@ def chrome_trace(records: Sequence[dict[str, Any]], name: str = "megakernel") ->
                 "cat": r["node"],
                 "ts": (r["start_ns"] - t0) / 1e3,
                 "dur": (r["end_ns"] - r["start_ns"]) / 1e3,
+                "args": {k: round(v, 3) for k, v in task_gaps(r).items()},
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ns"}
@@ -75,7 +133,8 @@ def timeline_png(records: Sequence[dict[str, Any]], path: str | Path, title: str
 def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per node, in order of first start: tasks run, SMs used, first start and last end (us
     since the launch's first task) and the median task duration (us): where a launch's time
-    goes, read off one profiled run."""
+    goes, read off one profiled run. With the phases: the first and last time one of its
+    tasks was ready (events met) and the median of each of a task's ``GAPS``."""
     t0 = min((r["start_ns"] for r in records), default=0)
     by_node: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -83,16 +142,27 @@ def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for node, rs in by_node.items():
         durs = sorted(r["end_ns"] - r["start_ns"] for r in rs)
-        rows.append(
-            {
-                "node": node,
-                "tasks": len(rs),
-                "sms": len({r["sm"] for r in rs}),
-                "first_start_us": round((min(r["start_ns"] for r in rs) - t0) / 1e3, 2),
-                "last_end_us": round((max(r["end_ns"] for r in rs) - t0) / 1e3, 2),
-                "median_task_us": round(durs[len(durs) // 2] / 1e3, 2),
-            }
-        )
+        row = {
+            "node": node,
+            "tasks": len(rs),
+            "sms": len({r["sm"] for r in rs}),
+            "first_start_us": round((min(r["start_ns"] for r in rs) - t0) / 1e3, 2),
+            "last_end_us": round((max(r["end_ns"] for r in rs) - t0) / 1e3, 2),
+            "median_task_us": round(durs[len(durs) // 2] / 1e3, 2),
+        }
+        ready = [r["ready_ns"] for r in rs if r.get("ready_ns") is not None]
+        if ready:  # the phases (records of a kernel that stamps them)
+            row["first_ready_us"] = round((min(ready) - t0) / 1e3, 2)
+            row["last_ready_us"] = round((max(ready) - t0) / 1e3, 2)
+            gaps: dict[str, list[float]] = {}
+            for r in rs:
+                for name, v in task_gaps(r).items():
+                    gaps.setdefault(name, []).append(v)
+            for name, _, _ in GAPS:
+                if name in gaps:
+                    v = sorted(gaps[name])
+                    row[f"median_{name}"] = round(v[len(v) // 2], 2)
+        rows.append(row)
     return sorted(rows, key=lambda r: r["first_start_us"])
 
 

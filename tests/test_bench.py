@@ -132,3 +132,80 @@ def test_time_rounds_rotates_the_order():
     out = time_rounds(impls, set(impls), warmup=0, rep=1, rounds=4)
     assert seen == list("abcbcacababc")
     assert list(out) == list("abc") and all(len(v) == 4 and min(v) >= 0 for v in out.values())
+
+
+def _phased(sm, fetched, ready, start, landed, staged, end, node="g"):
+    """A task record with its phases, times in us (None: not stamped)."""
+
+    def ns(us):
+        return None if us is None else round(us * 1000)
+
+    return {
+        "sm": sm,
+        "start_ns": ns(start),
+        "end_ns": ns(end),
+        "label": f"{node}[{sm}]",
+        "node": node,
+        "fetched_ns": ns(fetched),
+        "ready_ns": ns(ready),
+        "landed_ns": ns(landed),
+        "staged_ns": ns(staged),
+    }
+
+
+def test_task_records_carry_their_phases():
+    """A raw profile row -> record: the phases' columns, an unstamped one (0) as None."""
+    from types import SimpleNamespace
+
+    from cutemk.codegen.layout import PROF_WIDTH
+    from cutemk.trace import PHASES, task_record
+
+    task = SimpleNamespace(label="gemm[3, 0]", node=SimpleNamespace(name="gemm"))
+    row = [7, 2000, 9000, 1, 500, 1500, 3000, 8000]
+    assert len(row) == PROF_WIDTH
+    rec = task_record(row, task)
+    assert rec == {
+        "sm": 7,
+        "start_ns": 2000,
+        "end_ns": 9000,
+        "label": "gemm[3, 0]",
+        "node": "gemm",
+        "fetched_ns": 500,
+        "ready_ns": 1500,
+        "landed_ns": 3000,
+        "staged_ns": 8000,
+    }
+    simt = task_record([7, 2000, 9000, 2, 500, 1500, 0, 0], task)
+    assert [simt[k] for k in PHASES] == [500, 1500, None, None]
+
+
+def test_node_summary_splits_a_task_into_its_phases(tmp_path):
+    """Per task: its events met 1 us after it was taken up, queued until its consumers took
+    it, its first slice late by 2 (or landed before they took it: 0), streamed, stored.
+    Per node the medians, and when its first and last task were ready."""
+    from cutemk.trace import PHASES, chrome_trace, node_summary, task_gaps
+
+    a = _phased(0, fetched=0, ready=1, start=2, landed=4, staged=10, end=11)
+    b = _phased(1, fetched=0, ready=3, start=3, landed=2, staged=9, end=9.5)  # landed early
+    c = _phased(2, fetched=1, ready=2, start=6, landed=8, staged=12, end=13)
+    assert task_gaps(a) == {
+        "wait_us": 1.0,
+        "queued_us": 1.0,
+        "first_slice_us": 2.0,
+        "stream_us": 6.0,
+        "store_us": 1.0,
+    }
+    assert task_gaps(b)["first_slice_us"] == 0.0  # its slices had landed before it started
+    simt = _phased(3, fetched=4, ready=5, start=5, landed=None, staged=None, end=7, node="s")
+    assert task_gaps(simt) == {"wait_us": 1.0, "queued_us": 0.0}
+    rows = {r["node"]: r for r in node_summary([a, b, c, simt])}
+    g = rows["g"]
+    assert (g["first_ready_us"], g["last_ready_us"]) == (-1.0, 1.0)  # since the first start
+    assert (g["median_wait_us"], g["median_queued_us"]) == (1.0, 1.0)
+    assert (g["median_first_slice_us"], g["median_stream_us"]) == (2.0, 6.0)
+    assert "median_stream_us" not in rows["s"] and rows["s"]["median_wait_us"] == 1.0
+    # records of a kernel without the phases summarise as before
+    plain = [{k: v for k, v in a.items() if k not in PHASES}]
+    assert "first_ready_us" not in node_summary(plain)[0]
+    spans = [e for e in chrome_trace([a, simt])["traceEvents"] if e["ph"] == "X"]
+    assert spans[0]["args"]["stream_us"] == 6.0 and "stream_us" not in spans[1]["args"]

@@ -535,6 +535,21 @@ def test_decode_layer_with_a_measuring_switch_off_compiles_for_hopper(
     assert spill_stores(ptx_file) == 0
 
 
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_profiled_decode_layer_stamps_each_task_phase(tmp_path, scheduler):
+    """``profile=True``: the kernel stamps, besides a task's start and end and each CTA's
+    entry, roles done and exit, when the producer took the task up and when its events were
+    met, when each ring node's first slice landed and when a ring tile was staged
+    (``cutemk.trace.PHASES``): 9 stamps plus one a ring node. The production kernel has
+    none."""
+    g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)
+    ring_nodes = sum(n.op.ring_tile() is not None for n in g.nodes)
+    assert ring_nodes >= 4
+    compile_offline(g, scheduler, profile=True, options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert ptx_file.read_text().count("%globaltimer") >= 9 + ring_nodes
+
+
 @pytest.mark.parametrize("fused", ["fused_qkv_tail", "fused_append"])
 def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_stores, fused):
     """``DecoderConfig.fused_qkv_tail`` (the split QKV projection's partials into

@@ -8,7 +8,7 @@ import torch
 import cutemk as mk
 from cutemk import runtime
 from cutemk.layers import MoeConfig, mlp_graph, mlp_reference, moe_graph, moe_reference
-from cutemk.trace import launch_summary
+from cutemk.trace import launch_summary, node_summary
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +94,8 @@ def test_moe_data_dependent(scheduler):
         assert rel_err(c(x, **w), moe_reference(x, **w, top_k=CFG.top_k)) < 1e-4, f"T={t}"
 
 
-def test_profile_trace(tmp_path):
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_profile_trace(tmp_path, scheduler):
     g = mlp_graph(
         mk.sym("T", max=512),
         hidden=512,
@@ -103,7 +104,7 @@ def test_profile_trace(tmp_path):
         block_m=64,
         block_n=64,
     )
-    c = g.compile("cute", scheduler="dynamic", profile=True)
+    c = g.compile("cute", scheduler=scheduler, profile=True)
     x = torch.randn(256, 512, device="cuda").bfloat16()
     c(
         x,
@@ -114,6 +115,16 @@ def test_profile_trace(tmp_path):
     recs = c.profile_records()
     assert len(recs) == c.plan({"T": 256}).num_tasks
     assert all(r["end_ns"] >= r["start_ns"] > 0 for r in recs)
+    # the phases (cutemk.trace.PHASES): every task was taken up, then ready, then started (a
+    # dynamic task is ready when popped); a GEMM tile's (gemm0, gemm1) first slice landed
+    # before its consumers staged its output, and it was stored after that
+    for r in recs:
+        assert 0 < r["fetched_ns"] <= r["ready_ns"] <= r["start_ns"], r
+        if r["node"].startswith("gemm"):
+            assert r["start_ns"] <= r["staged_ns"] <= r["end_ns"], r
+            assert 0 < r["landed_ns"] <= r["staged_ns"], r
+    streamed = {row["node"] for row in node_summary(recs) if "median_stream_us" in row}
+    assert streamed == {"gemm0", "gemm1"}
     doc = json.loads(c.export_trace(tmp_path / "mlp.trace.json").read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(recs) and len({e["tid"] for e in spans}) > 1

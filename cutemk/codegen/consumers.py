@@ -17,9 +17,19 @@ from ..device.config import (
     WARP_SIZE as WARP,
     simt_sync,
 )
-from ..device.ring import epi_acquire, queue_get, queue_put
+from ..device.ring import consumer_wait, epi_acquire, queue_get, queue_put
 from ..device.sync import notify_event
-from .layout import D, P, PROF_WIDTH
+from .layout import (
+    D,
+    P,
+    PROF_END,
+    PROF_LANDED,
+    PROF_NODE,
+    PROF_SM,
+    PROF_STAGED,
+    PROF_START,
+    PROF_WIDTH,
+)
 from .lower import ABORT, R_C0, R_C1, R_LIVE, R_NHI, R_NLO, R_NODE, R_TASK, R_WORD, REC_WIDTH
 
 
@@ -62,6 +72,8 @@ class ConsumerRoles:
                             live = live and rec[R_LIVE] != 0  # the producer's verdict
                         if live:
                             is_ring = Boolean(True)
+                            if cutlass.const_expr(self.spec.profile):
+                                self._stamp_landed(L, k, rec, rcount, ctid, pwait)
                             rcount = self.spec.ops[k].device_compute(
                                 tensors[k],
                                 c0,
@@ -83,7 +95,7 @@ class ConsumerRoles:
                         for f in cutlass.range_constexpr(REC_WIDTH):
                             sEpiRec[f] = rec[f]
                         if cutlass.const_expr(self.spec.profile):
-                            mProf[t * PROF_WIDTH + 1] = start
+                            mProf[t * PROF_WIDTH + PROF_START] = start
                     # a sync, not an arrive: the storer is already waiting here once it has
                     # published the tile before (long done by the time this one is staged),
                     # and an arrive -> sync hand-over is one compute-sanitizer's racecheck
@@ -91,6 +103,9 @@ class ConsumerRoles:
                     cute.arch.barrier(
                         barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
                     )
+                    if cutlass.const_expr(self.spec.profile):
+                        if ctid == 0:  # every consumer thread has staged its part
+                            mProf[t * PROF_WIDTH + PROF_STAGED] = cute.arch.globaltimer()
                     ecount = ecount + 1
                 else:  # a SIMT tile, or a ring tile that does not exist (nothing to store)
                     if ctid < NUM_THREADS:  # the SIMT group
@@ -132,15 +147,33 @@ class ConsumerRoles:
         t = rec[R_TASK]
         if cutlass.const_expr(self.spec.profile):
             base = t * PROF_WIDTH
-            mProf[base] = Int64(cute.arch.smid())
+            mProf[base + PROF_SM] = Int64(cute.arch.smid())
             if start != 0:
-                mProf[base + 1] = start
-            mProf[base + 2] = cute.arch.globaltimer()
-            mProf[base + 3] = Int64(rec[R_NODE])
+                mProf[base + PROF_START] = start
+            mProf[base + PROF_END] = cute.arch.globaltimer()
+            mProf[base + PROF_NODE] = Int64(rec[R_NODE])
         if cutlass.const_expr(not self.spec.dynamic):
             notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
             for j in range(rec[R_NLO], rec[R_NHI]):
                 notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
+
+    @cute.jit
+    def _stamp_landed(self, L, k: int, rec, rcount: Int32, ctid: Int32, pwait):
+        """Profile: consumer thread 0 waits for the ring tile's first slice itself and stamps
+        when it landed (a wait observes the slot's phase and consumes nothing: the compute's
+        own wait then passes at once). A tile of no slices stamps nothing."""
+        # locals: a tensor stored to through ``L`` inside a branch would be carried by the
+        # roles' loops as if it were rebound there (the IR then fails to verify)
+        mProf, r_full = L.prof, L.bars[2]
+        if ctid == 0:
+            n = Int32(self.ring_of[k].slices)
+            if cutlass.const_expr(self.dynamic_slices[k]):
+                n = self.spec.ops[k].device_slices(
+                    L.tensors[k], rec[R_C0], rec[R_C1], rec[R_WORD]
+                )
+            if n > 0:
+                consumer_wait(r_full, rcount, self.w.ring_stages, pwait)
+                mProf[rec[R_TASK] * PROF_WIDTH + PROF_LANDED] = cute.arch.globaltimer()
 
     @staticmethod
     def _epi_free(L, ecount, pwait):

@@ -21,7 +21,13 @@ PROGRAM = (
 DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")
 P = {name: i for i, name in enumerate(PROGRAM)}
 D = {name: i for i, name in enumerate(DEVICE_STATE)}
-PROF_WIDTH = 4  # per task: SM, start ns, end ns, node (int64)
+# per task (int64): SM, start ns (the consumers took its record), end ns (published), node,
+# then its phases: fetched ns (the producer took it up), ready ns (its events met), landed ns
+# (a ring tile's first slice in shared memory, as its consumers first saw it), staged ns (a
+# ring tile's consumers done: its output staged for the storer); 0 where not recorded
+PROF_WIDTH = 8
+PROF_SM, PROF_START, PROF_END, PROF_NODE = 0, 1, 2, 3
+PROF_FETCHED, PROF_READY, PROF_LANDED, PROF_STAGED = 4, 5, 6, 7
 
 # The live-count table of a kernel compiled for one capture at every token count
 # (``KernelSpec.live``): a header, a lookup from the live token count to a plan (-1: none in

@@ -13,7 +13,7 @@ from cutlass import Boolean, Int32, cute
 
 from ..device.config import WARP_SIZE as WARP
 from ..device.ring import producer_acquire, queue_put
-from .layout import P
+from .layout import P, PROF_FETCHED, PROF_READY, PROF_WIDTH
 from .lower import R_C0, R_C1, R_LIVE, R_NODE, R_TASK, R_WHI, R_WLO, R_WORD, REC_WIDTH
 
 CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
@@ -50,10 +50,14 @@ class ProducerRole:
         """Producer warp: one task (see the module docstring); returns (alive, qcount, rcount)."""
         tensors, prog, dev, peers, ev_off = L.tensors, L.prog, L.dev, L.peers, L.ev_off
         epoch, timeout_ns, bars, sQueue, ring = L.epoch, L.timeout_ns, L.bars, L.sQueue, L.ring
+        mProf = L.prof
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
         t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
         q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
+        if cutlass.const_expr(self.spec.profile):
+            if lane == 0:  # taken up: the previous task's slices are all issued
+                mProf[t * PROF_WIDTH + PROF_FETCHED] = cute.arch.globaltimer()
         # (1) weights of the first slices, before the events. A tile that exists by data of
         # the launch's inputs only (``TileOp.early_exists``) is decided here, as are its word
         # and slice count; the consumers get the same verdict with the record
@@ -99,6 +103,9 @@ class ProducerRole:
         # elected lane's loads, and the verdict must be the warp's (the hand-over is warp-wide)
         ok = cute.arch.vote_all_sync(ok)
         cute.arch.sync_warp()
+        if cutlass.const_expr(self.spec.profile):
+            if lane == 0:  # every event met (a dynamic task: ready when popped)
+                mProf[t * PROF_WIDTH + PROF_READY] = cute.arch.globaltimer()
         # a tile that exists by data (read after the acquire, as the consumers will) loads
         # nothing when it does not; after an abort the data may be unsettled: none either
         # the task word is read here once (not by every slice's loads), and so is a slice
