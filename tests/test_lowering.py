@@ -15,6 +15,10 @@ import torch
 import cutemk as mk
 from cutemk import ops
 from cutemk.codegen.lower import (
+    QHEAD_BEGIN,
+    QHEAD_END,
+    QHEAD_WIDTH,
+    QUEUE_CHUNK,
     R_C0,
     R_NHI,
     R_NLO,
@@ -23,9 +27,11 @@ from cutemk.codegen.lower import (
     R_WHI,
     R_WLO,
     REC_WIDTH,
+    first_offset,
     lower,
     pack_int32,
 )
+from cutemk.codegen.layout import PROGRAM
 from cutemk.plan import instantiate
 from cutemk.schedulers import StaticScheduler
 
@@ -224,13 +230,45 @@ def test_malformed_lowered_programs_are_refused():
     def initial(low):
         low.num_init -= 1
 
+    def head(low):  # CTA 1's second record in its head row
+        low.queue_head.reshape(8, QHEAD_WIDTH)[1, REC_WIDTH + R_TASK] += 1
+
     corrupt(wait_range, "wait range")
     corrupt(event_id, "event id outside")
     corrupt(queue_twice, "exactly once")
     corrupt(queue_ptr, "queue_ptr is not a CSR pointer")
     corrupt(initial, "initial tasks")
+    corrupt(head, "queue_head is not")
     with pytest.raises(GraphError, match="dynamic program has static queues"):
         good.validate(8, False)
+
+
+def test_queue_head_rows_hold_each_queues_first_records_and_range():
+    """Per CTA: its queue's first ``QUEUE_CHUNK`` records (zeros past a short queue's end) and
+    its range in ``queue_rec``; CTAs past the schedule's queues have empty ones. Packed first,
+    the rows sit at the fixed offset the kernel reads them at."""
+    rng = random.Random(3)
+    deps = random_dag(rng, 23)
+    plan = instantiate(
+        ops.dag_graph(deps, N, M), {"N": 23, "M": int(ops.dag_inputs(deps)[1].numel())}
+    )
+    low = lower(plan, StaticScheduler().build(plan, 5), 8)
+    heads = low.queue_head.reshape(8, QHEAD_WIDTH)
+    recs = low.queue_rec.reshape(-1, REC_WIDTH)
+    lengths = np.diff(low.queue_ptr)
+    assert lengths.max() > QUEUE_CHUNK and (lengths == 0).any()  # both kinds of queue
+    for cta in range(8):
+        begin, end = low.queue_ptr[cta], low.queue_ptr[cta + 1]
+        assert (heads[cta, QHEAD_BEGIN], heads[cta, QHEAD_END]) == (begin, end)
+        first = recs[begin : min(end, begin + QUEUE_CHUNK)].reshape(-1)
+        assert np.array_equal(heads[cta, : first.size], first)
+        assert not heads[cta, first.size : QHEAD_BEGIN].any()
+    arrays = low.program_arrays()
+    buf, spans = pack_int32([arrays[k] for k in PROGRAM])
+    assert spans[0] == (first_offset(len(PROGRAM)), low.queue_head.size)
+    assert np.array_equal(buf[spans[0][0] : spans[0][0] + spans[0][1]], low.queue_head)
+    dynamic = lower(plan, None, 8).queue_head.reshape(8, QHEAD_WIDTH)
+    assert not dynamic.any()
 
 
 def test_pack_int32_header_and_alignment():

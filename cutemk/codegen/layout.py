@@ -2,6 +2,7 @@
 the host packs them in this order (``cutemk.runtime``) and the kernel rebuilds views by index."""
 
 PROGRAM = (
+    "queue_head",  # first: at a fixed offset (``lower.QUEUE_HEAD_OFF``), read without the header
     "task_rec",
     "wait_ev",
     "wait_target",
@@ -18,7 +19,8 @@ PROGRAM = (
     "rwait_rank",
     "rwait_target",
 )
-DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")
+DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")  # state first: its
+# offset is fixed too (``lower.STATE_OFF``)
 P = {name: i for i, name in enumerate(PROGRAM)}
 D = {name: i for i, name in enumerate(DEVICE_STATE)}
 # per task (int64): SM, start ns (the consumers took its record), end ns (published), node,

@@ -29,6 +29,15 @@ R_TASK, R_NODE, R_C0, R_C1, R_WLO, R_WHI, R_NLO, R_NHI = range(REC_WIDTH)
 R_LIVE, R_WORD = R_WLO, R_WHI
 """In a record the producer hands to the consumers: whether a ring tile exists and its task
 word (``TileOp.device_task_word``), decided by the producer after the task's events."""
+QUEUE_CHUNK = 4
+"""Static queue records the producer warp fetches at a time, one word a lane."""
+QHEAD_WIDTH = QUEUE_CHUNK * REC_WIDTH + 8
+"""Words of a CTA's row of ``queue_head``: its first ``QUEUE_CHUNK`` records, then the range of
+its queue in ``queue_rec`` (begin, end), then padding (rows stay 16-byte aligned). The kernel
+reads its row at launch start from a fixed offset, in the same round trip as the epoch, where
+the queue's range and first records would otherwise cost two dependent round trips more (the
+packed buffer's header, then ``queue_ptr``, then ``queue_rec``)."""
+QHEAD_BEGIN, QHEAD_END = QUEUE_CHUNK * REC_WIDTH, QUEUE_CHUNK * REC_WIDTH + 1
 STATE_SIZE = 8
 # state[] slots (int32), shared by host and device
 EPOCH, HEAD, TAIL, DONE, EXITED, ABORT, BARRIER = range(7)
@@ -57,6 +66,7 @@ class LoweredPlan:
     ev_count: np.ndarray  # (E,)
     queue_ptr: np.ndarray  # (G + 1,) static: SM g runs queue positions queue_ptr[g]..[g+1]
     queue_rec: np.ndarray  # (N * REC_WIDTH,) records in queue order
+    queue_head: np.ndarray  # (G * QHEAD_WIDTH,) per CTA its queue's first records and range
     cons_ptr: np.ndarray  # (E + 1,) dynamic: tasks waiting on each event
     cons_task: np.ndarray  # (C,)
     task_nwait: np.ndarray  # (N,) number of waits of each task
@@ -126,6 +136,8 @@ class LoweredPlan:
             bad("the static queues do not hold every task exactly once")
         if not static and len(queued):
             bad("a dynamic program has static queues")
+        if not np.array_equal(self.queue_head, queue_heads(self.queue_ptr, self.queue_rec)):
+            bad("queue_head is not the static queues' first records and ranges")
         csr(self.cons_ptr, n_ev, self.cons_task.size, "cons_ptr")
         cons = self.cons_task[: int(self.cons_ptr[-1])]
         cons = np.where(cons < 0, -cons - 1, cons)
@@ -148,6 +160,20 @@ class LoweredPlan:
             self.num_tasks + 1,
         )  # ring slots hold epoch * num_tasks + task
         return MAX_EPOCH_COUNT // worst - 1
+
+
+def queue_heads(queue_ptr: np.ndarray, queue_rec: np.ndarray) -> np.ndarray:
+    """``queue_head``: a ``QHEAD_WIDTH`` row per CTA (see there), zeros past a queue's end."""
+    grid = len(queue_ptr) - 1
+    head = np.zeros((grid, QHEAD_WIDTH), dtype=np.int32)
+    recs = queue_rec.reshape(-1, REC_WIDTH)
+    begin, end = queue_ptr[:-1], queue_ptr[1:]
+    for j in range(QUEUE_CHUNK):
+        has = begin + j < end
+        rows = np.flatnonzero(has)
+        head[rows, j * REC_WIDTH : (j + 1) * REC_WIDTH] = recs[begin[rows] + j]
+    head[:, QHEAD_BEGIN], head[:, QHEAD_END] = begin, end
+    return head.reshape(-1)
 
 
 def _csr(lists) -> tuple[np.ndarray, np.ndarray]:
@@ -252,6 +278,7 @@ def lower(plan: Plan, schedule: StaticSchedule | None, grid: int) -> LoweredPlan
         ev_count=ev_count,
         queue_ptr=queue_ptr,
         queue_rec=np.ascontiguousarray(queue_rec).reshape(-1),
+        queue_head=queue_heads(queue_ptr, queue_rec.reshape(-1)),
         cons_ptr=cons_ptr,
         cons_task=cons_task,
         task_nwait=_nonempty(nlive),
@@ -273,8 +300,7 @@ def pack_int32(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, in
     host time at every launch) and rebuilds the views from the header once, at its start.
     Offsets are multiples of 4 words, so every view stays 16-byte aligned.
     """
-    head = 2 * len(arrays)
-    off = (head + 3) // 4 * 4
+    off = first_offset(len(arrays))
     spans = []
     for a in arrays:
         spans.append((off, int(a.size)))
@@ -284,3 +310,9 @@ def pack_int32(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, in
         buf[2 * k], buf[2 * k + 1] = o, n
         buf[o : o + n] = a
     return buf, spans
+
+
+def first_offset(num_arrays: int) -> int:
+    """Word offset of the first array ``pack_int32`` packs behind the header of
+    ``num_arrays`` arrays: a constant the kernel may read at without the header."""
+    return (2 * num_arrays + 3) // 4 * 4

@@ -3,8 +3,10 @@
 One CTA per SM, shaped by :class:`~cutemk.device.config.WorkerShape`:
 
 - **Producer** (warp 0; the other warps of its warpgroup give their registers up): fetches
-  tasks (static: this CTA's queue, streamed as fixed-width records; dynamic: a ticket into the
-  on-GPU ready ring, ``cutemk.codegen.dynamic``), and for each task, in order:
+  tasks (static: this CTA's queue, streamed as fixed-width records, the first few with the
+  queue's range from a row read at launch start beside the epoch, ``lower.QHEAD_WIDTH``;
+  dynamic: a ticket into the on-GPU ready ring, ``cutemk.codegen.dynamic``), and for each
+  task, in order:
   (1) a ring op's loads of operands no node of the graph writes (weights) into free ring slots,
   *before* the task's events are met; (2) the event waits (``cutemk.codegen.waits``; a popped
   dynamic task is ready by construction); (3) ``fence.proxy.async`` and the loads of operands
@@ -66,8 +68,13 @@ from .lower import (
     EPOCH,
     EXITED,
     HEAD,
+    QHEAD_BEGIN,
+    QHEAD_END,
+    QHEAD_WIDTH,
+    QUEUE_CHUNK,
     REC_WIDTH,
     TAIL,
+    first_offset,
 )
 from .consumers import ConsumerRoles
 from .producer import ProducerRole
@@ -201,6 +208,9 @@ class _Launch:
     epi: object
     scratch: object
     epi_bar: object = None  # the staging buffer's release mbarrier (``KernelSpec.epi_mbarrier``)
+    # static: this thread's word of its CTA's ``queue_head`` row (a producer lane's word of the
+    # queue's first records), the queue's begin and end in ``queue_rec``
+    queue_head: tuple = ()
 
 
 class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
@@ -396,11 +406,20 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         tensors = tuple(
             self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
         )
+        # read first and at fixed offsets, so all in one round trip (the views below need
+        # their buffer's header first): the epoch, and (static) this CTA's row of queue_head,
+        # its queue's range and first records (a word a producer lane)
+        head_word, q_begin, q_end = Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(not self.spec.dynamic):
+            row = first_offset(len(PROGRAM)) + bidx * QHEAD_WIDTH
+            head_word = mProg[row + tidx % WARP]
+            q_begin = mProg[row + QHEAD_BEGIN]
+            q_end = mProg[row + QHEAD_END]
+        epoch = mDev[first_offset(len(DEVICE_STATE)) + EPOCH] + 1  # state[EPOCH]
         prog = self._views(mProg, len(PROGRAM))
         dev = self._views(mDev, len(DEVICE_STATE))
         state = dev[D["state"]]
         ev_off = mDev[2 * D["ev_counter"]]  # header: word offset of the counters
-        epoch = state[EPOCH] + 1
         stamp = epoch * num_tasks
         if cutlass.const_expr(self.spec.dynamic):
             # tasks that wait on nothing fill ring slots [0, num_init) directly: every thread of
@@ -431,6 +450,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             epi=epi,
             scratch=scratch,
             epi_bar=epi_bar,
+            queue_head=(head_word, q_begin, q_end),
         )
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         if warp < WARPGROUP // WARP:

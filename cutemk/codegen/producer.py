@@ -14,9 +14,21 @@ from cutlass import Boolean, Int32, cute
 from ..device.config import WARP_SIZE as WARP
 from ..device.ring import producer_acquire, queue_put
 from .layout import P, PROF_FETCHED, PROF_READY, PROF_WIDTH
-from .lower import R_C0, R_C1, R_LIVE, R_NODE, R_TASK, R_WHI, R_WLO, R_WORD, REC_WIDTH
+from .lower import (
+    QUEUE_CHUNK,
+    R_C0,
+    R_C1,
+    R_LIVE,
+    R_NODE,
+    R_TASK,
+    R_WHI,
+    R_WLO,
+    R_WORD,
+    REC_WIDTH,
+)
 
-CHUNK = WARP // REC_WIDTH  # static queue records the producer warp fetches per load
+CHUNK = QUEUE_CHUNK  # static queue records the producer warp fetches per load
+assert CHUNK * REC_WIDTH == WARP  # a word a lane
 
 
 class ProducerRole:
@@ -204,7 +216,6 @@ class ProducerRole:
         timeout_ns, bars, sQueue, sRec = L.timeout_ns, L.bars, L.sQueue, L.sRec
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
-        bidx, _, _ = cute.arch.block_idx()
         qcount = Int32(0)
         rcount = Int32(0)
         if cutlass.const_expr(self.spec.dynamic):
@@ -225,14 +236,18 @@ class ProducerRole:
                     rec = tuple(task_rec[t * REC_WIDTH + f] for f in range(REC_WIDTH))
                     alive, qcount, rcount = self._produce(L, rec, lane, qcount, rcount)
         else:
-            queue_ptr, queue_rec = prog[P["queue_ptr"]], prog[P["queue_rec"]]
-            i = queue_ptr[bidx]
-            i_end = queue_ptr[bidx + 1]
+            queue_rec = prog[P["queue_rec"]]
+            head_word, i, i_end = L.queue_head  # read at launch start (``lower.queue_heads``)
             alive = i < i_end
+            first = Boolean(True)
             while alive:
-                # CHUNK records a coalesced load, one word a lane
-                if i * REC_WIDTH + lane < i_end * REC_WIDTH:
+                # CHUNK records a coalesced load, one word a lane; the first CHUNK were loaded
+                # with the queue's range
+                if first:
+                    sRec[lane] = head_word
+                elif i * REC_WIDTH + lane < i_end * REC_WIDTH:
                     sRec[lane] = queue_rec[i * REC_WIDTH + lane]
+                first = Boolean(False)
                 cute.arch.sync_warp()
                 n = cute.min(CHUNK, i_end - i)
                 ok = Boolean(True)
