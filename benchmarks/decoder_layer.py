@@ -27,7 +27,8 @@ as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the sa
 (cuBLAS, causal SDPA), eager and under a CUDA graph; ``--batch`` with no count runs only those.
 With ``--trace`` the prefill steps are traced too.
 
-Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [--records DIR]]
+Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [slices]
+[--records DIR]]
 [--unfolded-norms] [--attention-align 64|128] [--ab FIELD ...] [--set FIELD=VALUE ...]
 [--rounds N]
 """
@@ -229,7 +230,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", nargs="*", type=int, default=[1, 16, 64])
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--block-n", type=int, default=64, help="GEMM tile width (decode: 32 or 64)")
-    p.add_argument("--trace", action="store_true", help="per-node spans of a profiled launch")
+    p.add_argument(
+        "--trace",
+        nargs="?",
+        const=True,
+        choices=["slices"],
+        help="per-node spans of a profiled launch; 'slices': each ring slice's issue and landing",
+    )
     p.add_argument(
         "--prefill", nargs="*", type=int, default=[], help="prefill steps of these token counts"
     )
@@ -319,7 +326,7 @@ def main(argv=None) -> int:
         profiled = MegaDecoderLayer(
             wm, cfg, max_batch=max(args.batch or [1]), scheduler="static", **prefill_kw
         )
-        profiled.profile = True
+        profiled.profile = args.trace
     meta = {
         "layer": "Qwen3-8B",
         "kv_len": KV,

@@ -25,7 +25,7 @@ per case go to the JSON's ``trace`` and are printed.
 with those environment variables set (e.g. ``ring3:CUTEMK_RING_STAGES=3``), timed beside the
 others in the same process.
 
-Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick] [--trace] [--variant ...]
+Run: python benchmarks/mlp.py [--cases qwen3-8b T=1] [--quick] [--trace [slices]] [--variant ...]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def run_model(
     profiled = None
     if trace:  # a module of its own: profiling adds a timestamp store per task
         profiled = MegaMLP(w_gate, w_up, w_down, max_tokens=PREFILL_TOKENS, scheduler="static")
-        profiled.profile = True
+        profiled.profile = trace
     del w_gate, w_up  # each MegaMLP keeps its own stacked copy
     for t in token_counts:
         x = torch.randn(t, h, device=dev).to(dt)
@@ -152,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="*", default=[], help="keep cases whose name contains any")
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
-    p.add_argument("--trace", action="store_true", help="per-node trace of a profiled launch")
+    p.add_argument(
+        "--trace",
+        nargs="?",
+        const=True,
+        choices=["slices"],
+        help="per-node trace of a profiled launch; 'slices': each ring slice's issue and landing",
+    )
     p.add_argument(
         "--variant",
         nargs="*",

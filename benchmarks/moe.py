@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers module")
     p.add_argument(
         "--trace",
-        action="store_true",
-        help="also run a profiled megakernel per case and store its per-node summary",
+        nargs="?",
+        const=True,
+        choices=["slices"],
+        help="also run a profiled megakernel per case and store its per-node summary "
+        "('slices': each ring slice's issue and landing too)",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace:  # separate modules: profiling adds a timestamp store per task
         for s in ("static", "dynamic"):
             profiled[s] = MegaMoE(
-                **w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s, profile=True
+                **w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s, profile=args.trace
             )
     hf = None if args.no_hf else hf_block(**w)
     step = None  # the slots graph with its combine as a step of its own

@@ -231,6 +231,8 @@ def profile_launch(
     torch.cuda.synchronize()
     records = graph.profile_records()
     res.add_trace(label, records)
+    if getattr(getattr(graph, "spec", None), "profile_slices", False):
+        res.add_slices(label, graph.profile_slices())
     summary = launch_summary(records, graph.profile_ctas(), graph.num_sms)
     summary["graph_us"] = round(time_us(graphed(run), warmup=warmup, rep=rep), 2)
     try:  # a diagnosis: never fails the benchmark it is part of
@@ -409,6 +411,18 @@ class Results:
         summary = node_summary(records)
         self.meta.setdefault("trace", {})[label] = summary
         print(f"{label}: per-node trace (us since the first task)")
+        for row in summary:
+            print("   ", row)
+        return summary
+
+    def add_slices(self, label: str, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A ``profile="slices"`` launch's per-node slice summary (``cutemk.trace.
+        slice_summary``) into the JSON's ``slices`` under ``label``, and printed."""
+        from .trace import slice_summary
+
+        summary = slice_summary(tasks)
+        self.meta.setdefault("slices", {})[label] = summary
+        print(f"{label}: per-node ring slices (us)")
         for row in summary:
             print("   ", row)
         return summary

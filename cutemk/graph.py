@@ -256,7 +256,8 @@ class Graph:
 
         Common options: ``num_sms``, ``scheduler`` ('static' | 'dynamic' | a scheduler
         instance). Interpreter: ``seed``, ``check_races``. Cute: ``watchdog``, ``timeout_s``,
-        ``profile``, ``poison_outputs``.
+        ``profile`` (True: per-task and per-CTA timestamps; ``"slices"``: each ring slice's
+        issue and landing too), ``poison_outputs``.
         """
         self.validate()
         if backend is None:

@@ -88,11 +88,14 @@ def kernel_spec(
     graph: Graph,
     dynamic: bool,
     watchdog: bool = False,
-    profile: bool = False,
+    profile: bool | str = False,
     live: str | None = None,
 ) -> KernelSpec:
-    """The compile-cache key of ``graph``'s megakernel. ``live``: the name of the token dim
-    when the kernel takes the token count as device data (``CuteGraph.live``)."""
+    """The compile-cache key of ``graph``'s megakernel. ``profile``: False, True (per-task
+    and per-CTA stamps) or ``"slices"`` (each ring slice's too). ``live``: the name of the
+    token dim when the kernel takes the token count as device data (``CuteGraph.live``)."""
+    if profile not in (False, True, "slices"):
+        raise ValueError(f"profile must be False, True or 'slices', got {profile!r}")
     index = {id(v): i for i, v in enumerate(graph.values)}
     # peer tables of the symmetric values follow the graph values in the kernel's tensor tuple
     symmetric = symmetric_values(graph)
@@ -136,6 +139,7 @@ def kernel_spec(
         os.environ.get("CUTEMK_COOPERATIVE", "1") != "0",
         os.environ.get("CUTEMK_EARLY_HANDOVER", "1") != "0",
         os.environ.get("CUTEMK_EPI_MBARRIER", "1") != "0",
+        profile == "slices",
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

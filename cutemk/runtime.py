@@ -31,6 +31,7 @@ from .codegen.lower import (
     pack_int32,
 )
 from .codegen.layout import PROF_END
+from .codegen.profiling import profile_words, slice_capacity, slice_records
 from .codegen.megakernel import (
     DEVICE_STATE,
     PROF_WIDTH,
@@ -165,7 +166,7 @@ class CuteGraph:
         scheduler: Any = "static",
         watchdog: bool = False,
         timeout_s: float = 1.0,
-        profile: bool = False,
+        profile: bool | str = False,
         poison_outputs: bool = False,
         group: Any = None,
     ) -> None:
@@ -321,11 +322,19 @@ class CuteGraph:
         peers = torch.tensor(ptrs, dtype=torch.int64, device="cuda")
         views = {k: devbuf[o : o + size] for k, (o, size) in zip(DEVICE_STATE, spans)}
         views["debug"].fill_(-1)
-        prof = torch.zeros(  # profile: a record per task, then one per CTA
-            (n + self.num_sms) * PROF_WIDTH if self.spec.profile else 4,
-            dtype=torch.int64,
-            device="cuda",
-        )
+        words = 4  # profile: a record per task, one per CTA, (slices) the CTAs' slice regions
+        if self.spec.profile:
+            capacity = None
+            if self.spec.profile_slices:
+                rings = [op.ring_tile() for op in self.spec.ops]
+                capacity = slice_capacity(
+                    [0 if r is None else r.slices for r in rings],
+                    low.queue_ptr,
+                    low.queue_rec,
+                    [len(plan.node_tasks[k]) for k in range(len(rings))],
+                )
+            words = profile_words(plan.num_tasks, self.num_sms, capacity)
+        prof = torch.zeros(words, dtype=torch.int64, device="cuda")
         inter = {}
         for v in self.graph.values:
             # an input updated in place is the caller's tensor, bound at each call
@@ -709,6 +718,37 @@ class CuteGraph:
         b = self._bufs(self.last_env)
         raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[: b.plan.num_tasks]
         return [task_record(r, b.plan.tasks[t]) for t, r in enumerate(raw) if r[PROF_END] > 0]
+
+    def profile_slices(self) -> list[dict[str, Any]]:
+        """Per ring task of the last launch of a graph compiled with ``profile="slices"``:
+        its label, node and SM, and its slices in order as ``(issued_ns, landed_ns)`` (the
+        producer armed the slot and issued the loads it may issue before the task's events,
+        the consumers found it landed; 0 where not stamped). ``cutemk.trace.slice_summary``
+        reads them."""
+        if not self.spec.profile_slices or self.last_env is None:
+            raise ValueError(
+                "compile with profile='slices' and run once before reading slice stamps"
+            )
+        b = self._bufs(self.last_env)
+        raw = b.torch_dev["prof"].cpu().numpy()
+        tasks = b.plan.tasks
+        sm = raw.reshape(-1)[: b.plan.num_tasks * PROF_WIDTH].reshape(-1, PROF_WIDTH)[:, 0]
+        by_task: dict[int, dict[str, Any]] = {}
+        for cta in slice_records(raw, self.num_sms, b.plan.num_tasks):
+            for _, t, issued, landed in cta:
+                if not 0 <= t < b.plan.num_tasks:
+                    continue
+                rec = by_task.setdefault(
+                    t,
+                    {
+                        "label": tasks[t].label,
+                        "node": tasks[t].node.name,
+                        "sm": int(sm[t]),
+                        "slices": [],
+                    },
+                )
+                rec["slices"].append((issued, landed))
+        return [by_task[t] for t in sorted(by_task)]
 
     def profile_ctas(self) -> list[dict[str, Any]]:
         """Per CTA of the last launch (``%globaltimer`` ns): its SM, when it entered the plan,

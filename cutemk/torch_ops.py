@@ -35,8 +35,9 @@ def key_of(module: Any) -> str:
 def op_key(module: Any) -> str:
     """:func:`key_of` without recording the module."""
     key = module.__dict__["_cutemk_key"]
-    if module.__dict__.get("profile"):  # profiled kernels are others: never share a runner
-        key += " profiled"
+    profile = module.__dict__.get("profile")
+    if profile:  # profiled kernels are others: never share a runner
+        key += " profiled" if profile is True else f" profiled={profile}"
     return key
 
 

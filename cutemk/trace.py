@@ -66,6 +66,44 @@ def task_gaps(rec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def slice_summary(tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per node, from ``CuteGraph.profile_slices()``: its ring tasks and their slices (median
+    a task), and the medians over its slices of the latency from issue to landing
+    (``latency_us``: a slice issued before the task's events waits for them too, where its
+    loads depend on them), of the time between two issues of a task (``issue_gap_us``: the
+    producer waited for a free slot, i.e. for the consumers, or was elsewhere) and between two
+    landings (``landed_gap_us``: the task's rate of slices; a stream that keeps up with its
+    issues lands a slice every issue gap)."""
+    by_node: dict[str, dict[str, list[float]]] = {}
+    for t in tasks:
+        acc = by_node.setdefault(
+            t["node"], {"slices": [], "latency": [], "issue_gap": [], "landed_gap": []}
+        )
+        sl = t["slices"]
+        acc["slices"].append(len(sl))
+        acc["latency"] += [(b - a) / 1e3 for a, b in sl if a and b]
+        for (a0, b0), (a1, b1) in zip(sl, sl[1:]):
+            if a0 and a1:
+                acc["issue_gap"].append((a1 - a0) / 1e3)
+            if b0 and b1:
+                acc["landed_gap"].append((b1 - b0) / 1e3)
+
+    def median(v: list[float]) -> float | None:
+        return round(sorted(v)[len(v) // 2], 3) if v else None
+
+    return [
+        {
+            "node": node,
+            "tasks": len(acc["slices"]),
+            "slices_per_task": median(acc["slices"]),
+            "latency_us": median(acc["latency"]),
+            "issue_gap_us": median(acc["issue_gap"]),
+            "landed_gap_us": median(acc["landed_gap"]),
+        }
+        for node, acc in by_node.items()
+    ]
+
+
 def chrome_trace(records: Sequence[dict[str, Any]], name: str = "megakernel") -> dict[str, Any]:
     """Trace-event JSON: one process (the kernel), one thread track per SM, one event per task
     (from its start to its end; its ``GAPS`` as the event's arguments)."""

@@ -209,3 +209,77 @@ def test_node_summary_splits_a_task_into_its_phases(tmp_path):
     assert "first_ready_us" not in node_summary(plain)[0]
     spans = [e for e in chrome_trace([a, simt])["traceEvents"] if e["ph"] == "X"]
     assert spans[0]["args"]["stream_us"] == 6.0 and "stream_us" not in spans[1]["args"]
+
+
+def test_slice_regions_are_sized_by_the_busiest_queue_and_read_back_per_cta():
+    """``profile="slices"``: a CTA's region holds the most slices its static queue can take
+    (dynamic: every ring task's); the host reads each CTA's stamped slices in ring order."""
+    import numpy as np
+
+    from cutemk.codegen.layout import PROF_WIDTH, SLICE_WIDTH
+    from cutemk.codegen.lower import R_NODE, REC_WIDTH
+    from cutemk.codegen.profiling import profile_words, slice_capacity, slice_records
+
+    # nodes: 0 a ring op of 5 slices, 1 a SIMT op, 2 a ring op of 3 slices; 3 CTAs' queues
+    ring_slices = [5, 0, 3]
+    queues = [[0, 0, 1], [2, 1], []]
+    ptr = np.cumsum([0] + [len(q) for q in queues])
+    rec = np.zeros((5, REC_WIDTH), dtype=np.int32)
+    rec[:, R_NODE] = [n for q in queues for n in q]
+    assert slice_capacity(ring_slices, ptr, rec.reshape(-1), [2, 2, 1]) == 10
+    no_queues = np.zeros(4, dtype=np.int64)
+    assert slice_capacity(ring_slices, no_queues, rec[:1].reshape(-1), [2, 2, 1]) == 13
+    assert slice_capacity([0], no_queues, rec[:1].reshape(-1), [4]) == 1  # never empty
+
+    tasks, grid, cap = 5, 3, 10
+    raw = np.zeros(profile_words(tasks, grid, cap), dtype=np.int64)
+    region = (tasks + grid) * PROF_WIDTH
+    assert raw.size == region + grid * cap * SLICE_WIDTH
+
+    def stamp(cta, count, task, issued, landed):
+        at = region + (cta * cap + count) * SLICE_WIDTH
+        raw[at : at + 3] = issued, landed, task
+
+    stamp(0, 0, 2, 100, 150)
+    stamp(0, 1, 2, 120, 0)  # issued, never seen landed
+    stamp(1, 0, 4, 90, 400)
+    assert slice_records(raw, grid, tasks) == [
+        [(0, 2, 100, 150), (1, 2, 120, 0)],
+        [(0, 4, 90, 400)],
+        [],
+    ]
+
+
+def test_slice_summary_reads_latency_and_the_gaps_between_slices():
+    from cutemk.trace import slice_summary
+
+    tasks = [  # ns: issued every 100, landing 1000 later, then every 200 (consumer-bound)
+        {"node": "g", "label": "g[0]", "sm": 0, "slices": [(0, 1000), (100, 1200), (200, 1400)]},
+        {"node": "g", "label": "g[1]", "sm": 1, "slices": [(0, 1000), (100, 1200), (200, 0)]},
+        {"node": "h", "label": "h[0]", "sm": 0, "slices": [(5000, 5500)]},
+    ]
+    rows = {r["node"]: r for r in slice_summary(tasks)}
+    assert rows["g"] == {
+        "node": "g",
+        "tasks": 2,
+        "slices_per_task": 3,
+        "latency_us": 1.1,
+        "issue_gap_us": 0.1,
+        "landed_gap_us": 0.2,
+    }
+    assert rows["h"]["issue_gap_us"] is None and rows["h"]["latency_us"] == 0.5
+
+
+def test_profile_levels():
+    import torch
+
+    import cutemk as mk
+    from cutemk.kernels import kernel_spec
+    from cutemk.layers import mlp_graph
+
+    g = mlp_graph(mk.sym("T", max=64), 256, 256, torch.bfloat16, 64, 64)
+    assert not kernel_spec(g, False, profile=True).profile_slices
+    spec = kernel_spec(g, False, profile="slices")
+    assert spec.profile and spec.profile_slices
+    with pytest.raises(ValueError, match="profile must be"):
+        kernel_spec(g, False, profile="slice")

@@ -8,7 +8,7 @@ import torch
 import cutemk as mk
 from cutemk import runtime
 from cutemk.layers import MoeConfig, mlp_graph, mlp_reference, moe_graph, moe_reference
-from cutemk.trace import launch_summary, node_summary
+from cutemk.trace import launch_summary, node_summary, slice_summary
 
 pytestmark = pytest.mark.gpu
 
@@ -104,7 +104,7 @@ def test_profile_trace(tmp_path, scheduler):
         block_m=64,
         block_n=64,
     )
-    c = g.compile("cute", scheduler=scheduler, profile=True)
+    c = g.compile("cute", scheduler=scheduler, profile="slices")
     x = torch.randn(256, 512, device="cuda").bfloat16()
     c(
         x,
@@ -125,6 +125,17 @@ def test_profile_trace(tmp_path, scheduler):
             assert 0 < r["landed_ns"] <= r["staged_ns"], r
     streamed = {row["node"] for row in node_summary(recs) if "median_stream_us" in row}
     assert streamed == {"gemm0", "gemm1"}
+    # profile="slices": every GEMM tile's slices, each issued then landed, issued in order
+    per_task = c.profile_slices()
+    ring = {n.name: n.op.ring_tile().slices for n in g.nodes if n.op.ring_tile() is not None}
+    tiles = [r for r in recs if r["node"] in ring]
+    assert len(per_task) == len(tiles)
+    for t in per_task:
+        sl = t["slices"]
+        assert len(sl) == ring[t["node"]], t
+        assert all(0 < a <= b for a, b in sl), t
+        assert [a for a, _ in sl] == sorted(a for a, _ in sl), t
+    assert {r["node"] for r in slice_summary(per_task)} == {"gemm0", "gemm1"}
     doc = json.loads(c.export_trace(tmp_path / "mlp.trace.json").read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(recs) and len({e["tid"] for e in spans}) > 1

@@ -86,6 +86,9 @@ def test_a_profiled_module_has_a_key_of_its_own():
     profiled.profile = True
     assert torch_ops.key_of(plain) != torch_ops.key_of(profiled)
     assert torch_ops.key_of(profiled) == torch_ops.key_of(profiled)
+    slices = _mlp("interpret")
+    slices.profile = "slices"  # kernels of their own again
+    assert torch_ops.key_of(slices) not in (torch_ops.key_of(plain), torch_ops.key_of(profiled))
 
 
 @pytest.mark.gpu

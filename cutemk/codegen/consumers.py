@@ -31,6 +31,7 @@ from .layout import (
     PROF_WIDTH,
 )
 from .lower import ABORT, R_C0, R_C1, R_LIVE, R_NHI, R_NLO, R_NODE, R_TASK, R_WORD, REC_WIDTH
+from .profiling import LandedStamps
 
 
 class ConsumerRoles:
@@ -44,6 +45,9 @@ class ConsumerRoles:
         ring, epi, scratch, timeout_ns = L.ring, L.epi, L.scratch, L.timeout_ns
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
+        ring_wait = pwait  # the ring ops' waits: with profile="slices" they stamp each slice
+        if cutlass.const_expr(self.spec.profile_slices):
+            ring_wait = LandedStamps(pwait, mProf, L.slices)
         state = dev[D["state"]]
         q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
         lane = ctid % WARP
@@ -87,7 +91,7 @@ class ConsumerRoles:
                                 w.slot_bytes,
                                 epi,
                                 ctid,
-                                pwait,
+                                ring_wait,
                                 self._epi_free(L, ecount, pwait),
                             )
                 if is_ring:  # the storer warp stores, notifies and profiles the tile

@@ -30,6 +30,7 @@ D = {name: i for i, name in enumerate(DEVICE_STATE)}
 PROF_WIDTH = 8
 PROF_SM, PROF_START, PROF_END, PROF_NODE = 0, 1, 2, 3
 PROF_FETCHED, PROF_READY, PROF_LANDED, PROF_STAGED = 4, 5, 6, 7
+SLICE_WIDTH = 4  # per ring slice (``profile="slices"``): issued ns, landed ns, task, 0
 
 # The live-count table of a kernel compiled for one capture at every token count
 # (``KernelSpec.live``): a header, a lookup from the live token count to a plan (-1: none in

@@ -77,6 +77,7 @@ from .lower import (
     first_offset,
 )
 from .consumers import ConsumerRoles
+from .profiling import slice_region
 from .producer import ProducerRole
 from .waits import EventWaits
 
@@ -161,6 +162,8 @@ class KernelSpec:
     # MLP's kernel has 0 racecheck hazards, at the same speed: benchmarks/NOTES.md); off
     # (``CUTEMK_EPI_MBARRIER=0``) only to measure it
     epi_mbarrier: bool = True
+    # with ``profile``: each ring slice's issue and landing too (``codegen.profiling``)
+    profile_slices: bool = False
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -179,6 +182,7 @@ class KernelSpec:
             "cooperative": self.cooperative,
             "early_handover": self.early_handover,
             "epi_mbarrier": self.epi_mbarrier,
+            "profile_slices": self.profile_slices,
         }
 
 
@@ -211,6 +215,8 @@ class _Launch:
     # static: this thread's word of its CTA's ``queue_head`` row (a producer lane's word of the
     # queue's first records), the queue's begin and end in ``queue_rec``
     queue_head: tuple = ()
+    # ``profile_slices``: this CTA's slice region of the profile buffer (first word, capacity)
+    slices: tuple = ()
 
 
 class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
@@ -397,6 +403,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         gdim, _, _ = cute.arch.grid_dim()
         sCtl, sRec, sQueue, sDone, sEpiRec, bars, ring, epi, scratch, epi_bar = shared
         cta_rec = None  # profile: this CTA's record, after the tasks' records
+        slices = ()
+        if cutlass.const_expr(self.spec.profile_slices):
+            slices = slice_region(mProf, num_tasks, bidx, gdim)
         if cutlass.const_expr(self.spec.profile):
             cta_rec = num_tasks * PROF_WIDTH + bidx * PROF_WIDTH
             if tidx == 0:  # SM, entry, roles done, exit (ns)
@@ -451,6 +460,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             scratch=scratch,
             epi_bar=epi_bar,
             queue_head=(head_word, q_begin, q_end),
+            slices=slices,
         )
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         if warp < WARPGROUP // WARP:

@@ -26,6 +26,7 @@ from .lower import (
     R_WORD,
     REC_WIDTH,
 )
+from .profiling import stamp_issued
 
 CHUNK = QUEUE_CHUNK  # static queue records the producer warp fetches per load
 assert CHUNK * REC_WIDTH == WARP  # a word a lane
@@ -43,6 +44,12 @@ class ProducerRole:
             op.device_load_independent(tensors[k], c0, c1, word, j, idx, bar, ring, stages, slot)
         if cutlass.const_expr(dependent):
             op.device_load_dependent(tensors[k], c0, c1, word, j, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def _stamp_issued(self, L, mProf, t, count, lane):
+        """``profile="slices"``: ring slice ``count`` of task ``t`` is issued now."""
+        if cutlass.const_expr(self.spec.profile_slices):
+            stamp_issued(mProf, L.slices, count, t, lane)
 
     @cute.jit
     def _decide(self, tensors, k: int, c0, c1, may: Boolean, word: Int32, n: Int32):
@@ -101,6 +108,7 @@ class ProducerRole:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
+                            self._stamp_issued(L, mProf, t, rcount + j, lane)
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, False
                             )
@@ -165,6 +173,7 @@ class ProducerRole:
                                 idx = producer_acquire(
                                     r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                                 )
+                                self._stamp_issued(L, mProf, t, rcount + j, lane)
                                 self._issue(
                                     tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                                 )
@@ -203,6 +212,7 @@ class ProducerRole:
                             idx = producer_acquire(
                                 r_full, r_empty, rcount + j, w.ring_stages, r.tx_bytes, pwait
                             )
+                            self._stamp_issued(L, mProf, t, rcount + j, lane)
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, True
                             )

@@ -67,9 +67,14 @@ def producer_acquire(
 
 @cute.jit
 def consumer_wait(full, count: Int32, stages: int, wait=plain_wait) -> Int32:
-    """Wait until slot ``count`` is filled; returns the slot index."""
+    """Wait until slot ``count`` is filled; returns the slot index. A ``wait`` with a
+    ``landed(count)`` (a profiled kernel's, ``cutemk.codegen.profiling.LandedStamps``) is told
+    of the slice after the wait."""
     idx = count % stages
     wait(full + idx, (count // stages) & 1, WAIT_RING_FULL)
+    landed = getattr(wait, "landed", None)
+    if cutlass.const_expr(landed is not None):
+        landed(count)
     return idx
 
 

@@ -118,10 +118,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _compile(module: nn.Module, g: Any, backend: str) -> Any:
-    """``g`` compiled with the module's scheduler, SM count and profiling choice."""
+    """``g`` compiled with the module's scheduler, SM count and profiling choice (``profile``
+    True or ``"slices"``, see ``Graph.compile``)."""
     options: dict[str, Any] = {"scheduler": module.scheduler}
-    if getattr(module, "profile", False):
-        options["profile"] = True
+    profile = getattr(module, "profile", False)
+    if profile:
+        options["profile"] = profile if profile == "slices" else True
     if module.num_sms is not None:
         options["num_sms"] = module.num_sms
     return g.compile(backend, **options)

@@ -66,7 +66,8 @@ class MegaMoE(_KeyedModule):
         self.hidden, self.intermediate, self.num_experts = int(h), int(inter), int(e)
         self.top_k, self.norm_topk_prob, self.max_tokens = top_k, bool(norm_topk_prob), max_tokens
         self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
-        self.profile = bool(profile)  # per-task timestamps (``compiled(r).profile_records()``)
+        # per-task timestamps (``compiled(r).profile_records()``); "slices": per ring slice too
+        self.profile = profile if profile == "slices" else bool(profile)
         self.register_buffer("w_router", w_router.detach().contiguous())
         self.register_buffer("w_gate_up", w_gate_up.detach().contiguous())
         self.register_buffer("w_down", w_down.detach().contiguous())
