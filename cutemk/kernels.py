@@ -140,6 +140,7 @@ def kernel_spec(
         os.environ.get("CUTEMK_EARLY_HANDOVER", "1") != "0",
         os.environ.get("CUTEMK_EPI_MBARRIER", "1") != "0",
         profile == "slices",
+        os.environ.get("CUTEMK_QUEUE_HEAD", "1") != "0",
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

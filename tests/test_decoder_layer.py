@@ -521,12 +521,15 @@ def test_decode_layer_compiles_for_hopper(
         assert not wgmma_serialized(ptx_file)
 
 
-@pytest.mark.parametrize("switch", ["CUTEMK_EARLY_HANDOVER", "CUTEMK_EPI_MBARRIER"])
+@pytest.mark.parametrize(
+    "switch", ["CUTEMK_EARLY_HANDOVER", "CUTEMK_EPI_MBARRIER", "CUTEMK_QUEUE_HEAD"]
+)
 def test_decode_layer_with_a_measuring_switch_off_compiles_for_hopper(
     tmp_path, monkeypatch, spill_stores, switch
 ):
     """A measuring switch off (``CUTEMK_EARLY_HANDOVER=0``: every task handed over after its
-    early loads; ``CUTEMK_EPI_MBARRIER=0``: the staging buffer released by a named barrier):
+    early loads; ``CUTEMK_EPI_MBARRIER=0``: the staging buffer released by a named barrier;
+    ``CUTEMK_QUEUE_HEAD=0``: the queue's range and first records read through the header):
     the Qwen3-8B decode layer, static, still without register spills."""
     monkeypatch.setenv(switch, "0")
     g = decoder_layer_graph(mk.sym("B", max=16), _QWEN3_8B_DECODE, torch.bfloat16)

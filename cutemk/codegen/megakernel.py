@@ -164,6 +164,10 @@ class KernelSpec:
     epi_mbarrier: bool = True
     # with ``profile``: each ring slice's issue and landing too (``codegen.profiling``)
     profile_slices: bool = False
+    # static: a CTA's queue range and first records read at launch start from its row of
+    # ``queue_head`` beside the epoch (``lower.QHEAD_WIDTH``); off (``CUTEMK_QUEUE_HEAD=0``)
+    # only to measure it: then through the header, ``queue_ptr`` and ``queue_rec``
+    queue_head: bool = True
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -183,6 +187,7 @@ class KernelSpec:
             "early_handover": self.early_handover,
             "epi_mbarrier": self.epi_mbarrier,
             "profile_slices": self.profile_slices,
+            "queue_head": self.queue_head,
         }
 
 
@@ -419,15 +424,18 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         # their buffer's header first): the epoch, and (static) this CTA's row of queue_head,
         # its queue's range and first records (a word a producer lane)
         head_word, q_begin, q_end = Int32(0), Int32(0), Int32(0)
-        if cutlass.const_expr(not self.spec.dynamic):
+        if cutlass.const_expr(self.spec.queue_head and not self.spec.dynamic):
             row = first_offset(len(PROGRAM)) + bidx * QHEAD_WIDTH
             head_word = mProg[row + tidx % WARP]
             q_begin = mProg[row + QHEAD_BEGIN]
             q_end = mProg[row + QHEAD_END]
-        epoch = mDev[first_offset(len(DEVICE_STATE)) + EPOCH] + 1  # state[EPOCH]
+        if cutlass.const_expr(self.spec.queue_head):
+            epoch = mDev[first_offset(len(DEVICE_STATE)) + EPOCH] + 1  # state[EPOCH]
         prog = self._views(mProg, len(PROGRAM))
         dev = self._views(mDev, len(DEVICE_STATE))
         state = dev[D["state"]]
+        if cutlass.const_expr(not self.spec.queue_head):  # measuring: the old way
+            epoch = state[EPOCH] + 1
         ev_off = mDev[2 * D["ev_counter"]]  # header: word offset of the counters
         stamp = epoch * num_tasks
         if cutlass.const_expr(self.spec.dynamic):

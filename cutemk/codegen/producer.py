@@ -248,8 +248,14 @@ class ProducerRole:
         else:
             queue_rec = prog[P["queue_rec"]]
             head_word, i, i_end = L.queue_head  # read at launch start (``lower.queue_heads``)
-            alive = i < i_end
             first = Boolean(True)
+            if cutlass.const_expr(not self.spec.queue_head):  # measuring: the old way
+                bidx, _, _ = cute.arch.block_idx()
+                queue_ptr = prog[P["queue_ptr"]]
+                i = queue_ptr[bidx]
+                i_end = queue_ptr[bidx + 1]
+                first = Boolean(False)
+            alive = i < i_end
             while alive:
                 # CHUNK records a coalesced load, one word a lane; the first CHUNK were loaded
                 # with the queue's range
