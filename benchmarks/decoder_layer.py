@@ -45,7 +45,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, profile_launch, time_impl, time_rounds
+from cutemk.bench import (
+    Results,
+    add_trace_argument,
+    floor_us,
+    profile_launch,
+    time_impl,
+    time_rounds,
+)
 
 H, I, HQ, HKV, D = 4096, 12288, 32, 8, 128
 KV, PAGE, EPS = 4096, 16, 1e-6
@@ -230,13 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", nargs="*", type=int, default=[1, 16, 64])
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--block-n", type=int, default=64, help="GEMM tile width (decode: 32 or 64)")
-    p.add_argument(
-        "--trace",
-        nargs="?",
-        const=True,
-        choices=["slices"],
-        help="per-node spans of a profiled launch; 'slices': each ring slice's issue and landing",
-    )
+    add_trace_argument(p, "per-node spans")
     p.add_argument(
         "--prefill", nargs="*", type=int, default=[], help="prefill steps of these token counts"
     )

@@ -37,7 +37,15 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, parse_variants, profile_launch, time_impl, with_env
+from cutemk.bench import (
+    Results,
+    add_trace_argument,
+    floor_us,
+    parse_variants,
+    profile_launch,
+    time_impl,
+    with_env,
+)
 
 MODELS = {  # name: (hidden, intermediate)
     "qwen3-8b": (4096, 12288),
@@ -152,13 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="*", default=[], help="keep cases whose name contains any")
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
-    p.add_argument(
-        "--trace",
-        nargs="?",
-        const=True,
-        choices=["slices"],
-        help="per-node trace of a profiled launch; 'slices': each ring slice's issue and landing",
-    )
+    add_trace_argument(p, "per-node trace")
     p.add_argument(
         "--variant",
         nargs="*",

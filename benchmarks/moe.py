@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, profile_launch, time_impl
+from cutemk.bench import Results, add_trace_argument, floor_us, profile_launch, time_impl
 
 H, I, E, TOP_K = 2048, 768, 128, 8
 TOKENS = (1, 16, 128, 1024, 4096)
@@ -103,14 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers module")
-    p.add_argument(
-        "--trace",
-        nargs="?",
-        const=True,
-        choices=["slices"],
-        help="also run a profiled megakernel per case and store its per-node summary "
-        "('slices': each ring slice's issue and landing too)",
-    )
+    add_trace_argument(p, "also: per case, the per-node summary")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")

@@ -65,6 +65,18 @@ def time_rounds(
     return out
 
 
+def add_trace_argument(parser: Any, what: str) -> None:
+    """``--trace [slices]``: ``what`` of a profiled launch (``profile=True``); with ``slices``
+    also each ring slice's issue and landing (``profile="slices"``)."""
+    parser.add_argument(
+        "--trace",
+        nargs="?",
+        const=True,
+        choices=["slices"],
+        help=f"{what} of a profiled launch; 'slices': each ring slice's issue and landing too",
+    )
+
+
 def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     """``NAME:VAR=VALUE[,VAR=VALUE...]`` -> {NAME: {VAR: VALUE}}: the environment a variant of
     an implementation is compiled under (an A/B of a compile-time switch in one process)."""
@@ -408,21 +420,19 @@ class Results:
         ``trace`` under ``label``, and printed."""
         from .trace import node_summary
 
-        summary = node_summary(records)
-        self.meta.setdefault("trace", {})[label] = summary
-        print(f"{label}: per-node trace (us since the first task)")
-        for row in summary:
-            print("   ", row)
-        return summary
+        title = "per-node trace (us since the first task)"
+        return self._add_summary("trace", label, node_summary(records), title)
 
     def add_slices(self, label: str, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A ``profile="slices"`` launch's per-node slice summary (``cutemk.trace.
         slice_summary``) into the JSON's ``slices`` under ``label``, and printed."""
         from .trace import slice_summary
 
-        summary = slice_summary(tasks)
-        self.meta.setdefault("slices", {})[label] = summary
-        print(f"{label}: per-node ring slices (us)")
+        return self._add_summary("slices", label, slice_summary(tasks), "per-node ring slices (us)")
+
+    def _add_summary(self, key: str, label: str, summary: list, title: str) -> list:
+        self.meta.setdefault(key, {})[label] = summary
+        print(f"{label}: {title}")
         for row in summary:
             print("   ", row)
         return summary
