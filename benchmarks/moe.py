@@ -11,6 +11,13 @@ Implementations, one process, same bf16 inputs and weights:
   mk_static[combine step]  at one or two tokens: the 'slots' graph with a combine step of its
                            own (``MoeConfig.fused_combine`` off) instead of the down tiles'
   torch_eager              the same, launched eagerly
+  quack_graph              the same routing and combine around quack's grouped GEMMs (CuTe
+                           DSL, where importable): the expert-sorted slots gathered from x's
+                           rows by index (gather_A) in one GEMM per call, variable rows per
+                           expert (cu_seqlens_m), gate/up with a fused SwiGLU epilogue (its
+                           weight rows interleaved gate/up once, outside the timing), then
+                           down; its default config (``--quack-tuned``: autotuned per shape);
+                           replayed from a CUDA graph
   hf_eager                 transformers' ``Qwen3MoeSparseMoeBlock`` with the same weights, eager
                            (where transformers is importable)
 
@@ -48,7 +55,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def torch_moe(x, w_router, w_gate_up, w_down, top_k: int = TOP_K):
     """The MoE block with torch's grouped GEMM (what a serving stack without fused MoE runs)."""
-    t = x.shape[0]
+    w, order, offs, tok = _route(x, w_router, top_k)
+    h = torch._grouped_mm(x[tok], w_gate_up.transpose(1, 2), offs=offs[1:])
+    inter = w_gate_up.shape[1] // 2
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    d = torch._grouped_mm(a, w_down.transpose(1, 2), offs=offs[1:])
+    return _combine(x.shape[0], tok, d, w, order, x)
+
+
+def _route(x, w_router, top_k: int):
+    """Softmax top-k routing as HF does it, the routed slots sorted by expert (stable): (weights
+    (T, k), the slots' order, per-expert slot offsets (E + 1,) int32, each sorted slot's
+    token)."""
     probs = torch.softmax((x @ w_router.T).float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
     w = w / w.sum(dim=-1, keepdim=True)
@@ -57,15 +75,51 @@ def torch_moe(x, w_router, w_gate_up, w_down, top_k: int = TOP_K):
     # a scatter count: bincount synchronizes with the host, which a CUDA graph cannot capture
     counts = torch.zeros(w_router.shape[0], dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    tok = order // top_k
-    h = torch._grouped_mm(x[tok], w_gate_up.transpose(1, 2), offs=offs)
-    inter = w_gate_up.shape[1] // 2
-    a = F.silu(h[:, :inter]) * h[:, inter:]
-    d = torch._grouped_mm(a, w_down.transpose(1, 2), offs=offs)
-    y = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
+    offs = torch.zeros(w_router.shape[0] + 1, dtype=torch.int32, device=x.device)
+    offs[1:] = torch.cumsum(counts, 0)
+    return w, order, offs, order // top_k
+
+
+def _combine(t: int, tok, d, w, order, like):
+    """y[t] = sum over t's picks of weight x the pick's down row (fp32 accumulation)."""
+    y = torch.zeros(t, d.shape[1], device=d.device, dtype=torch.float32)
     y.index_add_(0, tok, d.float() * w.flatten()[order, None])
-    return y.to(x.dtype)
+    return y.to(like.dtype)
+
+
+def load_quack_moe(tuned: bool):
+    """quack's grouped GEMMs as an MoE pipeline (``quack_moe``), or None where quack is not
+    importable."""
+    try:
+        from quack.gemm_interface import gemm, gemm_act
+    except Exception as e:  # noqa: BLE001  (any import failure: the baseline is optional)
+        print(f"quack_graph skipped: {type(e).__name__}: {e}")
+        return None
+
+    def quack_moe(x, w_router, w_gate_up_il, w_down, top_k: int = TOP_K):
+        """``w_gate_up_il``: (E, 2I, H) with gate and up rows interleaved (g0, u0, g1, ...),
+        the column order quack's gated epilogue pairs."""
+        w, order, offs, tok = _route(x, w_router, top_k)
+        _, a = gemm_act(
+            x,
+            w_gate_up_il.transpose(1, 2),
+            activation="swiglu",
+            cu_seqlens_m=offs,
+            A_idx=tok.to(torch.int32),
+            store_preact=False,
+            tuned=tuned,
+        )
+        d = gemm(a, w_down.transpose(1, 2), cu_seqlens_m=offs, tuned=tuned)
+        return _combine(x.shape[0], tok, d, w, order, x)
+
+    return quack_moe
+
+
+def interleave_gate_up(w_gate_up: torch.Tensor) -> torch.Tensor:
+    """(E, 2I, H) [gate; up] -> rows g0, u0, g1, u1, ... (a copy)."""
+    e, two_i, h = w_gate_up.shape
+    half = two_i // 2
+    return torch.stack((w_gate_up[:, :half], w_gate_up[:, half:]), dim=2).reshape(e, two_i, h)
 
 
 def hf_block(w_router, w_gate_up, w_down):
@@ -103,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     p.add_argument("--quick", action="store_true", help="fewer timed runs (3 warm-up, 10 timed)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers module")
+    p.add_argument("--no-quack", action="store_true", help="leave out quack's grouped GEMMs")
+    p.add_argument("--quack-tuned", action="store_true", help="let quack autotune each shape")
     add_trace_argument(p, "also: per case, the per-node summary")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -149,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                 **w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s, profile=args.trace
             )
     hf = None if args.no_hf else hf_block(**w)
+    quack_moe = None if args.no_quack else load_quack_moe(args.quack_tuned)
+    w_gate_up_il = interleave_gate_up(w["w_gate_up"]) if quack_moe is not None else None
+    res.meta["quack"] = quack_moe is not None
+    res.meta["quack_tuned"] = bool(args.quack_tuned)
     step = None  # the slots graph with its combine as a step of its own
     if any(t <= MOE_REGIME_LIMITS["slots"] for t in args.tokens):
         from cutemk import sym
@@ -179,6 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         impls["torch_graph"] = lambda: torch_moe(x, **w)
         ref = moe_reference(x, **w, top_k=TOP_K, router_dtype=dt)
         errs = {name: rel_err(fn(), ref) for name, fn in impls.items()}
+        if quack_moe is not None:
+            wq = dict(w, w_gate_up_il=w_gate_up_il)
+            del wq["w_gate_up"]
+
+            def quack_call():
+                return quack_moe(x, **wq)
+
+            try:  # a peer's failure (a shape its kernels refuse) skips its column, not the run
+                errs["quack_graph"] = rel_err(quack_call(), ref)
+                impls["quack_graph"] = quack_call
+            except Exception as e:  # noqa: BLE001
+                res.meta.setdefault("quack_errors", {})[case] = f"{type(e).__name__}: {e}"
+                print(f"quack_graph {case} skipped: {type(e).__name__}: {e}")
         impls["torch_eager"] = impls["torch_graph"]
         errs["torch_eager"] = errs["torch_graph"]
         if hf is not None:
@@ -207,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 res.meta.setdefault("failures", []).append(f"{case} {name}")
                 print(f"WARNING {case} {name}: rel_err {errs[name]:.3g}")
     res.add_ratios("torch_graph")
+    if quack_moe is not None:
+        res.add_ratios("quack_graph")
     res.finish(chart=True)
     failures = res.meta.get("failures", [])
     return 1 if failures else 0
