@@ -3,8 +3,14 @@ dim 128, bf16) with every sequence at KV length 4096: ``cutemk.nn.MegaDecoderLay
 megakernel, paged KV cache) vs the same layer in plain torch (cuBLAS GEMMs, SDPA, a static
 contiguous KV cache, in-place cache writes), eager and under a CUDA graph, in one process.
 
-Columns: median_us, floor_us = (layer weights + the KV cache read) / 4.3 TB/s, of_floor,
-rel_err against an fp32 torch step, ``speedup_vs_torch_graph``.
+``--moe``: a Qwen3-30B-A3B layer instead (H=2048, 32 query / 4 KV heads, head dim 128, a sparse
+block of 128 experts, top-8, I=768); its torch step runs the block as ``benchmarks/moe.py``'s
+torch pipeline (``torch._grouped_mm``), its fp32 reference as ``cutemk.layers.moe_reference``
+(both routing on bf16-rounded logits, as HF and the megakernel do).
+
+Columns: median_us, floor_us = (layer weights + the KV cache read) / 4.3 TB/s (a sparse
+block: the router and the experts the step's routing touches), of_floor, rel_err against an
+fp32 torch step, ``speedup_vs_torch_graph``.
 
 The megakernel gets the layer's weights with the RMSNorm weights folded into the projections
 after them (``cutemk.layers.fold_decoder_norms``, as ``MegaDecoderLayer.from_hf`` does; the norms then
@@ -27,7 +33,7 @@ as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the sa
 (cuBLAS, causal SDPA), eager and under a CUDA graph; ``--batch`` with no count runs only those.
 With ``--trace`` the prefill steps are traced too.
 
-Run: python benchmarks/decoder_layer.py [--batch 1 16 64] [--quick] [--trace [slices]
+Run: python benchmarks/decoder_layer.py [--moe] [--batch 1 16 64] [--quick] [--trace [slices]
 [--records DIR]]
 [--unfolded-norms] [--attention-align 64|128] [--ab FIELD ...] [--set FIELD=VALUE ...]
 [--rounds N]
@@ -54,35 +60,102 @@ from cutemk.bench import (
     time_rounds,
 )
 
-H, I, HQ, HKV, D = 4096, 12288, 32, 8, 128
 KV, PAGE, EPS = 4096, 16, 1e-6
 
 
-def _weights(gen):
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """The layer's dims: a dense MLP of ``intermediate``, or (``experts``) a sparse block of
+    that many experts of ``intermediate`` each, ``top_k`` a token."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int = 0
+    top_k: int = 0
+
+
+QWEN3_8B = Layer("Qwen3-8B", 4096, 12288, 32, 8, 128)
+QWEN3_30B_A3B = Layer("Qwen3-30B-A3B", 2048, 768, 32, 4, 128, experts=128, top_k=8)
+
+
+def _weights(gen, dims: Layer):
     dt = torch.bfloat16
+    h, i, hq, hkv, d = dims.hidden, dims.intermediate, dims.heads, dims.kv_heads, dims.head_dim
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dt)
 
     from cutemk.ops import rope_table
 
-    return {
-        "input_norm": 1 + rnd(H, scale=0.1),
-        "w_qkv": rnd((HQ + 2 * HKV) * D, H, scale=H**-0.5),
-        "q_norm": 1 + rnd(D, scale=0.1),
-        "k_norm": 1 + rnd(D, scale=0.1),
-        "cos_sin": rope_table(KV + 1, D).cuda(),
-        "w_o": rnd(H, HQ * D, scale=(HQ * D) ** -0.5),
-        "post_norm": 1 + rnd(H, scale=0.1),
-        "w_gate_up": rnd(2 * I, H, scale=H**-0.5),
-        "w_down": rnd(H, I, scale=I**-0.5),
+    w = {
+        "input_norm": 1 + rnd(h, scale=0.1),
+        "w_qkv": rnd((hq + 2 * hkv) * d, h, scale=h**-0.5),
+        "q_norm": 1 + rnd(d, scale=0.1),
+        "k_norm": 1 + rnd(d, scale=0.1),
+        "cos_sin": rope_table(KV + 1, d).cuda(),
+        "w_o": rnd(h, hq * d, scale=(hq * d) ** -0.5),
+        "post_norm": 1 + rnd(h, scale=0.1),
     }
+    if dims.experts:
+        e = dims.experts
+        w["w_router"] = rnd(e, h, scale=h**-0.5)
+        w["w_gate_up"] = rnd(e, 2 * i, h, scale=h**-0.5)
+        w["w_down"] = rnd(e, h, i, scale=i**-0.5)
+    else:
+        w["w_gate_up"] = rnd(2 * i, h, scale=h**-0.5)
+        w["w_down"] = rnd(h, i, scale=i**-0.5)
+    return w
 
 
-def torch_step(x, pos, kc, vc, w, n, fp32=False):
+def _mlp(h1, h2, w, dims: Layer, fp32: bool):
+    """The layer's second half after its norm: ``h1 + mlp(h2)``; a sparse block through torch's
+    grouped GEMM pipeline, or (``fp32``) the fp32 reference, both routing on bf16-rounded
+    logits as HF does."""
+    if dims.experts:
+        ws = (w["w_router"], w["w_gate_up"], w["w_down"])
+        if fp32:
+            from cutemk.layers import moe_reference
+
+            y = moe_reference(h2, *ws, top_k=dims.top_k, router_dtype=torch.bfloat16)
+        else:
+            from moe import torch_moe  # benchmarks/moe.py, beside this script
+
+            y = torch_moe(h2, *ws, top_k=dims.top_k)
+        return h1 + y.to(h1.dtype)
+    i = dims.intermediate
+    gu = h2 @ w["w_gate_up"].T
+    return h1 + (F.silu(gu[:, :i]) * gu[:, i:]) @ w["w_down"].T
+
+
+def _weight_bytes(w, dims: Layer, touched: int | None = None) -> float:
+    """Bytes of the weights a step reads: every one but the rotary table; of a sparse block's
+    experts only the ``touched`` ones."""
+    total = 2.0 * sum(t.numel() for k, t in w.items() if k not in ("cos_sin",))
+    if dims.experts:
+        per_expert = 2.0 * 3 * dims.hidden * dims.intermediate
+        total -= per_expert * (dims.experts - (dims.experts if touched is None else touched))
+    return total
+
+
+def _touched_experts(x, pos, kc, vc, w, n, dims: Layer) -> int | None:
+    """How many experts the fp32 step's routing picks (None for a dense layer)."""
+    if not dims.experts:
+        return None
+    h2 = torch_step(x, pos, kc, vc, w, n, dims, fp32=True, until_norm=True)
+    logits = (h2 @ w["w_router"].float().T).to(torch.bfloat16).float()
+    return int(torch.unique(torch.topk(logits, dims.top_k, dim=-1).indices).numel())
+
+
+def torch_step(x, pos, kc, vc, w, n, dims: Layer, fp32=False, until_norm=False):
     """The decode step in torch on a static cache kc / vc (B, Hkv, L, D), written in place at
     ``pos``; attention over the first ``n`` positions (every sequence at length n, a Python int:
-    no device sync, so the step captures in a CUDA graph). ``fp32``: every operand in fp32."""
+    no device sync, so the step captures in a CUDA graph). ``fp32``: every operand in fp32.
+    ``until_norm``: the post-attention norm's output (what the MLP or the router reads)."""
+    H, HQ, HKV, D = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim  # noqa: N806
     cast = (lambda t: t.float()) if fp32 else (lambda t: t)
     w = {k: cast(v) for k, v in w.items()}
     x = cast(x)
@@ -110,13 +183,15 @@ def torch_step(x, pos, kc, vc, w, n, fp32=False):
     )
     h1 = x + att.reshape(b, HQ * D) @ w["w_o"].T
     h2 = F.rms_norm(h1, (H,), w["post_norm"], EPS)
-    gu = h2 @ w["w_gate_up"].T
-    return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
+    if until_norm:
+        return h2
+    return _mlp(h1, h2, w, dims, fp32)
 
 
-def torch_prefill(x, kc, vc, w, fp32=False):
+def torch_prefill(x, kc, vc, w, dims: Layer, fp32=False):
     """A prefill step of one sequence of T new tokens (no cached prefix) in torch on a static
     cache kc / vc (1, Hkv, L, D), written in place at positions 0..T-1; causal SDPA."""
+    H, HQ, HKV, D = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim  # noqa: N806
     cast = (lambda t: t.float()) if fp32 else (lambda t: t)
     w = {k: cast(v) for k, v in w.items()}
     x = cast(x)
@@ -145,8 +220,7 @@ def torch_prefill(x, kc, vc, w, fp32=False):
     )
     h1 = x + att[0].transpose(0, 1).reshape(t, HQ * D) @ w["w_o"].T
     h2 = F.rms_norm(h1, (H,), w["post_norm"], EPS)
-    gu = h2 @ w["w_gate_up"].T
-    return h1 + (F.silu(gu[:, :I]) * gu[:, I:]) @ w["w_down"].T
+    return _mlp(h1, h2, w, dims, fp32)
 
 
 def _time_impls(res, case, impls, errs, fl, warmup, rep, flops=None, rounds=1) -> None:
@@ -173,12 +247,18 @@ def _time_impls(res, case, impls, errs, fl, warmup, rep, flops=None, rounds=1) -
         res.add_timed(case, name, us, fl, flops, rel_err=round(errs[name], 5))
 
 
-def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
+def run_prefill(res, megas, w, dims, tokens, warmup, rep, gen, profiled=None) -> None:
     """Prefill steps of one sequence of ``tokens`` new tokens: the layer as one megakernel
     (``MegaDecoderLayer.prefill``) vs the same layer in torch, eager and under a CUDA graph;
-    with ``profiled`` (a module with ``profile`` set) the per-node trace of a step too."""
-    weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
-    params = sum(w[k].numel() for k in ("w_qkv", "w_o", "w_gate_up", "w_down"))
+    with ``profiled`` (a module with ``profile`` set) the per-node trace of a step too. (The
+    floor counts every expert of a sparse block: a prompt's tokens touch most of them.)"""
+    H, HQ, HKV, D = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim  # noqa: N806
+    weight_bytes = _weight_bytes(w, dims)
+    params = sum(w[k].numel() for k in ("w_qkv", "w_o"))
+    mlp_params = w["w_gate_up"].numel() + w["w_down"].numel()
+    if dims.experts:  # a token's FLOPs go through its top_k experts only
+        mlp_params = mlp_params * dims.top_k // dims.experts
+    params += mlp_params
     for t in tokens:
         case = f"prefill T={t}"
         x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
@@ -192,7 +272,7 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
         table[0, :pages] = torch.arange(pages, dtype=torch.int32, device="cuda")
         lens = torch.tensor([t], dtype=torch.int32, device="cuda")
         cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
-        ref = torch_prefill(x, kc.clone().float(), vc.clone().float(), w, fp32=True)
+        ref = torch_prefill(x, kc.clone().float(), vc.clone().float(), w, dims, fp32=True)
         impls = {
             name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens, cu_seqlens=cu))
             for name, m in megas.items()
@@ -206,7 +286,7 @@ def run_prefill(res, megas, w, tokens, warmup, rep, gen, profiled=None) -> None:
                 warmup,
                 rep,
             )
-        impls["torch_graph"] = lambda: torch_prefill(x, kc, vc, w)
+        impls["torch_graph"] = lambda: torch_prefill(x, kc, vc, w, dims)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
         flops = 2.0 * t * params + 2.0 * t * t * D * HQ  # projections; causal attention
@@ -266,21 +346,38 @@ def main(argv=None) -> int:
     )
     p.add_argument("--records", type=Path, help="with --trace: write raw task records here")
     p.add_argument(
+        "--moe", action="store_true", help="a Qwen3-30B-A3B layer (sparse block) instead"
+    )
+    p.add_argument(
         "--attention-align", type=int, default=None, help="tokens per attention slice (64, 128)"
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    from cutemk.layers import DecoderConfig, fold_decoder_norms
+    from cutemk.layers import DecoderConfig, MoeConfig, fold_decoder_norms
     from cutemk.nn import MegaDecoderLayer
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w = _weights(gen)
+    dims = QWEN3_30B_A3B if args.moe else QWEN3_8B
+    H, HKV, D = dims.hidden, dims.kv_heads, dims.head_dim  # noqa: N806
+    w = _weights(gen, dims)
+    moe = None
+    if dims.experts:  # the sparse block as MegaDecoderLayer.from_hf configures it
+        moe = MoeConfig(
+            H,
+            dims.intermediate,
+            dims.experts,
+            dims.top_k,
+            True,
+            block_m=64,
+            block_n=64,
+            router_dtype=None,
+        )
     cfg = DecoderConfig(
         hidden=H,
-        intermediate=I,
-        heads=HQ,
+        intermediate=dims.intermediate,
+        heads=dims.heads,
         kv_heads=HKV,
         head_dim=D,
         page_size=PAGE,
@@ -296,7 +393,7 @@ def main(argv=None) -> int:
     variants = {item: _config_fields(p, cfg, [item]) for item in args.ab}
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
-        wm = fold_decoder_norms(wm)
+        wm = fold_decoder_norms(wm, moe=moe is not None)
     prefill_kw = {}
     if args.prefill:  # the prefill graph: the new tokens at their maximum, 128 x 128 tiles
         prefill_kw = {"max_prefill_tokens": max(args.prefill), "prefill_tiles": (128, 128)}
@@ -308,28 +405,19 @@ def main(argv=None) -> int:
         from cutemk.ops import rope_table
 
         w["cos_sin"] = wm["cos_sin"] = rope_table(cfg.max_positions, D).cuda()
-    megas = {
-        f"mk_{s}": MegaDecoderLayer(
-            wm, cfg, max_batch=max(args.batch or [1]), scheduler=s, **prefill_kw
-        )
-        for s in ("static", "dynamic")
-    }
+    kw = dict(moe=moe, max_batch=max(args.batch or [1]), **prefill_kw)
+    megas = {f"mk_{s}": MegaDecoderLayer(wm, cfg, scheduler=s, **kw) for s in ("static", "dynamic")}
     for item, fields in variants.items():  # same-process A/Bs of DecoderConfig switches
         megas[f"mk_static_{item}"] = MegaDecoderLayer(
-            wm,
-            dataclasses.replace(cfg, **fields),
-            max_batch=max(args.batch or [1]),
-            scheduler="static",
-            **prefill_kw,
+            wm, dataclasses.replace(cfg, **fields), scheduler="static", **kw
         )
     profiled = None
     if args.trace:  # a separate module: profiling adds a timestamp store per task
-        profiled = MegaDecoderLayer(
-            wm, cfg, max_batch=max(args.batch or [1]), scheduler="static", **prefill_kw
-        )
+        profiled = MegaDecoderLayer(wm, cfg, scheduler="static", **kw)
         profiled.profile = args.trace
     meta = {
-        "layer": "Qwen3-8B",
+        "layer": dims.name,
+        "dims": dataclasses.asdict(dims),
         "kv_len": KV,
         "rep": rep,
         "block_n": args.block_n,
@@ -337,8 +425,7 @@ def main(argv=None) -> int:
         "attention_align": cfg.attention_align,
         "config": dataclasses.asdict(cfg),
     }
-    res = Results("decoder_layer", meta=meta)
-    weight_bytes = 2.0 * sum(t.numel() for k, t in w.items() if k != "cos_sin")
+    res = Results("moe_decoder_layer" if dims.experts else "decoder_layer", meta=meta)
     for b in args.batch:
         case = f"decode B={b} KV={KV}"
         x = torch.randn(b, H, device="cuda", generator=gen).bfloat16()
@@ -352,7 +439,8 @@ def main(argv=None) -> int:
         v_pages = vc.permute(0, 2, 1, 3).reshape(b * pages, PAGE, HKV, D).contiguous()
         table = torch.zeros(b, cfg.max_pages, dtype=torch.int32, device="cuda")
         table[:, :pages] = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
-        ref = torch_step(x, pos, kc.clone().float(), vc.clone().float(), w, KV, fp32=True)
+        ref = torch_step(x, pos, kc.clone().float(), vc.clone().float(), w, KV, dims, fp32=True)
+        touched = _touched_experts(x, pos, kc.clone().float(), vc.clone().float(), w, KV, dims)
         impls = {
             name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens))
             for name, m in megas.items()
@@ -370,13 +458,15 @@ def main(argv=None) -> int:
                 args.records.mkdir(parents=True, exist_ok=True)
                 path = args.records / f"decoder_layer_records_B{b}.json"
                 path.write_text(json.dumps(records))
-        impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV)
+        impls["torch_graph"] = lambda: torch_step(x, pos, kc, vc, w, KV, dims)
         errs = {n: ((f().float() - ref).norm() / ref.norm()).item() for n, f in impls.items()}
         impls["torch_eager"], errs["torch_eager"] = impls["torch_graph"], errs["torch_graph"]
-        fl = floor_us(0.0, weight_bytes + 2.0 * 2 * b * KV * HKV * D)
+        fl = floor_us(0.0, _weight_bytes(w, dims, touched) + 2.0 * 2 * b * KV * HKV * D)
+        if touched is not None:
+            res.meta.setdefault("experts_touched", {})[case] = touched
         _time_impls(res, case, impls, errs, fl, warmup, rep, rounds=args.rounds)
     if args.prefill:
-        run_prefill(res, megas, w, args.prefill, warmup, rep, gen, profiled)
+        run_prefill(res, megas, w, dims, args.prefill, warmup, rep, gen, profiled)
     res.add_ratios("torch_graph")
     res.finish(chart=True)
     return 0
