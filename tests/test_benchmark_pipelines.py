@@ -3,6 +3,7 @@ pipeline (``torch._grouped_mm``) and quack's (its varlen / gather grouped GEMMs,
 through quack's reference GEMMs where quack is importable) against ``moe_reference``."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,80 @@ def test_the_quack_pipeline_layout_is_the_moe_block():
     y = moe._combine(x.shape[0], tok, d, wts, order, x)
     ref = moe_reference(x, **w, top_k=2)
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _decoder_bench(monkeypatch):
+    path = _PATH.parent / "decoder_layer.py"
+    spec = importlib.util.spec_from_file_location("decoder_layer_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclass looks its module up
+    monkeypatch.syspath_prepend(str(_PATH.parent))  # it imports moe.py from beside itself
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "moe"])
+def test_the_decoder_benchmarks_torch_step_is_the_layer(sparse, monkeypatch):
+    """``benchmarks/decoder_layer.py``'s torch step (bf16 and its fp32 reference) against
+    ``MegaDecoderLayer`` (interpreter) built as the benchmark builds it, at small dims."""
+    from cutemk.layers import DecoderConfig, MoeConfig, fold_decoder_norms
+    from cutemk.nn import MegaDecoderLayer
+    from cutemk.ops import rope_table
+
+    dl = _decoder_bench(monkeypatch)
+    h, i, hq, hkv, d, n, page = 64, 32, 4, 2, 32, 48, 16
+    dims = dl.Layer("tiny", h, i, hq, hkv, d, experts=8 if sparse else 0, top_k=2)
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16().float()
+
+    w = {
+        "input_norm": 1 + rnd(h, scale=0.1),
+        "w_qkv": rnd((hq + 2 * hkv) * d, h, scale=h**-0.5),
+        "q_norm": 1 + rnd(d, scale=0.1),
+        "k_norm": 1 + rnd(d, scale=0.1),
+        "cos_sin": rope_table(n + 1, d),
+        "w_o": rnd(h, hq * d, scale=(hq * d) ** -0.5),
+        "post_norm": 1 + rnd(h, scale=0.1),
+    }
+    moe = None
+    if sparse:
+        w["w_router"] = rnd(8, h, scale=h**-0.5)
+        w["w_gate_up"] = rnd(8, 2 * i, h, scale=h**-0.5)
+        w["w_down"] = rnd(8, h, i, scale=i**-0.5)
+        moe = MoeConfig(h, i, 8, 2, True, block_m=64, block_n=64, router_dtype=None)
+    else:
+        w["w_gate_up"] = rnd(2 * i, h, scale=h**-0.5)
+        w["w_down"] = rnd(h, i, scale=i**-0.5)
+    cfg = DecoderConfig(
+        hidden=h,
+        intermediate=i,
+        heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        page_size=page,
+        max_pages=(n + page) // page + 1,
+        max_positions=n + 1,
+        block_m=64,
+        block_n=64,
+        fold_norms=True,
+    )
+    wm = fold_decoder_norms(dict(w), moe=sparse)
+    layer = MegaDecoderLayer(wm, cfg, moe=moe, max_batch=4, backend="interpret")
+    b, pages = 3, n // page
+    x = torch.randn(b, h, generator=g)
+    pos = torch.full((b,), n - 1, dtype=torch.int32)
+    kc, vc = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    k_pages = kc.permute(0, 2, 1, 3).reshape(b * pages, page, hkv, d).contiguous()
+    v_pages = vc.permute(0, 2, 1, 3).reshape(b * pages, page, hkv, d).contiguous()
+    table = torch.zeros(b, cfg.max_pages, dtype=torch.int32)
+    table[:, :pages] = torch.arange(b * pages, dtype=torch.int32).view(b, pages)
+    y = layer(x, pos, k_pages, v_pages, table, pos + 1)
+    ref = dl.torch_step(x, pos, kc.clone(), vc.clone(), w, n, dims, fp32=True)
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    if sparse:
+        assert dl._touched_experts(x, pos, kc, vc, w, n, dims) <= 8
+    bf16 = {k: v.bfloat16() for k, v in w.items()}
+    got = dl.torch_step(x.bfloat16(), pos, kc.bfloat16(), vc.bfloat16(), bf16, n, dims)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
