@@ -227,11 +227,12 @@ def profile_launch(
     res: Results, label: str, run: Callable[[], Any], graph: Any, warmup: int, rep: int
 ) -> list[dict[str, Any]]:
     """Trace one launch of a profiled graph: ``run`` (a call of a module compiled with
-    ``profile=True``) a few times, then, after a cold-L2 flush as before every timed call
-    (:func:`time_us`), the launch whose ``graph``'s per-node trace and launch summary
-    (``cutemk.trace.launch_summary``) go into ``res`` under ``label``, with the profiled launch
-    timed from CUDA-graph replays (profiling adds a timestamp store per task and the profile
-    buffer's reset). Returns the task records."""
+    ``profile=True`` or ``"slices"``) a few times, then, after a cold-L2 flush as before every
+    timed call (:func:`time_us`), the launch whose ``graph``'s per-node trace and launch
+    summary (``cutemk.trace.launch_summary``; with slices, ``slice_summary``) go into ``res``
+    under ``label``, with the profiled launch timed from CUDA-graph replays (profiling adds its
+    timestamp stores, a few a task, a slice's two with slices, and the profile buffer's reset,
+    which the slice regions make larger). Returns the task records."""
     from .trace import launch_summary
 
     for _ in range(3):

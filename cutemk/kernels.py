@@ -150,7 +150,7 @@ def compile_offline(
     graph: Graph,
     scheduler: Any = "static",
     watchdog: bool = False,
-    profile: bool = False,
+    profile: bool | str = False,
     options: str = "",
     live: str | None = None,
 ):

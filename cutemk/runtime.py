@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,8 @@ from .codegen.lower import (
     lower,
     pack_int32,
 )
-from .codegen.layout import PROF_END
-from .codegen.profiling import profile_words, slice_capacity, slice_records
+from .codegen.layout import CTA_SLICES, PROF_END, PROF_SM_NODE
+from .codegen.profiling import profile_words, record_words, slice_capacity, slice_records
 from .codegen.megakernel import (
     DEVICE_STATE,
     PROF_WIDTH,
@@ -308,7 +309,6 @@ class CuteGraph:
             plan.check_distributed(self.dynamic)
             self._check_same_plan_everywhere(plan)
         low, prog_np, dev_np, spans = self._plan_arrays(plan)
-        n = max(plan.num_tasks, 1)
         prog = torch.from_numpy(prog_np).cuda()
         if self.spec.distributed:  # other ranks poll these counters: symmetric memory
             devbuf, ptrs = self.comm.symmetric_empty(dev_np.size, torch.int32)
@@ -716,15 +716,21 @@ class CuteGraph:
         if not self.spec.profile or self.last_env is None:
             raise ValueError("compile with profile=True and run once before reading a profile")
         b = self._bufs(self.last_env)
-        raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[: b.plan.num_tasks]
+        raw = self._profile_rows(b)[: b.plan.num_tasks]
         return [task_record(r, b.plan.tasks[t]) for t, r in enumerate(raw) if r[PROF_END] > 0]
+
+    def _profile_rows(self, b: _Buffers) -> np.ndarray:
+        """The task and CTA records of the last launch (not the slice regions), one a row."""
+        words = record_words(b.plan.num_tasks, self.num_sms)
+        return b.torch_dev["prof"][:words].cpu().numpy().reshape(-1, PROF_WIDTH)
 
     def profile_slices(self) -> list[dict[str, Any]]:
         """Per ring task of the last launch of a graph compiled with ``profile="slices"``:
         its label, node and SM, and its slices in order as ``(issued_ns, landed_ns)`` (the
         producer armed the slot and issued the loads it may issue before the task's events,
         the consumers found it landed; 0 where not stamped). ``cutemk.trace.slice_summary``
-        reads them."""
+        reads them. Warns where a CTA issued more slices than its region holds (the dynamic
+        scheduler's regions hold twice a CTA's share): those were not stamped."""
         if not self.spec.profile_slices or self.last_env is None:
             raise ValueError(
                 "compile with profile='slices' and run once before reading slice stamps"
@@ -732,9 +738,18 @@ class CuteGraph:
         b = self._bufs(self.last_env)
         raw = b.torch_dev["prof"].cpu().numpy()
         tasks = b.plan.tasks
-        sm = raw.reshape(-1)[: b.plan.num_tasks * PROF_WIDTH].reshape(-1, PROF_WIDTH)[:, 0]
+        rows = self._profile_rows(b)
+        sm = rows[: b.plan.num_tasks, PROF_SM_NODE] & 0xFFFFFFFF
+        ctas = rows[b.plan.num_tasks : b.plan.num_tasks + self.num_sms]
+        per_cta = slice_records(raw, self.num_sms, b.plan.num_tasks)
+        dropped = sum(max(int(c[CTA_SLICES]) - len(s), 0) for c, s in zip(ctas, per_cta))
+        if dropped:
+            warnings.warn(
+                f"{dropped} ring slices past the profile's slice regions were not stamped",
+                stacklevel=2,
+            )
         by_task: dict[int, dict[str, Any]] = {}
-        for cta in slice_records(raw, self.num_sms, b.plan.num_tasks):
+        for cta in per_cta:
             for _, t, issued, landed in cta:
                 if not 0 <= t < b.plan.num_tasks:
                     continue
@@ -758,8 +773,8 @@ class CuteGraph:
             raise ValueError("compile with profile=True and run once before reading a profile")
         b = self._bufs(self.last_env)
         n = b.plan.num_tasks
-        raw = b.torch_dev["prof"].cpu().numpy().reshape(-1, PROF_WIDTH)[n : n + self.num_sms]
-        keys = ("sm", "entry_ns", "roles_done_ns", "exit_ns")
+        raw = self._profile_rows(b)[n : n + self.num_sms]
+        keys = ("sm", "entry_ns", "roles_done_ns", "exit_ns", "slices")
         return [dict(zip(keys, map(int, r))) for r in raw if r[3] > 0]
 
     def export_trace(self, path: str | Path) -> Path:

@@ -12,46 +12,51 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .codegen.layout import (
+    PROF_ARMED,
     PROF_END,
     PROF_FETCHED,
     PROF_LANDED,
     PROF_READY,
-    PROF_SM,
+    PROF_SM_NODE,
     PROF_STAGED,
     PROF_START,
 )
 
-PHASES = ("fetched_ns", "ready_ns", "landed_ns", "staged_ns")
+PHASES = ("fetched_ns", "armed_ns", "ready_ns", "landed_ns", "staged_ns")
 """A task's stamps besides its start and end, in the order they happen: the producer took it
-up (the previous task's slices all issued), its events were met, a ring tile's first slice had
-landed in shared memory (as its consumers first saw it), its output was staged for the storer.
-A ring tile's first slices may land before its start (loaded before its events)."""
+up (the previous task's slices all issued), issued the loads that may precede its events
+(each into a free ring slot), found its events met; its consumers first found a ring tile's
+first slice landed in shared memory (at or after they took the task: loaded before its
+events, it may have landed long before), staged its output for the storer."""
 
 GAPS = (
-    ("wait_us", "fetched_ns", "ready_ns"),
+    ("slots_us", "fetched_ns", "armed_ns"),
+    ("wait_us", "armed_ns", "ready_ns"),
     ("queued_us", "ready_ns", "start_ns"),
     ("first_slice_us", "start_ns", "landed_ns"),
     ("stream_us", "landed_ns", "staged_ns"),
     ("store_us", "staged_ns", "end_ns"),
 )
-"""A task's time between its stamps: its producer waiting for its events (``wait``), ready
-but not yet taken by its consumers, which were busy with earlier tasks or waited for the
-producer's hand-over (``queued``), its consumers waiting for its first slice
-(``first_slice``: 0 where it had landed before they took the task), the rest of its slices
-and its compute (``stream``), its store and publication (``store``)."""
+"""A task's time between its stamps: its producer waiting for free ring slots for its early
+loads, i.e. for the consumers to drain earlier tiles (``slots``), then for its events
+(``wait``), ready but not yet taken by its consumers, which were busy with earlier tasks or
+waited for the producer's hand-over (``queued``), its consumers waiting for its first slice
+(``first_slice``: about 0 where it had landed before they took the task), the rest of its
+slices and its compute (``stream``), its store and publication (``store``)."""
 
 
 def task_record(row: Sequence[int], task: Any) -> dict[str, Any]:
     """One task's record from its raw profile row (``codegen.layout.PROF_WIDTH`` int64s) and
     its plan task (``label``, ``node``); a phase not recorded (0) is None."""
     rec: dict[str, Any] = {
-        "sm": int(row[PROF_SM]),
+        "sm": int(row[PROF_SM_NODE]) & 0xFFFFFFFF,
         "start_ns": int(row[PROF_START]),
         "end_ns": int(row[PROF_END]),
         "label": task.label,
         "node": task.node.name,
     }
-    for key, col in zip(PHASES, (PROF_FETCHED, PROF_READY, PROF_LANDED, PROF_STAGED)):
+    cols = (PROF_FETCHED, PROF_ARMED, PROF_READY, PROF_LANDED, PROF_STAGED)
+    for key, col in zip(PHASES, cols):
         rec[key] = int(row[col]) or None
     return rec
 
@@ -67,8 +72,8 @@ def task_gaps(rec: dict[str, Any]) -> dict[str, float]:
 
 
 def slice_summary(tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per node, from ``CuteGraph.profile_slices()``: its ring tasks and their slices (median
-    a task), and the medians over its slices of the latency from issue to landing
+    """Per node, from ``CuteGraph.profile_slices()``: its ring tasks that issued a slice and
+    their slices (median a task), and the medians over its slices of the latency from issue to landing
     (``latency_us``: a slice issued before the task's events waits for them too, where its
     loads depend on them), of the time between two issues of a task (``issue_gap_us``: the
     producer waited for a free slot, i.e. for the consumers, or was elsewhere) and between two

@@ -134,7 +134,7 @@ def test_time_rounds_rotates_the_order():
     assert list(out) == list("abc") and all(len(v) == 4 and min(v) >= 0 for v in out.values())
 
 
-def _phased(sm, fetched, ready, start, landed, staged, end, node="g"):
+def _phased(sm, fetched, armed, ready, start, landed, staged, end, node="g"):
     """A task record with its phases, times in us (None: not stamped)."""
 
     def ns(us):
@@ -147,6 +147,7 @@ def _phased(sm, fetched, ready, start, landed, staged, end, node="g"):
         "label": f"{node}[{sm}]",
         "node": node,
         "fetched_ns": ns(fetched),
+        "armed_ns": ns(armed),
         "ready_ns": ns(ready),
         "landed_ns": ns(landed),
         "staged_ns": ns(staged),
@@ -154,14 +155,15 @@ def _phased(sm, fetched, ready, start, landed, staged, end, node="g"):
 
 
 def test_task_records_carry_their_phases():
-    """A raw profile row -> record: the phases' columns, an unstamped one (0) as None."""
+    """A raw profile row -> record: the SM out of the SM-and-node word, the phases' columns,
+    an unstamped one (0) as None."""
     from types import SimpleNamespace
 
     from cutemk.codegen.layout import PROF_WIDTH
     from cutemk.trace import PHASES, task_record
 
     task = SimpleNamespace(label="gemm[3, 0]", node=SimpleNamespace(name="gemm"))
-    row = [7, 2000, 9000, 1, 500, 1500, 3000, 8000]
+    row = [(5 << 32) | 7, 2000, 9000, 700, 500, 1500, 3000, 8000]  # node 5 on SM 7
     assert len(row) == PROF_WIDTH
     rec = task_record(row, task)
     assert rec == {
@@ -171,37 +173,42 @@ def test_task_records_carry_their_phases():
         "label": "gemm[3, 0]",
         "node": "gemm",
         "fetched_ns": 500,
+        "armed_ns": 700,
         "ready_ns": 1500,
         "landed_ns": 3000,
         "staged_ns": 8000,
     }
-    simt = task_record([7, 2000, 9000, 2, 500, 1500, 0, 0], task)
-    assert [simt[k] for k in PHASES] == [500, 1500, None, None]
+    simt = task_record([(2 << 32) | 131, 2000, 9000, 600, 500, 1500, 0, 0], task)
+    assert simt["sm"] == 131
+    assert [simt[k] for k in PHASES] == [500, 600, 1500, None, None]
 
 
 def test_node_summary_splits_a_task_into_its_phases(tmp_path):
-    """Per task: its events met 1 us after it was taken up, queued until its consumers took
-    it, its first slice late by 2 (or landed before they took it: 0), streamed, stored.
-    Per node the medians, and when its first and last task were ready."""
+    """Per task: its early loads armed (waiting for free slots), its events met, queued until
+    its consumers took it, its first slice late by 2 (or about at once: landed before they
+    took it), streamed, stored. Per node the medians, and when its first and last task were
+    ready."""
     from cutemk.trace import PHASES, chrome_trace, node_summary, task_gaps
 
-    a = _phased(0, fetched=0, ready=1, start=2, landed=4, staged=10, end=11)
-    b = _phased(1, fetched=0, ready=3, start=3, landed=2, staged=9, end=9.5)  # landed early
-    c = _phased(2, fetched=1, ready=2, start=6, landed=8, staged=12, end=13)
+    a = _phased(0, fetched=0, armed=0.5, ready=1, start=2, landed=4, staged=10, end=11)
+    b = _phased(1, fetched=0, armed=2, ready=3, start=3, landed=3, staged=9, end=9.5)
+    c = _phased(2, fetched=1, armed=1, ready=2, start=6, landed=8, staged=12, end=13)
     assert task_gaps(a) == {
-        "wait_us": 1.0,
+        "slots_us": 0.5,
+        "wait_us": 0.5,
         "queued_us": 1.0,
         "first_slice_us": 2.0,
         "stream_us": 6.0,
         "store_us": 1.0,
     }
     assert task_gaps(b)["first_slice_us"] == 0.0  # its slices had landed before it started
-    simt = _phased(3, fetched=4, ready=5, start=5, landed=None, staged=None, end=7, node="s")
-    assert task_gaps(simt) == {"wait_us": 1.0, "queued_us": 0.0}
+    simt = _phased(3, 4, 4, 5, start=5, landed=None, staged=None, end=7, node="s")
+    assert task_gaps(simt) == {"slots_us": 0.0, "wait_us": 1.0, "queued_us": 0.0}
     rows = {r["node"]: r for r in node_summary([a, b, c, simt])}
     g = rows["g"]
     assert (g["first_ready_us"], g["last_ready_us"]) == (-1.0, 1.0)  # since the first start
-    assert (g["median_wait_us"], g["median_queued_us"]) == (1.0, 1.0)
+    assert (g["median_slots_us"], g["median_wait_us"]) == (0.5, 1.0)
+    assert g["median_queued_us"] == 1.0
     assert (g["median_first_slice_us"], g["median_stream_us"]) == (2.0, 6.0)
     assert "median_stream_us" not in rows["s"] and rows["s"]["median_wait_us"] == 1.0
     # records of a kernel without the phases summarise as before
@@ -218,7 +225,12 @@ def test_slice_regions_are_sized_by_the_busiest_queue_and_read_back_per_cta():
 
     from cutemk.codegen.layout import PROF_WIDTH, SLICE_WIDTH
     from cutemk.codegen.lower import R_NODE, REC_WIDTH
-    from cutemk.codegen.profiling import profile_words, slice_capacity, slice_records
+    from cutemk.codegen.profiling import (
+        profile_words,
+        record_words,
+        slice_capacity,
+        slice_records,
+    )
 
     # nodes: 0 a ring op of 5 slices, 1 a SIMT op, 2 a ring op of 3 slices; 3 CTAs' queues
     ring_slices = [5, 0, 3]
@@ -230,6 +242,14 @@ def test_slice_regions_are_sized_by_the_busiest_queue_and_read_back_per_cta():
     no_queues = np.zeros(4, dtype=np.int64)
     assert slice_capacity(ring_slices, no_queues, rec[:1].reshape(-1), [2, 2, 1]) == 13
     assert slice_capacity([0], no_queues, rec[:1].reshape(-1), [4]) == 1  # never empty
+    # dynamic at scale: twice a CTA's share of every ring slice, plus the longest task's
+    many = np.zeros(133, dtype=np.int64)
+    assert slice_capacity([64, 0, 16], many, rec[:1].reshape(-1), [128, 12, 256]) == (
+        2 * -(-(64 * 128 + 16 * 256) // 132) + 64
+    )
+    # the host reads the records back as rows whatever the slice regions' size (odd here)
+    assert record_words(5, 3) % PROF_WIDTH == 0
+    assert profile_words(5, 3, 3) - record_words(5, 3) == 3 * 3 * SLICE_WIDTH
 
     tasks, grid, cap = 5, 3, 10
     raw = np.zeros(profile_words(tasks, grid, cap), dtype=np.int64)

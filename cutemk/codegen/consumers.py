@@ -17,15 +17,13 @@ from ..device.config import (
     WARP_SIZE as WARP,
     simt_sync,
 )
-from ..device.ring import consumer_wait, epi_acquire, queue_get, queue_put
+from ..device.ring import epi_acquire, queue_get, queue_put
 from ..device.sync import notify_event
 from .layout import (
     D,
     P,
     PROF_END,
-    PROF_LANDED,
-    PROF_NODE,
-    PROF_SM,
+    PROF_SM_NODE,
     PROF_STAGED,
     PROF_START,
     PROF_WIDTH,
@@ -45,9 +43,9 @@ class ConsumerRoles:
         ring, epi, scratch, timeout_ns = L.ring, L.epi, L.scratch, L.timeout_ns
         w = self.w
         pwait = self._pipeline_wait(dev, timeout_ns)
-        ring_wait = pwait  # the ring ops' waits: with profile="slices" they stamp each slice
-        if cutlass.const_expr(self.spec.profile_slices):
-            ring_wait = LandedStamps(pwait, mProf, L.slices)
+        ring_wait = pwait  # the ring ops' waits: profiled, they stamp the slices' landing
+        if cutlass.const_expr(self.spec.profile):
+            ring_wait = LandedStamps(pwait, mProf, L.sCtl, L.slices)
         state = dev[D["state"]]
         q_full, q_empty, r_full, r_empty, d_full, d_empty = bars
         lane = ctid % WARP
@@ -77,7 +75,7 @@ class ConsumerRoles:
                         if live:
                             is_ring = Boolean(True)
                             if cutlass.const_expr(self.spec.profile):
-                                self._stamp_landed(L, k, rec, rcount, ctid, pwait)
+                                LandedStamps.begin(L.sCtl, t, rcount, ctid)
                             rcount = self.spec.ops[k].device_compute(
                                 tensors[k],
                                 c0,
@@ -151,33 +149,15 @@ class ConsumerRoles:
         t = rec[R_TASK]
         if cutlass.const_expr(self.spec.profile):
             base = t * PROF_WIDTH
-            mProf[base + PROF_SM] = Int64(cute.arch.smid())
+            sm_node = (Int64(rec[R_NODE]) << 32) | Int64(cute.arch.smid())
+            mProf[base + PROF_SM_NODE] = sm_node
             if start != 0:
                 mProf[base + PROF_START] = start
             mProf[base + PROF_END] = cute.arch.globaltimer()
-            mProf[base + PROF_NODE] = Int64(rec[R_NODE])
         if cutlass.const_expr(not self.spec.dynamic):
             notify_ev, ev_counter = prog[P["notify_ev"]], dev[D["ev_counter"]]
             for j in range(rec[R_NLO], rec[R_NHI]):
                 notify_event(ev_counter.iterator + notify_ev[j], Int32(1), self.scope)
-
-    @cute.jit
-    def _stamp_landed(self, L, k: int, rec, rcount: Int32, ctid: Int32, pwait):
-        """Profile: consumer thread 0 waits for the ring tile's first slice itself and stamps
-        when it landed (a wait observes the slot's phase and consumes nothing: the compute's
-        own wait then passes at once). A tile of no slices stamps nothing."""
-        # locals: a tensor stored to through ``L`` inside a branch would be carried by the
-        # roles' loops as if it were rebound there (the IR then fails to verify)
-        mProf, r_full = L.prof, L.bars[2]
-        if ctid == 0:
-            n = Int32(self.ring_of[k].slices)
-            if cutlass.const_expr(self.dynamic_slices[k]):
-                n = self.spec.ops[k].device_slices(
-                    L.tensors[k], rec[R_C0], rec[R_C1], rec[R_WORD]
-                )
-            if n > 0:
-                consumer_wait(r_full, rcount, self.w.ring_stages, pwait)
-                mProf[rec[R_TASK] * PROF_WIDTH + PROF_LANDED] = cute.arch.globaltimer()
 
     @staticmethod
     def _epi_free(L, ecount, pwait):

@@ -2,7 +2,7 @@
 the host packs them in this order (``cutemk.runtime``) and the kernel rebuilds views by index."""
 
 PROGRAM = (
-    "queue_head",  # first: at a fixed offset (``lower.QUEUE_HEAD_OFF``), read without the header
+    "queue_head",  # first: at a fixed offset (``lower.first_offset``), read without the header
     "task_rec",
     "wait_ev",
     "wait_target",
@@ -20,16 +20,19 @@ PROGRAM = (
     "rwait_target",
 )
 DEVICE_STATE = ("state", "debug", "ev_counter", "task_pending", "ring")  # state first: its
-# offset is fixed too (``lower.STATE_OFF``)
+# offset is fixed too (``lower.first_offset``)
 P = {name: i for i, name in enumerate(PROGRAM)}
 D = {name: i for i, name in enumerate(DEVICE_STATE)}
-# per task (int64): SM, start ns (the consumers took its record), end ns (published), node,
-# then its phases: fetched ns (the producer took it up), ready ns (its events met), landed ns
-# (a ring tile's first slice in shared memory, as its consumers first saw it), staged ns (a
-# ring tile's consumers done: its output staged for the storer); 0 where not recorded
+# per task (int64): SM and node (node << 32 | SM), start ns (the consumers took its record),
+# end ns (published), then its phases: fetched ns (the producer took it up), armed ns (its
+# loads that may precede its events issued, each into a free ring slot), ready ns (its events
+# met), landed ns (a ring tile's first slice in shared memory, as its consumers first saw it),
+# staged ns (a ring tile's consumers done: its output staged for the storer); 0: not recorded
 PROF_WIDTH = 8
-PROF_SM, PROF_START, PROF_END, PROF_NODE = 0, 1, 2, 3
+PROF_SM_NODE, PROF_START, PROF_END, PROF_ARMED = 0, 1, 2, 3
 PROF_FETCHED, PROF_READY, PROF_LANDED, PROF_STAGED = 4, 5, 6, 7
+# per CTA, after the tasks' records: SM, entry ns, roles done ns, exit ns, ring slices issued
+CTA_SLICES = 4
 SLICE_WIDTH = 4  # per ring slice (``profile="slices"``): issued ns, landed ns, task, 0
 
 # The live-count table of a kernel compiled for one capture at every token count

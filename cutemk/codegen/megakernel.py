@@ -71,7 +71,6 @@ from .lower import (
     QHEAD_BEGIN,
     QHEAD_END,
     QHEAD_WIDTH,
-    QUEUE_CHUNK,
     REC_WIDTH,
     TAIL,
     first_offset,
@@ -222,6 +221,7 @@ class _Launch:
     queue_head: tuple = ()
     # ``profile_slices``: this CTA's slice region of the profile buffer (first word, capacity)
     slices: tuple = ()
+    sCtl: object = None  # a few control words (profile: consumer thread 0's current ring task)
 
 
 class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
@@ -469,6 +469,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             epi_bar=epi_bar,
             queue_head=(head_word, q_begin, q_end),
             slices=slices,
+            sCtl=sCtl,
         )
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         if warp < WARPGROUP // WARP:

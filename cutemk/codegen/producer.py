@@ -9,11 +9,11 @@ launch context (``megakernel._Launch``).
 from __future__ import annotations
 
 import cutlass
-from cutlass import Boolean, Int32, cute
+from cutlass import Boolean, Int32, Int64, cute
 
 from ..device.config import WARP_SIZE as WARP
 from ..device.ring import producer_acquire, queue_put
-from .layout import P, PROF_FETCHED, PROF_READY, PROF_WIDTH
+from .layout import CTA_SLICES, P, PROF_ARMED, PROF_FETCHED, PROF_READY, PROF_WIDTH
 from .lower import (
     QUEUE_CHUNK,
     R_C0,
@@ -112,6 +112,9 @@ class ProducerRole:
                             self._issue(
                                 tensors, k, c0, c1, word, j, idx, r_full + idx, ring, True, False
                             )
+        if cutlass.const_expr(self.spec.profile):
+            if lane == 0:  # its early loads issued (each waited for a free ring slot)
+                mProf[t * PROF_WIDTH + PROF_ARMED] = cute.arch.globaltimer()
         # (2) events
         ok = Boolean(True)
         if cutlass.const_expr(not self.spec.dynamic):
@@ -277,3 +280,8 @@ class ProducerRole:
         q_full, q_empty = bars[0], bars[1]
         stop = tuple(Int32(-1) for _ in range(REC_WIDTH))
         queue_put(q_full, q_empty, sQueue, qcount, w.task_slots, REC_WIDTH, stop, lane, pwait)
+        if cutlass.const_expr(self.spec.profile):
+            if lane == 0:  # the ring slices this CTA issued (its CTA record)
+                cta, _, _ = cute.arch.block_idx()
+                mProf = L.prof
+                mProf[(num_tasks + cta) * PROF_WIDTH + CTA_SLICES] = Int64(rcount)

@@ -1,12 +1,14 @@
-"""Per-slice stamps of a profiled megakernel (``profile="slices"``): when the producer issued
-each ring slice and when the consumers found it landed, to tell a slow weight stream's cause
-(slices late to land: the loads; slices issued late: the slots, i.e. the consumers).
+"""Stamps of a profiled megakernel taken inside the ring pipeline: when a ring tile's first slice
+was found landed (``profile=True``), and (``profile="slices"``) when the producer issued each
+ring slice and when the consumers found it landed, to tell a slow weight stream's cause (slices
+late to land: the loads; slices issued late: the slots, i.e. the consumers).
 
 The profile buffer (int64) holds a record per task, then one per CTA (``layout.PROF_WIDTH``
-words each), then a region per CTA of ``capacity`` slice records of ``SLICE_WIDTH`` words:
-(issued ns, landed ns, task, 0), indexed by the CTA's ring count (its slices since the launch
-began, ``cutemk.device.ring``). The capacity is what the region's size leaves a CTA, so the
-kernel needs no argument for it; a slice past it is not stamped.
+words each), then with slices a region per CTA of ``capacity`` slice records of
+``SLICE_WIDTH`` words: (issued ns, landed ns, task, 0), indexed by the CTA's ring count (its
+slices since the launch began, ``cutemk.device.ring``). The capacity is what the region's size
+leaves a CTA, so the kernel needs no argument for it; a slice past it is not stamped, and the
+CTA's record counts the slices it issued (``layout.CTA_SLICES``), so the host knows.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ import numpy as np
 from cutlass import Int32, cute
 
 from ..device.config import WARPGROUP
-from .layout import PROF_WIDTH, SLICE_WIDTH
+from .layout import PROF_LANDED, PROF_WIDTH, SLICE_WIDTH
 from .lower import R_NODE, REC_WIDTH
 
 
 def slice_capacity(ring_slices: Sequence[int], queue_ptr, queue_rec, num_tasks_by_node) -> int:
     """Slice records a CTA's region holds: the most ring slices one CTA's static queue can
     take (``queue_ptr`` / ``queue_rec`` of the lowered plan; a tile counts its op's most
-    slices), or without static queues (dynamic) every ring task's (``num_tasks_by_node``)."""
+    slices); without static queues (dynamic) twice a CTA's share of every ring task's plus
+    the most one task takes (an SM that pops more than that loses the rest's stamps)."""
     slices = np.asarray(ring_slices, dtype=np.int64)
+    grid = len(queue_ptr) - 1
     if int(queue_ptr[-1]) == 0:
-        return max(int(np.dot(slices, np.asarray(num_tasks_by_node, dtype=np.int64))), 1)
+        counts = np.asarray(num_tasks_by_node, dtype=np.int64)
+        total = int(np.dot(slices, counts))
+        most = int(slices[counts > 0].max(initial=0))
+        return max(min(total, 2 * -(-total // grid) + most), 1)
     nodes = np.asarray(queue_rec).reshape(-1, REC_WIDTH)[: int(queue_ptr[-1]), R_NODE]
     upto = np.concatenate(([0], np.cumsum(slices[nodes])))  # slices before each position
     sums = upto[queue_ptr[1:]] - upto[queue_ptr[:-1]]
@@ -38,10 +45,15 @@ def slice_capacity(ring_slices: Sequence[int], queue_ptr, queue_rec, num_tasks_b
 def profile_words(num_tasks: int, grid: int, capacity: int | None) -> int:
     """int64 words of the profile buffer: the task and CTA records, and with ``capacity`` the
     CTAs' slice regions."""
-    words = (max(num_tasks, 1) + grid) * PROF_WIDTH
+    words = record_words(num_tasks, grid)
     if capacity is not None:
         words += grid * capacity * SLICE_WIDTH
     return words
+
+
+def record_words(num_tasks: int, grid: int) -> int:
+    """int64 words of the task and CTA records (what the host reads back of a profile)."""
+    return (max(num_tasks, 1) + grid) * PROF_WIDTH
 
 
 @cute.jit
@@ -65,30 +77,49 @@ def stamp_issued(mProf: cute.Tensor, region, count: Int32, task: Int32, lane: In
 
 class LandedStamps:
     """The consumers' pipeline wait (``wait``) that also stamps, from the first consumer
-    thread, when each ring slice was found landed (``cutemk.device.ring.consumer_wait`` calls
-    :meth:`landed` after the slot's full barrier)."""
+    thread, when a ring tile's first slice was found landed (its task record), and with a
+    slice region (``profile="slices"``) every slice's landing
+    (``cutemk.device.ring.consumer_wait`` calls :meth:`landed` after the slot's full barrier).
+    The first consumer thread names its current tile in ``sCtl`` (:meth:`begin`): words 0 and
+    1, the task and its first ring count, written and read by that thread alone."""
 
-    def __init__(self, wait: Any, mProf: cute.Tensor, region) -> None:
+    def __init__(self, wait: Any, mProf: cute.Tensor, sCtl: cute.Tensor, region) -> None:
         self.wait = wait
         self.prof = mProf
+        self.ctl = sCtl
         self.region = region
 
     def __call__(self, bar, parity, code: int) -> None:
         self.wait(bar, parity, code)
 
+    @staticmethod
+    @cute.jit
+    def begin(sCtl: cute.Tensor, task: Int32, first: Int32, ctid: Int32):
+        """The first consumer thread, before a ring tile's compute: the tile's task and ring
+        count."""
+        if ctid == 0:
+            sCtl[0] = task
+            sCtl[1] = first
+
     @cute.jit
     def landed(self, count: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        base, capacity = self.region
-        mProf = self.prof
-        if tidx == WARPGROUP and count < capacity:  # the first consumer thread
-            mProf[base + count * SLICE_WIDTH + 1] = cute.arch.globaltimer()
+        mProf, sCtl = self.prof, self.ctl
+        if tidx == WARPGROUP:  # the first consumer thread
+            now = cute.arch.globaltimer()
+            if count == sCtl[1]:
+                mProf[sCtl[0] * PROF_WIDTH + PROF_LANDED] = now
+            if cutlass.const_expr(len(self.region) > 0):
+                base, capacity = self.region
+                if count < capacity:
+                    mProf[base + count * SLICE_WIDTH + 1] = now
 
 
 def slice_records(raw: np.ndarray, grid: int, num_tasks: int) -> list[list[tuple[int, ...]]]:
     """Per CTA, its stamped slices in ring order: (count, task, issued ns, landed ns); a slice
-    not issued (past the launch's last) is left out, a stamp not made is 0."""
-    records = (max(num_tasks, 1) + grid) * PROF_WIDTH
+    not issued (past the launch's last, or past the region's capacity) is left out, a stamp
+    not made is 0."""
+    records = record_words(num_tasks, grid)
     flat = np.asarray(raw).reshape(-1)
     capacity = (flat.size - records) // (grid * SLICE_WIDTH)
     region = flat[records : records + grid * capacity * SLICE_WIDTH].reshape(
