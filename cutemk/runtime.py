@@ -8,12 +8,9 @@ here (``runtime.compile_offline``, ``runtime.kernel_spec``, ``runtime.compile_co
 
 from __future__ import annotations
 
-import json
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,13 +28,8 @@ from .codegen.lower import (
     lower,
     pack_int32,
 )
-from .codegen.layout import CTA_SLICES, PROF_END, PROF_SM_NODE
-from .codegen.profiling import profile_words, record_words, slice_capacity, slice_records
-from .codegen.megakernel import (
-    DEVICE_STATE,
-    PROF_WIDTH,
-    PROGRAM,
-)
+from .codegen.megakernel import DEVICE_STATE, PROGRAM
+from .codegen.profiling import profile_words, slice_capacity
 from .comm import Communicator, different_plans_error, plan_digest, symmetric_values
 from .diagnose import diagnose_abort as _diagnose
 from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
@@ -52,9 +44,9 @@ from .kernels import (  # noqa: F401 (re-exported: the backend's compile entry p
     kernel_spec,
 )
 from .plan import Plan, dump_stage, instantiate, no_gc
+from .profiles import ProfileReaders
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
-from .trace import task_record
 
 
 def _off_graph(fn, *args):
@@ -156,7 +148,7 @@ class _Call:
         return True
 
 
-class CuteGraph:
+class CuteGraph(ProfileReaders):
     """A graph compiled to one persistent CuTe DSL kernel. Call it like a function of the graph
     leaves (CUDA tensors); returns the graph outputs."""
 
@@ -704,86 +696,6 @@ class CuteGraph:
                 if v.name in self._scratch_bufs and v.is_own_counter:
                     self._scratch_bufs[v.name].zero_()
         raise DeadlockError(msg)
-
-    # -- profiling ------------------------------------------------------------------------------
-    def profile_records(self) -> list[dict[str, Any]]:
-        """Per task of the last launch that ran (``%globaltimer`` ns): its SM, when its
-        consumers took it (``start_ns``) and when it was published (``end_ns``), its label and
-        node, and its phases (``cutemk.trace.PHASES``; None where not recorded): when the
-        producer took it up (``fetched_ns``), when its events were met (``ready_ns``), when a
-        ring tile's first slice had landed (``landed_ns``) and when its output was staged for
-        the storer (``staged_ns``)."""
-        if not self.spec.profile or self.last_env is None:
-            raise ValueError("compile with profile=True and run once before reading a profile")
-        b = self._bufs(self.last_env)
-        raw = self._profile_rows(b)[: b.plan.num_tasks]
-        return [task_record(r, b.plan.tasks[t]) for t, r in enumerate(raw) if r[PROF_END] > 0]
-
-    def _profile_rows(self, b: _Buffers) -> np.ndarray:
-        """The task and CTA records of the last launch (not the slice regions), one a row."""
-        words = record_words(b.plan.num_tasks, self.num_sms)
-        return b.torch_dev["prof"][:words].cpu().numpy().reshape(-1, PROF_WIDTH)
-
-    def profile_slices(self) -> list[dict[str, Any]]:
-        """Per ring task of the last launch of a graph compiled with ``profile="slices"``:
-        its label, node and SM, and its slices in order as ``(issued_ns, landed_ns)`` (the
-        producer armed the slot and issued the loads it may issue before the task's events,
-        the consumers found it landed; 0 where not stamped). ``cutemk.trace.slice_summary``
-        reads them. Warns where a CTA issued more slices than its region holds (the dynamic
-        scheduler's regions hold twice a CTA's share): those were not stamped."""
-        if not self.spec.profile_slices or self.last_env is None:
-            raise ValueError(
-                "compile with profile='slices' and run once before reading slice stamps"
-            )
-        b = self._bufs(self.last_env)
-        raw = b.torch_dev["prof"].cpu().numpy()
-        tasks = b.plan.tasks
-        rows = self._profile_rows(b)
-        sm = rows[: b.plan.num_tasks, PROF_SM_NODE] & 0xFFFFFFFF
-        ctas = rows[b.plan.num_tasks : b.plan.num_tasks + self.num_sms]
-        per_cta = slice_records(raw, self.num_sms, b.plan.num_tasks)
-        dropped = sum(max(int(c[CTA_SLICES]) - len(s), 0) for c, s in zip(ctas, per_cta))
-        if dropped:
-            warnings.warn(
-                f"{dropped} ring slices past the profile's slice regions were not stamped",
-                stacklevel=2,
-            )
-        by_task: dict[int, dict[str, Any]] = {}
-        for cta in per_cta:
-            for _, t, issued, landed in cta:
-                if not 0 <= t < b.plan.num_tasks:
-                    continue
-                rec = by_task.setdefault(
-                    t,
-                    {
-                        "label": tasks[t].label,
-                        "node": tasks[t].node.name,
-                        "sm": int(sm[t]),
-                        "slices": [],
-                    },
-                )
-                rec["slices"].append((issued, landed))
-        return [by_task[t] for t in sorted(by_task)]
-
-    def profile_ctas(self) -> list[dict[str, Any]]:
-        """Per CTA of the last launch (``%globaltimer`` ns): its SM, when it entered the plan,
-        when its roles were done (its last task's store drained) and when it left (the last
-        CTA out also closes the launch): what a launch spends outside its tasks."""
-        if not self.spec.profile or self.last_env is None:
-            raise ValueError("compile with profile=True and run once before reading a profile")
-        b = self._bufs(self.last_env)
-        n = b.plan.num_tasks
-        raw = self._profile_rows(b)[n : n + self.num_sms]
-        keys = ("sm", "entry_ns", "roles_done_ns", "exit_ns", "slices")
-        return [dict(zip(keys, map(int, r))) for r in raw if r[3] > 0]
-
-    def export_trace(self, path: str | Path) -> Path:
-        """Chrome-trace JSON of the last launch (one track per SM); opens in Perfetto."""
-        from .trace import chrome_trace
-
-        path = Path(path)
-        path.write_text(json.dumps(chrome_trace(self.profile_records(), self.graph.name)))
-        return path
 
 
 def scratch_bytes(graph: Graph) -> int:
