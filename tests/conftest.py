@@ -23,6 +23,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
+
+
+@pytest.fixture
+def benchmark_script(monkeypatch):
+    """``benchmark_script(name)``: ``benchmarks/<name>.py`` loaded as a module (registered in
+    ``sys.modules``, the benchmarks folder on ``sys.path`` as when the script runs), for tests
+    of what a benchmark times against."""
+    import importlib.util
+    import sys
+
+    monkeypatch.syspath_prepend(_BENCHMARKS)
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(
+            f"benchmark_{name}", os.path.join(_BENCHMARKS, f"{name}.py")
+        )
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, mod)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
+
+
 _PTXAS: dict[str, str] = {}
 
 

@@ -2,23 +2,10 @@
 pipeline (``torch._grouped_mm``) and quack's (its varlen / gather grouped GEMMs, checked here
 through quack's reference GEMMs where quack is importable) against ``moe_reference``."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from cutemk.layers import moe_reference
-
-_PATH = Path(__file__).parent.parent / "benchmarks" / "moe.py"
-
-
-def _moe_bench():
-    spec = importlib.util.spec_from_file_location("moe_bench", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _block(seed=0, e=8, h=64, i=32, t=9):
@@ -31,14 +18,14 @@ def _block(seed=0, e=8, h=64, i=32, t=9):
     )
 
 
-def test_the_torch_pipeline_is_the_moe_block():
+def test_the_torch_pipeline_is_the_moe_block(benchmark_script):
     try:  # a torch without a CPU _grouped_mm cannot run the pipeline here
         torch._grouped_mm(
             torch.ones(2, 4), torch.ones(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32)
         )
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"torch._grouped_mm on the CPU: {e}")
-    moe = _moe_bench()
+    moe = benchmark_script("moe")
     for seed, t in ((0, 9), (1, 1), (2, 40)):  # experts left without tokens at small t
         x, w = _block(seed, t=t)
         y = moe.torch_moe(x, **w, top_k=2)
@@ -46,12 +33,12 @@ def test_the_torch_pipeline_is_the_moe_block():
         assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_the_quack_pipeline_layout_is_the_moe_block():
+def test_the_quack_pipeline_layout_is_the_moe_block(benchmark_script):
     """Gate and up rows interleaved as quack's gated epilogue pairs them, slots gathered by
     token index, rows per expert as cu_seqlens: quack's reference GEMMs on these operands
     give the block (its GPU kernels are timed against the same operands)."""
     quack = pytest.importorskip("quack.gemm_interface")
-    moe = _moe_bench()
+    moe = benchmark_script("moe")
     x, w = _block(3, t=13)
     il = moe.interleave_gate_up(w["w_gate_up"])
     i = w["w_gate_up"].shape[1] // 2
@@ -73,25 +60,15 @@ def test_the_quack_pipeline_layout_is_the_moe_block():
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def _decoder_bench(monkeypatch):
-    path = _PATH.parent / "decoder_layer.py"
-    spec = importlib.util.spec_from_file_location("decoder_layer_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclass looks its module up
-    monkeypatch.syspath_prepend(str(_PATH.parent))  # it imports moe.py from beside itself
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "moe"])
-def test_the_decoder_benchmarks_torch_step_is_the_layer(sparse, monkeypatch):
+def test_the_decoder_benchmarks_torch_step_is_the_layer(sparse, benchmark_script):
     """``benchmarks/decoder_layer.py``'s torch step (bf16 and its fp32 reference) against
     ``MegaDecoderLayer`` (interpreter) built as the benchmark builds it, at small dims."""
     from cutemk.layers import DecoderConfig, MoeConfig, fold_decoder_norms
     from cutemk.nn import MegaDecoderLayer
     from cutemk.ops import rope_table
 
-    dl = _decoder_bench(monkeypatch)
+    dl = benchmark_script("decoder_layer")
     h, i, hq, hkv, d, n, page = 64, 32, 4, 2, 32, 48, 16
     dims = dl.Layer("tiny", h, i, hq, hkv, d, experts=8 if sparse else 0, top_k=2)
     g = torch.Generator().manual_seed(1)

@@ -2,23 +2,12 @@
 they compile for sm_90a with the synchronisation they exist to show, and on a GPU every
 round reads what the other side wrote."""
 
-import importlib.util
 import os
 import re
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-_PATH = Path(__file__).parent.parent / "benchmarks" / "sanitize_patterns.py"
-
-
-def _patterns():
-    spec = importlib.util.spec_from_file_location("sanitize_patterns", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize(
@@ -34,8 +23,12 @@ def _patterns():
         ("epi_late", [r"bar\.sync\s+1, 64", r"mbarrier\.try_wait", r"nanosleep"], []),
     ],
 )
-def test_patterns_compile_with_their_synchronisation(tmp_path, name, present, absent):
-    _patterns().compile_pattern(name, f"--keep-ptx --dump-dir={tmp_path}")
+def test_patterns_compile_with_their_synchronisation(
+    tmp_path, name, present, absent, benchmark_script
+):
+    benchmark_script("sanitize_patterns").compile_pattern(
+        name, f"--keep-ptx --dump-dir={tmp_path}"
+    )
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
     for instr in present:
@@ -45,5 +38,5 @@ def test_patterns_compile_with_their_synchronisation(tmp_path, name, present, ab
 
 
 @pytest.mark.gpu
-def test_patterns_read_what_was_written():
-    assert _patterns().main([]) == 0
+def test_patterns_read_what_was_written(benchmark_script):
+    assert benchmark_script("sanitize_patterns").main([]) == 0
