@@ -349,6 +349,11 @@ def main(argv=None) -> int:
         "--moe", action="store_true", help="a Qwen3-30B-A3B layer (sparse block) instead"
     )
     p.add_argument(
+        "--idle-ties",
+        action="store_true",
+        help="also a static module whose scheduler breaks ties toward the SM free longest",
+    )
+    p.add_argument(
         "--attention-align", type=int, default=None, help="tokens per attention slice (64, 128)"
     )
     args = p.parse_args(argv)
@@ -411,6 +416,11 @@ def main(argv=None) -> int:
         megas[f"mk_static_{item}"] = MegaDecoderLayer(
             wm, dataclasses.replace(cfg, **fields), scheduler="static", **kw
         )
+    if args.idle_ties:
+        from cutemk.schedulers import StaticScheduler
+
+        idle = StaticScheduler(ties="idle")
+        megas["mk_static_idle_ties"] = MegaDecoderLayer(wm, cfg, scheduler=idle, **kw)
     profiled = None
     if args.trace:  # a separate module: profiling adds a timestamp store per task
         profiled = MegaDecoderLayer(wm, cfg, scheduler="static", **kw)

@@ -38,6 +38,16 @@ def _add(best: float, sm: int, second: float, f: float, fsm: int) -> tuple[float
     return best, sm, (f if f > second else second)
 
 
+def _first_earliest(start: np.ndarray, sm_free: np.ndarray) -> int:
+    return int(start.argmin())
+
+
+def _earliest_free_longest(start: np.ndarray, sm_free: np.ndarray) -> int:
+    """Of the SMs where a task starts earliest, the one free longest (then the first)."""
+    tied = np.flatnonzero(start == start.min())
+    return int(tied[sm_free[tied].argmin()])
+
+
 def _priority_order(plan: Plan, rank: list[float]) -> list[int]:
     """Task ids by decreasing upward rank, then ``plan.task_key`` (node, the op's preferred
     tile order), then id: one ``np.lexsort`` over the ops' key arrays, the same order as
@@ -67,6 +77,15 @@ class StaticScheduler:
     hw: Hardware = H200
     mode: SchedulingMode = SchedulingMode.STATIC
     name: str = "static"
+    # between SMs where a task can start as early (by the cost model): "index" takes the
+    # first, "idle" the one that has been free longest, which puts small tasks behind a wait
+    # (a split reduce, a norm) on SMs with nothing else to do rather than in front of a GEMM
+    # tile whose weights their wait would hold back (to measure: benchmarks/NOTES.md)
+    ties: str = "index"
+
+    def __post_init__(self) -> None:
+        if self.ties not in ("index", "idle"):
+            raise ValueError(f"StaticScheduler ties must be 'index' or 'idle', got {self.ties!r}")
 
     def build(self, plan: Plan, num_sms: int) -> StaticSchedule:
         if num_sms < 1:
@@ -104,6 +123,7 @@ class StaticScheduler:
         heappop, heappush = heapq.heappop, heapq.heappush
         hop = self.hw.hop_us
         cost = plan.cost
+        pick = _first_earliest if self.ties == "index" else _earliest_free_longest
         start = np.zeros(num_sms)
         # ``start`` after the last task placed through the wait branch, for its waits: a task
         # with the same waits (the next tile of a row, say) needs only the entry of the SM the
@@ -121,7 +141,7 @@ class StaticScheduler:
                     start[b_sm] = max(own, sm_free[b_sm])
                 else:
                     start[last_sm] = max(sm_free[last_sm], threshold)
-                sm = int(start.argmin())
+                sm = pick(start, sm_free)
                 begin = float(start[sm])
             elif wt or xt:
                 # when t can start on each SM: a predecessor on the same SM is waited for as
@@ -154,7 +174,7 @@ class StaticScheduler:
                 np.maximum(sm_free, threshold, out=start)
                 own = max(b_best, b_second + hop if b_second >= 0.0 else 0.0)
                 start[b_sm] = max(own, sm_free[b_sm])
-                sm = int(start.argmin())
+                sm = pick(start, sm_free)
                 begin = float(start[sm])
                 last_wt = None if xt else wt
             else:  # ready at once: the SM that frees first
@@ -200,7 +220,9 @@ class StaticScheduler:
         rank = arrays.upward_rank()
         if rank is None:
             return None
-        sm_of, placed = arrays.list_schedule(_priority_order(plan, rank), num_sms, self.hw.hop_us)
+        sm_of, placed = arrays.list_schedule(
+            _priority_order(plan, rank), num_sms, self.hw.hop_us, self.ties == "idle"
+        )
         on = sm_of[placed]
         ordered = placed[np.argsort(on, kind="stable")]
         bounds = np.cumsum(np.bincount(on, minlength=num_sms))[:-1]

@@ -20,10 +20,10 @@ from cutemk.scheduling import StaticSchedule, check_static_schedule
 pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C compiler built cutemk.native")
 
 
-def _python_queues(plan, num_sms, monkeypatch):
+def _python_queues(plan, num_sms, monkeypatch, ties="index"):
     with monkeypatch.context() as m:
         m.setattr(native, "lib", lambda: None)
-        return StaticScheduler().build(plan, num_sms).queues
+        return StaticScheduler(ties=ties).build(plan, num_sms).queues
 
 
 def _dag_plan(rng, n):
@@ -54,12 +54,13 @@ def _plans():
     yield instantiate(g, {"T": 1000})
 
 
+@pytest.mark.parametrize("ties", ["index", "idle"])
 @pytest.mark.parametrize("num_sms", [1, 7, 132])
-def test_same_queues_as_the_python_passes(num_sms, monkeypatch):
+def test_same_queues_as_the_python_passes(num_sms, ties, monkeypatch):
     for plan in _plans():
-        sched = StaticScheduler().build(plan, num_sms)
+        sched = StaticScheduler(ties=ties).build(plan, num_sms)
         assert sched.native is not None  # the C path ran
-        assert sched.queues == _python_queues(plan, num_sms, monkeypatch)
+        assert sched.queues == _python_queues(plan, num_sms, monkeypatch, ties)
         check_static_schedule(plan, sched, num_sms)
 
 

@@ -99,7 +99,16 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.cutemk_upward_rank.restype = i32
     so.cutemk_check_order.argtypes = [*graph, _I32P]
     so.cutemk_check_order.restype = i32
-    so.cutemk_list_schedule.argtypes = [*graph, _F64P, _I32P, i32, ctypes.c_double, _I32P, _I32P]
+    so.cutemk_list_schedule.argtypes = [
+        *graph,
+        _F64P,
+        _I32P,
+        i32,
+        ctypes.c_double,
+        i32,
+        _I32P,
+        _I32P,
+    ]
     so.cutemk_list_schedule.restype = i32
     i64p = np.ctypeslib.ndpointer(dtype=np.int64, flags="C_CONTIGUOUS")
     so.cutemk_cell_sources.argtypes = [i32, i64p, _I32P, i32, i64p, _I32P, _I32P, ctypes.c_int64]
@@ -166,14 +175,16 @@ class PlanArrays:
             raise MemoryError("cutemk_upward_rank")
         return rank.tolist() if got == self.n else None
 
-    def list_schedule(self, by_prio: Sequence[int], num_sms: int, hop: float) -> np.ndarray:
-        """Each task's SM and the order tasks were placed in: ``(sm_of, placed)``."""
+    def list_schedule(
+        self, by_prio: Sequence[int], num_sms: int, hop: float, idle_ties: bool = False
+    ) -> np.ndarray:
+        """Each task's SM and the order tasks were placed in: ``(sm_of, placed)``;
+        ``idle_ties``: see ``StaticScheduler.ties``."""
         sm_of = np.full(self.n, -1, dtype=np.int32)
         placed = np.zeros(self.n, dtype=np.int32)
         order = np.ascontiguousarray(by_prio, dtype=np.int32)
-        rc = lib().cutemk_list_schedule(
-            *self._graph(), self.cost, order, int(num_sms), float(hop), sm_of, placed
-        )
+        args = (self.cost, order, int(num_sms), float(hop), int(idle_ties), sm_of, placed)
+        rc = lib().cutemk_list_schedule(*self._graph(), *args)
         if rc:
             raise RuntimeError("the C list scheduler could not place every task")
         return sm_of, placed

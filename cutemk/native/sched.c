@@ -194,12 +194,14 @@ static int32_t heap_pop(int32_t *h, int32_t *len) {
 
 /* The list scheduler (StaticScheduler.build's main loop): tasks in priority order among the
  * ready ones (by_prio: priority -> task, a total order), each on the SM where it can start
- * earliest. Writes each task's SM and the order tasks were placed; returns 0, or -1 when out of
- * memory or when not every task could be placed (a cycle). */
+ * earliest; between SMs where it can start as early, the first (idle_ties 0) or the one free
+ * longest (idle_ties 1). Writes each task's SM and the order tasks were placed; returns 0, or
+ * -1 when out of memory or when not every task could be placed (a cycle). */
 int32_t cutemk_list_schedule(int32_t n, int32_t e, const int32_t *wait_ptr,
                              const int32_t *wait_idx, const int32_t *ntf_ptr,
                              const int32_t *ntf_idx, const double *cost, const int32_t *by_prio,
-                             int32_t num_sms, double hop, int32_t *sm_of, int32_t *placed) {
+                             int32_t num_sms, double hop, int32_t idle_ties, int32_t *sm_of,
+                             int32_t *placed) {
     graph_t g;
     if (graph_build(&g, n, e, wait_ptr, wait_idx, ntf_ptr, ntf_idx)) return -1;
     double *ev_best = malloc(sizeof(double) * (size_t)(e > 0 ? e : 1));
@@ -255,7 +257,10 @@ int32_t cutemk_list_schedule(int32_t n, int32_t e, const int32_t *wait_ptr,
             if (b_best > own) own = b_best;
             if (b_sm >= 0) start[b_sm] = sm_free[b_sm] > own ? sm_free[b_sm] : own;
             sm = 0;
-            for (int32_t s = 1; s < num_sms; s++) if (start[s] < start[sm]) sm = s;
+            for (int32_t s = 1; s < num_sms; s++)
+                if (start[s] < start[sm] ||
+                    (idle_ties && start[s] == start[sm] && sm_free[s] < sm_free[sm]))
+                    sm = s;
             begin = start[sm];
         } else {
             sm = 0;
