@@ -113,6 +113,7 @@ def linear(
     sumsq: bool = False,
     reduce: bool = True,
     fuse_reduce: bool = False,
+    l2_prefetch: bool = False,
     name: str | None = None,
 ):
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
@@ -140,7 +141,10 @@ def linear(
     of each output block reduces it (``ops.gemm_split``: no reduce node, no hop; with
     ``sumsq`` it writes the sums of squares too) if the Hopper tile runs it (sm_90a, 16-bit
     operands; with ``silu_mul`` the gate half a whole number of partial tiles); else the
-    reduce node as above."""
+    reduce node as above.
+
+    ``l2_prefetch``: the GEMM tiles prefetch their weight slices past the ring's depth into L2
+    before their events (``ops.GemmTile.l2_prefetch``)."""
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -189,17 +193,27 @@ def linear(
             block_m=block_m,
             block_n=block_n,
             epilogue=epilogue,
+            l2_prefetch=l2_prefetch,
             name=name,
             **norm,
         )
         return (y, None) if sumsq else y
     if fuse_reduce and reduce and norm_eps is None:
-        fused = _fused_split(x, w, res, split_k, epilogue, block_m, split_block_n, sumsq)
+        fused = _fused_split(
+            x, w, res, split_k, epilogue, block_m, split_block_n, sumsq, l2_prefetch
+        )
         if fused is not None:
             out = g.call(fused, x, w, *res, name=name)
             return (out[0], out[3]) if sumsq else out[0]
     part = g.call(
-        ops.gemm_partial, x, w, split_k=split_k, block_m=block_m, block_n=split_block_n, name=name
+        ops.gemm_partial,
+        x,
+        w,
+        split_k=split_k,
+        block_m=block_m,
+        block_n=split_block_n,
+        l2_prefetch=l2_prefetch,
+        name=name,
     )
     if not reduce:
         if r is not None or epilogue is not None or sumsq or norm_sumsq is not None:
@@ -224,7 +238,7 @@ def linear(
     )
 
 
-def _fused_split(x, w, res, split_k, epilogue, block_m, block_n, sumsq=False):
+def _fused_split(x, w, res, split_k, epilogue, block_m, block_n, sumsq=False, l2_prefetch=False):
     """The ``ops.gemm_split`` op of a split projection, or None where it does not apply (its
     shape checks, or no Hopper tile for it)."""
     try:
@@ -237,6 +251,7 @@ def _fused_split(x, w, res, split_k, epilogue, block_m, block_n, sumsq=False):
             block_m=block_m,
             block_n=block_n,
             sumsq=sumsq,
+            l2_prefetch=l2_prefetch,
         )
     except (ShapeError, ValueError, TypeError):
         return None
@@ -540,6 +555,10 @@ class DecoderConfig:
     # MLP's norm takes) and of the down projection (+ residual) in their last partial tiles
     # (``linear(fuse_reduce=True)``: no reduce phase where the Hopper tile runs it)
     fused_reduce: bool = False
+    # decode: the output projection's tiles prefetch their weight slices past the ring's depth
+    # into L2 before their events (``linear(l2_prefetch=True)``), while attention leaves HBM
+    # mostly idle at a few sequences (to measure; off by default)
+    o_proj_l2_prefetch: bool = False
 
 
 def decoder_layer_graph(
@@ -691,7 +710,15 @@ def _decoder_layer(
     # + residual; folded, its split reduce also hands the MLP's norm h1's sums of squares
     fuse_reduce = cfg.fused_reduce and not prefill
     o_proj = linear(
-        g, o, w_o, x, **tiles, sumsq=fold_mlp, fuse_reduce=fuse_reduce, name="o_proj"
+        g,
+        o,
+        w_o,
+        x,
+        **tiles,
+        sumsq=fold_mlp,
+        fuse_reduce=fuse_reduce,
+        l2_prefetch=cfg.o_proj_l2_prefetch,
+        name="o_proj",
     )
     h1, h1_ss = o_proj if fold_mlp else (o_proj, None)
     if moe is None:

@@ -92,6 +92,9 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
     norm_ss: Optional[TensorSpec] = field(default=None, kw_only=True)
     norm_width: Optional[int] = field(default=None, kw_only=True)  # K, the mean's width
     norm_eps: Optional[float] = field(default=None, kw_only=True)
+    # the weight slices past the ring's depth prefetched into L2 before the tile's events
+    # (``TileOp.prefetches_l2``; the Hopper tile only)
+    l2_prefetch: bool = field(default=False, kw_only=True)
 
     name: ClassVar[str] = "gemm"
     outputs: ClassVar[tuple[str, ...]] = ("c",)
@@ -109,6 +112,8 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         expect_ndim(self.a, 2, "gemm a")
         expect_ndim(self.b, 2, "gemm b")
         expect_dtype(self.a, FLOAT_DTYPES, "gemm a")
+        if not isinstance(self.l2_prefetch, bool):
+            raise TypeError(f"gemm l2_prefetch must be a bool, got {self.l2_prefetch!r}")
         if self.b.dtype != self.a.dtype:
             raise TypeError(f"gemm b must have a's dtype {self.a.dtype}, got {self.b.dtype}")
         expect_same_dim(self.a.shape[1], self.b.shape[1], "gemm: a.shape[1] (K) vs b.shape[1]")
@@ -256,6 +261,10 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
 
     # -- device -----------------------------------------------------------------------------
     independent_inputs: ClassVar[tuple[str, ...]] = ("b",)
+
+    @property
+    def prefetches_l2(self) -> bool:
+        return self.l2_prefetch and self.sm90() is not None
 
     def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
         """The Hopper tile (TMA + wgmma through the megakernel's ring) where the target arch and
@@ -452,10 +461,12 @@ def gemm(
     out_dtype: Optional[torch.dtype] = None,
     norm_width: Optional[int] = None,
     norm_eps: Optional[float] = None,
+    l2_prefetch: bool = False,
 ) -> GemmTile:
     """C = A @ B^T with an optional fused epilogue (see module doc). ``operands``: the
     residual ``r`` (``epilogue="residual"``, which it implies when given), then, with
-    ``norm_width`` and ``norm_eps``, the row norm's ``norm_ss``."""
+    ``norm_width`` and ``norm_eps``, the row norm's ``norm_ss``. ``l2_prefetch``: see
+    ``GemmTile``."""
     rest = list(operands)
     norm_ss = rest.pop() if norm_width is not None and rest else None
     if len(rest) > 1:
@@ -474,4 +485,5 @@ def gemm(
         norm_ss=norm_ss,
         norm_width=norm_width,
         norm_eps=norm_eps,
+        l2_prefetch=l2_prefetch,
     )

@@ -410,6 +410,36 @@ def _copy_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32, idx: Int32, ba
 
 
 @cute.jit
+def _prefetch_slice(atom, tma, s, coord: Int32, rows: int, kt: Int32):
+    """TMA-prefetch into L2 what :func:`_copy_slice` would load of slice ``kt`` (``s``, any
+    ring view of the slice's shape, only shapes the partition)."""
+    g = cute.local_tile(tma, (rows, BLOCK_K), (coord, None))
+    _, tg = cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+    )
+    cute.prefetch(atom, tg[(None, kt)])
+
+
+@cute.jit
+def _weight_slice(cfg: cutlass.Constexpr, tensors, expert: Int32, coord1: Int32, kt: Int32):
+    """(B's and the up half's TMA tensors, column block, slice) of a tile's weight slice
+    ``kt``: split-K ranges and a grouped tile's expert resolved."""
+    x = cfg.extra0
+    tma_b, tma_u = tensors[x + 3], tensors[x + 5]
+    if cutlass.const_expr(cfg.split > 1):  # K range coord1 % split of column block coord1 // split
+        kt = kt + (coord1 % cfg.split) * cfg.k_tiles
+        coord1 = coord1 // cfg.split
+    if cutlass.const_expr(cfg.combine_k):
+        # every pick has a tile (the combine counts k of them): a pick without an expert
+        # streams expert 0's weights and contributes NaN
+        expert = cute.max(Int32(0), cute.min(expert, tensors[1].shape[0] - 1))
+    if cutlass.const_expr(cfg.grouped):
+        tma_b = tma_b[None, None, expert]
+        tma_u = tma_u[None, None, expert]
+    return tma_b, tma_u, coord1, kt
+
+
+@cute.jit
 def load_weights(
     cfg: cutlass.Constexpr,
     tensors,
@@ -426,20 +456,25 @@ def load_weights(
     ``expert`` (the task word: ``tile_info[coord0, 0]``, read once per task)."""
     _, sB, sU = _ring_views(cfg, ring, stages, slot)
     x = cfg.extra0
-    tma_b, tma_u = tensors[x + 3], tensors[x + 5]
-    if cutlass.const_expr(cfg.split > 1):  # K range coord1 % split of column block coord1 // split
-        kt = kt + (coord1 % cfg.split) * cfg.k_tiles
-        coord1 = coord1 // cfg.split
-    if cutlass.const_expr(cfg.combine_k):
-        # every pick has a tile (the combine counts k of them): a pick without an expert
-        # streams expert 0's weights and contributes NaN
-        expert = cute.max(Int32(0), cute.min(expert, tensors[1].shape[0] - 1))
-    if cutlass.const_expr(cfg.grouped):
-        tma_b = tma_b[None, None, expert]
-        tma_u = tma_u[None, None, expert]
+    tma_b, tma_u, coord1, kt = _weight_slice(cfg, tensors, expert, coord1, kt)
     _copy_slice(tensors[x + 2], tma_b, sB, coord1, cfg.bn, kt, idx, bar)
     if cutlass.const_expr(cfg.n_b == 2):
         _copy_slice(tensors[x + 4], tma_u, sU, coord1, cfg.bn, kt, idx, bar)
+
+
+@cute.jit
+def prefetch_weights(
+    cfg: cutlass.Constexpr, tensors, expert: Int32, coord1: Int32, kt: Int32, ring, stages, slot
+):
+    """Producer warp: B (and the up half) of slice ``kt`` into L2 (no slot, no barrier), for
+    a slice past the ring's depth that would otherwise be read from HBM only once a slot
+    frees (``GemmTile.l2_prefetch``)."""
+    _, sB, sU = _ring_views(cfg, ring, stages, slot)
+    x = cfg.extra0
+    tma_b, tma_u, coord1, kt = _weight_slice(cfg, tensors, expert, coord1, kt)
+    _prefetch_slice(tensors[x + 2], tma_b, sB, coord1, cfg.bn, kt)
+    if cutlass.const_expr(cfg.n_b == 2):
+        _prefetch_slice(tensors[x + 4], tma_u, sU, coord1, cfg.bn, kt)
 
 
 @cute.jit
@@ -740,6 +775,10 @@ class HopperGemmOp:
         self, tensors, coord0, coord1, word, kt, idx, bar, ring, stages, slot
     ):
         load_activations(self.sm90(), tensors, coord0, coord1, kt, idx, bar, ring, stages, slot)
+
+    @cute.jit
+    def device_prefetch_l2(self, tensors, coord0, coord1, word, kt, ring, stages, slot):
+        prefetch_weights(self.sm90(), tensors, word, coord1, kt, ring, stages, slot)
 
     @cute.jit
     def device_compute(

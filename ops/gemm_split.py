@@ -268,16 +268,26 @@ def gemm_split(
     block_m: int = 64,
     block_n: int = 256,
     sumsq: bool = False,
+    l2_prefetch: bool = False,
 ) -> GemmSplitTile:
     """``epilogue(a @ b^T)`` split along K into ``split_k`` ranges, the last partial tile of
     each output block reducing it (:class:`GemmSplitTile`); ``operands``: the residual ``r``
     (which implies the residual epilogue). Outputs ``(c, part, counts)``, then ``ss`` with
-    ``sumsq``."""
+    ``sumsq``. ``l2_prefetch``: see ``GemmTile``."""
     if len(operands) > 1:
         raise ValueError(f"gemm_split takes one operand (r), got {len(operands)}")
     r = operands[0] if operands else None
     if r is not None and epilogue is None:
         epilogue = "residual"
     return GemmSplitTile(
-        a, b, block_m, block_n, epilogue, out_dtype, r, split_k=split_k, sumsq=sumsq
+        a,
+        b,
+        block_m,
+        block_n,
+        epilogue,
+        out_dtype,
+        r,
+        split_k=split_k,
+        sumsq=sumsq,
+        l2_prefetch=l2_prefetch,
     )

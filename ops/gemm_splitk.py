@@ -470,10 +470,19 @@ class SplitReduceTile(TileOp):
 
 
 def gemm_partial(
-    a: TensorSpec, b: TensorSpec, *, split_k: int, block_m: int = 64, block_n: int = 256
+    a: TensorSpec,
+    b: TensorSpec,
+    *,
+    split_k: int,
+    block_m: int = 64,
+    block_n: int = 256,
+    l2_prefetch: bool = False,
 ) -> GemmPartialTile:
-    """fp32 partial products of ``a @ b^T`` over ``split_k`` K ranges: (split_k, M, N)."""
-    return GemmPartialTile(a, b, block_m, block_n, None, torch.float32, None, split_k)
+    """fp32 partial products of ``a @ b^T`` over ``split_k`` K ranges: (split_k, M, N).
+    ``l2_prefetch``: see ``GemmTile``."""
+    return GemmPartialTile(
+        a, b, block_m, block_n, None, torch.float32, None, split_k, l2_prefetch=l2_prefetch
+    )
 
 
 def gemm_split_reduce(

@@ -362,6 +362,7 @@ _TAILS = {  # MegaDecoderLayer's choice per regime (3 sequences: one phase), or 
     "regime": {},
     "three_phases": {"fused_qkv_tail": False},
     "fused_append": {"fused_qkv_tail": False, "fused_append": True},
+    "o_proj_l2_prefetch": {"o_proj_l2_prefetch": True},  # the prefetch changes no result
 }
 
 
@@ -559,6 +560,29 @@ def test_profiled_decode_layer_stamps_each_task_phase(tmp_path, scheduler):
     assert stamps[False] == 0
     assert stamps[True] >= 10 + ring_nodes
     assert stamps["slices"] >= stamps[True] + 3  # the producer's 3 issue sites, at least
+
+
+def test_decode_layer_with_o_proj_prefetching_into_l2_compiles_for_hopper(tmp_path, spill_stores):
+    """``DecoderConfig.o_proj_l2_prefetch``: the output projection's tiles TMA-prefetch their
+    weight slices into L2 before their events (one prefetch loop in the producer), the other
+    projections do not; static, no spills. Off, the kernel has no prefetch."""
+    import re
+
+    counts = {}
+    for on in (False, True):
+        cfg = replace(_QWEN3_8B_DECODE, o_proj_l2_prefetch=on)
+        g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+        assert [n.name for n in g.nodes if n.op.ring_tile() and n.op.prefetches_l2] == (
+            ["o_proj"] if on else []
+        )
+        d = tmp_path / str(on)
+        d.mkdir()
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        counts[on] = len(re.findall(r"cp\.async\.bulk\.prefetch\.tensor", ptx_file.read_text()))
+        if on:
+            assert spill_stores(ptx_file) == 0
+    assert counts == {False: 0, True: 1}
 
 
 @pytest.mark.parametrize("fused", ["fused_qkv_tail", "fused_append"])

@@ -104,6 +104,27 @@ def test_linear_splits_only_decode_sized_inputs():
     assert ops_by_name["pre"].name == "gemm"
 
 
+def test_linear_passes_the_l2_prefetch_to_every_gemm_form():
+    """``linear(l2_prefetch=True)``: the unsplit GEMM, the split partials and the in-tile split
+    reduce's GEMM all carry it (their Hopper tile prefetches); a reduce step has no weights;
+    a value other than a bool is refused."""
+    g = mk.Graph("lin")
+    x = g.input("x", (mk.sym("T", 64), 4096), BF)
+    xp = g.input("xp", (mk.sym("S", 4096), 4096), BF)
+    w = g.weight("w", (4096, 4096), BF)
+    linear(g, x, w, block_m=64, block_n=64, split_k=None, l2_prefetch=True, name="dec")
+    kw = {"block_m": 64, "block_n": 64, "split_k": None, "l2_prefetch": True}
+    linear(g, x, w, fuse_reduce=True, name="fused", **kw)
+    linear(g, xp, w, block_m=128, block_n=128, split_k=None, l2_prefetch=True, name="pre")
+    linear(g, xp, w, block_m=128, block_n=128, split_k=None, name="plain")
+    by = {n.name: n.op for n in g.nodes}
+    assert [by[k].name for k in ("dec", "fused", "pre")] == ["gemm_partial", "gemm_split", "gemm"]
+    assert all(by[k].l2_prefetch and by[k].prefetches_l2 for k in ("dec", "fused", "pre"))
+    assert not by["plain"].prefetches_l2 and not by["dec_sum"].prefetches_l2
+    with pytest.raises(TypeError, match="l2_prefetch"):
+        ops.gemm(x.spec, w.spec, l2_prefetch=1)
+
+
 def test_partial_refuses_ranges_that_are_not_whole_slices():
     a = TensorSpec((mk.sym("T", 16), 320), BF)
     b = TensorSpec((256, 320), BF)

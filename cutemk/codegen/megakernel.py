@@ -230,6 +230,12 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         self.w = spec.worker
         self.num_nodes = len(spec.ops)
         self.ring_of = tuple(op.ring_tile() for op in spec.ops)
+        # ring ops whose tiles prefetch their slices into L2 before their events (static
+        # slice counts only)
+        self.l2_prefetch = tuple(
+            r is not None and op.prefetches_l2 and not op.dynamic_slices
+            for op, r in zip(spec.ops, self.ring_of)
+        )
         self.has_exists = tuple(op.exists_on_device for op in spec.ops)
         self.dynamic_slices = tuple(
             r is not None and op.dynamic_slices for r, op in zip(self.ring_of, spec.ops)
