@@ -34,7 +34,7 @@ as one megakernel (``MegaDecoderLayer.prefill``, 128 x 128 GEMM tiles) vs the sa
 With ``--trace`` the prefill steps are traced too.
 
 Run: python benchmarks/decoder_layer.py [--moe] [--batch 1 16 64] [--quick] [--trace [slices]
-[--records DIR]]
+[--records DIR]] [--idle-ties]
 [--unfolded-norms] [--attention-align 64|128] [--ab FIELD ...] [--set FIELD=VALUE ...]
 [--rounds N]
 """

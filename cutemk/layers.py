@@ -143,8 +143,8 @@ def linear(
     operands; with ``silu_mul`` the gate half a whole number of partial tiles); else the
     reduce node as above.
 
-    ``l2_prefetch``: the GEMM tiles prefetch their weight slices past the ring's depth into L2
-    before their events (``ops.GemmTile.l2_prefetch``)."""
+    ``l2_prefetch``: the GEMM tiles prefetch their weight slices into L2 before their events
+    (``ops.GemmTile.l2_prefetch``)."""
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -555,9 +555,10 @@ class DecoderConfig:
     # MLP's norm takes) and of the down projection (+ residual) in their last partial tiles
     # (``linear(fuse_reduce=True)``: no reduce phase where the Hopper tile runs it)
     fused_reduce: bool = False
-    # decode: the output projection's tiles prefetch their weight slices past the ring's depth
-    # into L2 before their events (``linear(l2_prefetch=True)``), while attention leaves HBM
-    # mostly idle at a few sequences (to measure; off by default)
+    # decode: the output projection's tiles prefetch all their weight slices into L2 before
+    # their events (``linear(l2_prefetch=True)``), while attention leaves HBM mostly idle at a
+    # few sequences; the slices the ring then loads come from L2 (to measure; off by default;
+    # prefill graphs ignore it)
     o_proj_l2_prefetch: bool = False
 
 
@@ -717,7 +718,7 @@ def _decoder_layer(
         **tiles,
         sumsq=fold_mlp,
         fuse_reduce=fuse_reduce,
-        l2_prefetch=cfg.o_proj_l2_prefetch,
+        l2_prefetch=cfg.o_proj_l2_prefetch and not prefill,
         name="o_proj",
     )
     h1, h1_ss = o_proj if fold_mlp else (o_proj, None)

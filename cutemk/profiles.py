@@ -82,7 +82,8 @@ class ProfileReaders:
     def profile_ctas(self) -> list[dict[str, Any]]:
         """Per CTA of the last launch (``%globaltimer`` ns): its SM, when it entered the plan,
         when its roles were done (its last task's store drained) and when it left (the last
-        CTA out also closes the launch): what a launch spends outside its tasks."""
+        CTA out also closes the launch): what a launch spends outside its tasks; and the ring
+        slices its producer issued (``slices``)."""
         if not self.spec.profile or self.last_env is None:
             raise ValueError("compile with profile=True and run once before reading a profile")
         b = self._bufs(self.last_env)

@@ -310,14 +310,14 @@ class TileOp:
     @property
     def prefetches_l2(self) -> bool:
         """Ring op whose tiles prefetch into L2, before their events, the independent loads of
-        their slices past the ring's depth (:meth:`device_prefetch_l2`): an op's choice, e.g.
-        a projection whose weights would otherwise wait for ring slots that the tiles before
-        it hold while HBM is idle."""
+        all their slices (:meth:`device_prefetch_l2`): an op's choice, e.g. a projection whose
+        weights would otherwise wait for ring slots that the tiles before it hold while HBM is
+        idle."""
         return False
 
     def device_prefetch_l2(self, tensors, coord0, coord1, word, kt, ring, stages, slot):
-        """Ring op with :attr:`prefetches_l2`, producer warp: slice ``kt``'s independent loads
-        into L2 only (no slot, no barrier)."""
+        """Ring op with :attr:`prefetches_l2`, one elected producer lane: slice ``kt``'s
+        independent loads into L2 only (no slot, no barrier)."""
         raise NotImplementedError
 
     def device_compute(

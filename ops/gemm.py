@@ -92,8 +92,8 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
     norm_ss: Optional[TensorSpec] = field(default=None, kw_only=True)
     norm_width: Optional[int] = field(default=None, kw_only=True)  # K, the mean's width
     norm_eps: Optional[float] = field(default=None, kw_only=True)
-    # the weight slices past the ring's depth prefetched into L2 before the tile's events
-    # (``TileOp.prefetches_l2``; the Hopper tile only)
+    # every weight slice prefetched into L2 before the tile's events, the ring's loads then
+    # served from L2 (``TileOp.prefetches_l2``; the Hopper tile only)
     l2_prefetch: bool = field(default=False, kw_only=True)
 
     name: ClassVar[str] = "gemm"

@@ -466,9 +466,8 @@ def load_weights(
 def prefetch_weights(
     cfg: cutlass.Constexpr, tensors, expert: Int32, coord1: Int32, kt: Int32, ring, stages, slot
 ):
-    """Producer warp: B (and the up half) of slice ``kt`` into L2 (no slot, no barrier), for
-    a slice past the ring's depth that would otherwise be read from HBM only once a slot
-    frees (``GemmTile.l2_prefetch``)."""
+    """One producer lane: B (and the up half) of slice ``kt`` into L2 (no slot, no barrier),
+    so that its ring load, issued once a slot frees, reads L2 (``GemmTile.l2_prefetch``)."""
     _, sB, sU = _ring_views(cfg, ring, stages, slot)
     x = cfg.extra0
     tma_b, tma_u, coord1, kt = _weight_slice(cfg, tensors, expert, coord1, kt)

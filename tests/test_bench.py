@@ -247,9 +247,21 @@ def test_slice_regions_are_sized_by_the_busiest_queue_and_read_back_per_cta():
     assert slice_capacity([64, 0, 16], many, rec[:1].reshape(-1), [128, 12, 256]) == (
         2 * -(-(64 * 128 + 16 * 256) // 132) + 64
     )
-    # the host reads the records back as rows whatever the slice regions' size (odd here)
-    assert record_words(5, 3) % PROF_WIDTH == 0
-    assert profile_words(5, 3, 3) - record_words(5, 3) == 3 * 3 * SLICE_WIDTH
+    # the host reads the task and CTA records back as rows whatever the slice regions' size
+    # (3 CTAs x 3 slices: an odd number of slice words)
+    from types import SimpleNamespace
+
+    import torch
+
+    from cutemk.profiles import ProfileReaders
+
+    reader = ProfileReaders()
+    reader.num_sms = 3
+    prof = torch.arange(profile_words(5, 3, 3), dtype=torch.int64)
+    b = SimpleNamespace(plan=SimpleNamespace(num_tasks=5), torch_dev={"prof": prof})
+    rows = reader._profile_rows(b)
+    assert rows.shape == (5 + 3, PROF_WIDTH)
+    assert rows[-1, -1] == record_words(5, 3) - 1  # the slice regions are not read
 
     tasks, grid, cap = 5, 3, 10
     raw = np.zeros(profile_words(tasks, grid, cap), dtype=np.int64)

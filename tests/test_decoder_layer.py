@@ -564,7 +564,8 @@ def test_profiled_decode_layer_stamps_each_task_phase(tmp_path, scheduler):
 
 def test_decode_layer_with_o_proj_prefetching_into_l2_compiles_for_hopper(tmp_path, spill_stores):
     """``DecoderConfig.o_proj_l2_prefetch``: the output projection's tiles TMA-prefetch their
-    weight slices into L2 before their events (one prefetch loop in the producer), the other
+    weight slices into L2 before their events (one prefetch loop in the producer, issued by
+    one elected lane: a TMA load elects its lane itself, a prefetch does not), the other
     projections do not; static, no spills. Off, the kernel has no prefetch."""
     import re
 
@@ -579,9 +580,12 @@ def test_decode_layer_with_o_proj_prefetching_into_l2_compiles_for_hopper(tmp_pa
         d.mkdir()
         compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
         (ptx_file,) = d.glob("*.ptx")
-        counts[on] = len(re.findall(r"cp\.async\.bulk\.prefetch\.tensor", ptx_file.read_text()))
+        ptx = ptx_file.read_text()
+        counts[on] = len(re.findall(r"cp\.async\.bulk\.prefetch\.tensor", ptx))
         if on:
             assert spill_stores(ptx_file) == 0
+            before = ptx[: ptx.index("cp.async.bulk.prefetch.tensor")].splitlines()[-40:]
+            assert any("elect.sync" in line for line in before), "the prefetch is not elected"
     assert counts == {False: 0, True: 1}
 
 

@@ -100,12 +100,21 @@ class ProducerRole:
                         live, word, n = self._decide(tensors, k, c0, c1, live, word, n)
                     if cutlass.const_expr(self.l2_prefetch[k]):
                         # every slice's independent loads into L2 first (no slot needed): the
-                        # slots may be held by the tiles before this one for a while
+                        # slots may be held by the tiles before this one for a while. One lane
+                        # issues them (a TMA load elects its lane itself, a prefetch does not)
                         if live and not no_wait:
-                            for j in cutlass.range(r.slices, unroll=1):
-                                self.spec.ops[k].device_prefetch_l2(
-                                    tensors[k], c0, c1, word, j, ring, w.ring_stages, w.slot_bytes
-                                )
+                            with cute.arch.elect_one():
+                                for j in cutlass.range(r.slices, unroll=1):
+                                    self.spec.ops[k].device_prefetch_l2(
+                                        tensors[k],
+                                        c0,
+                                        c1,
+                                        word,
+                                        j,
+                                        ring,
+                                        w.ring_stages,
+                                        w.slot_bytes,
+                                    )
                     for j in cutlass.range_constexpr(min(r.slices, w.ring_stages)):
                         go = live
                         if cutlass.const_expr(self.spec.early_handover):
