@@ -77,9 +77,10 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def trace(args: argparse.Namespace) -> int:
-    """Profile one launch of a Qwen3-sized MLP graph; write Chrome-trace JSON and a PNG."""
+    """Profile one launch of a Qwen3-sized MLP graph; print where each node's time goes (the
+    per-node summary with the tasks' phases), write Chrome-trace JSON and a PNG."""
     from .layers import mlp_graph
-    from .trace import timeline_png
+    from .trace import node_summary, timeline_png
 
     if not torch.cuda.is_available():
         print("trace needs a CUDA GPU", file=sys.stderr)
@@ -99,6 +100,8 @@ def trace(args: argparse.Namespace) -> int:
     wd = (torch.randn(args.hidden, args.intermediate, device=dev) / 78).bfloat16()
     c(x, wgu, wd)
     torch.cuda.synchronize()
+    for row in node_summary(c.profile_records()):  # us since the launch's first task
+        print(row)
     path = c.export_trace(args.out)
     print(f"wrote {path} ({len(c.profile_records())} tasks; open it in https://ui.perfetto.dev)")
     try:

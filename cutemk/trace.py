@@ -177,7 +177,8 @@ def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per node, in order of first start: tasks run, SMs used, first start and last end (us
     since the launch's first task) and the median task duration (us): where a launch's time
     goes, read off one profiled run. With the phases: the first and last time one of its
-    tasks was ready (events met) and the median of each of a task's ``GAPS``."""
+    tasks was ready (events met), the median of each of a task's ``GAPS``, and the task that
+    ended last (``last_task``, its SM and its gaps: what the node's tail is made of)."""
     t0 = min((r["start_ns"] for r in records), default=0)
     by_node: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -205,6 +206,11 @@ def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 if name in gaps:
                     v = sorted(gaps[name])
                     row[f"median_{name}"] = round(v[len(v) // 2], 2)
+            # what the node's tail is made of: its last task to end, and that task's gaps
+            last = max(rs, key=lambda r: r["end_ns"])
+            row["last_task"] = last["label"]
+            row["last_task_sm"] = last["sm"]
+            row["last_task_gaps_us"] = {k: round(v, 2) for k, v in task_gaps(last).items()}
         rows.append(row)
     return sorted(rows, key=lambda r: r["first_start_us"])
 

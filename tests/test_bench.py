@@ -211,6 +211,15 @@ def test_node_summary_splits_a_task_into_its_phases(tmp_path):
     assert g["median_queued_us"] == 1.0
     assert (g["median_first_slice_us"], g["median_stream_us"]) == (2.0, 6.0)
     assert "median_stream_us" not in rows["s"] and rows["s"]["median_wait_us"] == 1.0
+    assert (g["last_task"], g["last_task_sm"]) == ("g[2]", 2)  # c ends last, at 13 us
+    assert g["last_task_gaps_us"] == {
+        "slots_us": 0.0,
+        "wait_us": 1.0,
+        "queued_us": 4.0,
+        "first_slice_us": 2.0,
+        "stream_us": 4.0,
+        "store_us": 1.0,
+    }
     # records of a kernel without the phases summarise as before
     plain = [{k: v for k, v in a.items() if k not in PHASES}]
     assert "first_ready_us" not in node_summary(plain)[0]
