@@ -127,3 +127,14 @@ def test_the_decoder_benchmarks_torch_step_is_the_layer(sparse, benchmark_script
     bf16 = {k: v.bfloat16() for k, v in w.items()}
     got = dl.torch_step(x.bfloat16(), pos, kc.bfloat16(), vc.bfloat16(), bf16, n, dims)
     assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("layer", ["decoder", "mlp", "moe"])
+def test_schedule_view_prints_every_sm_queue(layer, benchmark_script, capsys):
+    """``benchmarks/schedule_view.py``: the layer's static schedule at one token, checked, its
+    queues grouped by node sequence; the groups count every SM."""
+    view = benchmark_script("schedule_view")
+    assert view.main([layer, "--batch", "1", "--sms", "132", "--ties", "idle"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    groups = [line for line in lines if " SMs: " in line]
+    assert groups and sum(int(line.split()[0]) for line in groups) == 132
