@@ -216,31 +216,18 @@ def test_order_key_arrays_match_order_key():
             assert np.asarray(got).reshape(len(coords), -1).tolist() == [list(k) for k in want]
 
 
-def test_idle_ties_put_the_small_tasks_on_the_sms_the_gemm_phases_leave_free():
-    """A decode step of the Qwen3-8B layer at one sequence: every GEMM phase has 128 tiles on
-    132 SMs. Breaking ties by index leaves 4 SMs without a task and queues the q/k/v tail
-    tiles in front of GEMM tiles; toward the SM free longest (``ties="idle"``), every SM gets
-    work and some tail tiles go where no qkv_proj tile ran. Both schedules pass the check and
-    the C and Python passes agree (tests/test_native.py)."""
-    from cutemk.layers import DecoderConfig, decoder_layer_graph
+def test_idle_ties_put_the_small_tasks_on_the_sms_the_gemm_phases_leave_free(benchmark_script):
+    """A decode step of the Qwen3-8B layer at one sequence (as ``benchmarks/schedule_view.py``
+    builds it): every GEMM phase has 128 tiles on 132 SMs. Breaking ties by index leaves 4 SMs
+    without a task and queues the q/k/v tail tiles in front of GEMM tiles; toward the SM free
+    longest (``ties="idle"``), every SM gets work and some tail tiles go where no qkv_proj tile
+    ran. Both schedules pass the check and the C and Python passes agree
+    (tests/test_native.py)."""
     from cutemk.scheduling import check_static_schedule
 
-    cfg = DecoderConfig(
-        hidden=4096,
-        intermediate=12288,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        max_pages=257,
-        max_positions=4097,
-        block_m=64,
-        block_n=64,
-        fold_norms=True,
-        fused_qkv_tail=True,
-    )
-    g = decoder_layer_graph(mk.sym("B", max=8), cfg, torch.bfloat16)
-    plan = instantiate(g, {"B": 1, "pages": 257})
+    g, env, regime = benchmark_script("schedule_view")._decoder_graph(1)
+    assert regime == "gemv_tail"
+    plan = instantiate(g, env)
     nodes = [plan.tasks[t].node.name for t in range(plan.num_tasks)]
     by_index = StaticScheduler().build(plan, 132)
     idle = StaticScheduler(ties="idle").build(plan, 132)
