@@ -26,7 +26,6 @@ kernel views the same slots with its own layouts, stage stride = the kernel's sl
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cutlass
@@ -39,8 +38,8 @@ from cutlass.tensor_utils import LayoutEnum
 from cutemk.device.config import CONSUMER_BARRIER, WARP_SIZE, WARPGROUP
 from cutemk.tileop import RingTile
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
-from cutemk.device.sync import claim_last
 
+from .moe_combine_sm90 import combine_in_tile, pick_weight
 from .split_reduce import SS_WIDTH, reduce_last_tile
 
 BLOCK_K = 64
@@ -545,7 +544,7 @@ def compute(
     rs = Float32(1.0)  # with the row norm: the scale of the tile's row ``ctid``
     pick_w = Float32(0.0)
     if cutlass.const_expr(cfg.combine_k):  # loaded now, used after the main loop
-        pick_w = _pick_weight(cfg, tensors, coord0, word)
+        pick_w = pick_weight(cfg, tensors, coord0, word)
 
     for kt in cutlass.range(cfg.k_tiles, unroll=1):
         idx = consumer_wait(full, count + kt, stages, wait)
@@ -573,7 +572,21 @@ def compute(
             )
         return count + cfg.k_tiles
     if cutlass.const_expr(cfg.combine_k):
-        _combine(cfg, tensors, acc, tCcC, coord0, coord1, pick_w, epi_ptr, ctid, epi_free)
+        combine_in_tile(
+            cfg,
+            tensors,
+            acc,
+            tCcC,
+            coord0,
+            coord1,
+            pick_w,
+            epi_ptr,
+            ctid,
+            epi_free,
+            _consumer_sync,
+            CONSUMER_THREADS,
+            STORE_THREADS,
+        )
         return count + cfg.k_tiles
 
     # epilogue: registers -> shared memory (swizzled); the storer warp issues the TMA store
@@ -658,82 +671,6 @@ def _store_partial(
 @cute.jit
 def _consumer_sync():
     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-
-
-@cute.jit
-def _pick_weight(cfg: cutlass.Constexpr, tensors, coord0: Int32, word: Int32) -> Float32:
-    """The combine weight of tile ``coord0``'s pick, NaN where its id names no expert."""
-    k = cfg.combine_k
-    t = coord0 // k
-    wt = tensors[3][t, coord0 - t * k].to(Float32)
-    if word < 0 or word >= tensors[1].shape[0]:
-        wt = Float32(math.nan)
-    return wt
-
-
-@cute.jit
-def _combine(
-    cfg: cutlass.Constexpr,
-    tensors,
-    acc,
-    tCcC,
-    coord0: Int32,
-    coord1: Int32,
-    pick_w: Float32,
-    epi_ptr,
-    ctid: Int32,
-    epi_free,
-):
-    """The MoE combine in the down projection's tile (slot layout): tile ``coord0`` is pick
-    ``j`` of token ``t`` (``coord0 = t * k + j``, its row is row t of the tile). Its row times
-    the pick's weight goes from registers to ``part[t, j]`` (fp32); the consumers meet, thread 0
-    counts the pick in ``counts[t, coord1]`` (an acq_rel add: it releases this row and acquires
-    the other picks'), and the pick that brings the count to k puts it back to zero and writes
-    ``y[t]``'s columns as the k rows summed in pick order (a fixed order: bit-identical runs).
-    The storer's release after the consumers' barrier publishes ``y`` with the task's notify.
-    The staging buffer is taken and given back as every ring tile does; its first word carries
-    the verdict."""
-    epi_acquire(epi_free, STORE_THREADS)
-    k = cfg.combine_k
-    mY, mPart, mCnt = tensors[4], tensors[5], tensors[6]
-    t = coord0 // k
-    j = coord0 - t * k
-    c0 = coord1 * cfg.bn
-    cols = mY.shape[1]
-    for i in cutlass.range(cute.size(acc), unroll_full=True):
-        r, c = tCcC[i]
-        if r == t and c0 + c < cols:
-            mPart[t, j, c0 + c] = acc[i] * pick_w
-    sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
-    ptr = mCnt.iterator + (t * mCnt.shape[1] + coord1)
-    if claim_last(ptr, Int32(k), ctid, _consumer_sync, sLast):
-        vec = 4  # fp32 partials a thread loads at once (16 bytes; H % 4 == 0 is checked)
-        p_tok = cute.assume(mPart.stride[0], divby=vec)
-        p_pick = cute.assume(mPart.stride[1], divby=vec)
-        p4 = cute.make_tensor(
-            mPart.iterator,
-            cute.make_layout((mPart.shape[0], k, cols // vec, vec), stride=(p_tok, p_pick, vec, 1)),
-        )
-        y_row = cute.assume(mY.stride[0], divby=vec)
-        y4 = cute.make_tensor(
-            mY.iterator,
-            cute.make_layout((mY.shape[0], cols // vec, vec), stride=(y_row, vec, 1)),
-        )
-        for cv in range(ctid, cfg.bn // vec, CONSUMER_THREADS):
-            w = c0 // vec + cv
-            if w < cols // vec:
-                rows = []
-                for jj in cutlass.range_constexpr(k):
-                    v = cute.make_rmem_tensor((vec,), Float32)
-                    cute.autovec_copy(p4[t, jj, w, None], v)
-                    rows.append(v)
-                out = cute.make_rmem_tensor((vec,), mY.element_type)
-                for e in cutlass.range_constexpr(vec):
-                    s = rows[0][e]
-                    for jj in cutlass.range_constexpr(1, k):
-                        s = s + rows[jj][e]
-                    out[e] = s.to(mY.element_type)
-                cute.autovec_copy(out, y4[t, w, None])
 
 
 class HopperGemmOp:
