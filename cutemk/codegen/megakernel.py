@@ -216,8 +216,8 @@ class _Launch:
     epi: object
     scratch: object
     epi_bar: object = None  # the staging buffer's release mbarrier (``KernelSpec.epi_mbarrier``)
-    # static: this thread's word of its CTA's ``queue_head`` row (a producer lane's word of the
-    # queue's first records), the queue's begin and end in ``queue_rec``
+    # static, the producer warp: this lane's word of its CTA's ``queue_head`` row (of the
+    # queue's first records), the queue's begin and end in ``queue_rec`` (zeros elsewhere)
     queue_head: tuple = ()
     # ``profile_slices``: this CTA's slice region of the profile buffer (first word, capacity)
     slices: tuple = ()
@@ -431,16 +431,20 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         # its queue's range and first records (a word a producer lane)
         head_word, q_begin, q_end = Int32(0), Int32(0), Int32(0)
         if cutlass.const_expr(self.spec.queue_head and not self.spec.dynamic):
-            row = first_offset(len(PROGRAM)) + bidx * QHEAD_WIDTH
-            head_word = mProg[row + tidx % WARP]
-            q_begin = mProg[row + QHEAD_BEGIN]
-            q_end = mProg[row + QHEAD_END]
-        if cutlass.const_expr(self.spec.queue_head):
+            if tidx < WARP:  # the producer warp's (the other warps never read them)
+                row = first_offset(len(PROGRAM)) + bidx * QHEAD_WIDTH
+                head_word = mProg[row + tidx]
+                q_begin = mProg[row + QHEAD_BEGIN]
+                q_end = mProg[row + QHEAD_END]
+        # (the dynamic kernel reads its epoch through the view: a fixed-offset read there cost
+        # its register allocation 4 bytes more of spills, and it has no queue head to overlap)
+        fixed_epoch = self.spec.queue_head and not self.spec.dynamic
+        if cutlass.const_expr(fixed_epoch):
             epoch = mDev[first_offset(len(DEVICE_STATE)) + EPOCH] + 1  # state[EPOCH]
         prog = self._views(mProg, len(PROGRAM))
         dev = self._views(mDev, len(DEVICE_STATE))
         state = dev[D["state"]]
-        if cutlass.const_expr(not self.spec.queue_head):  # measuring: the old way
+        if cutlass.const_expr(not fixed_epoch):  # (static: measuring, the old way)
             epoch = state[EPOCH] + 1
         ev_off = mDev[2 * D["ev_counter"]]  # header: word offset of the counters
         stamp = epoch * num_tasks
