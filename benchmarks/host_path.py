@@ -22,10 +22,12 @@ Sections (``--sections``, all by default):
   with plans per token count, the counts given). The rows split the process's time into
   imports, building the modules (their weights) and the warm-up itself.
 
-- ``capture`` (GPU): the Qwen3-8B ``MegaMLP`` taking its token count as device data
-  (``forward_live``), captured in one CUDA graph and replayed at ``--capture-tokens`` in random
-  order, each against a graph captured for that count (target: within 10%); the time to
-  compile the live kernels and plan every count they serve.
+- ``capture`` (GPU): the Qwen3-8B ``MegaMLP`` and the Qwen3-30B-A3B ``MegaMoE`` (``--capture-
+  models``) taking their token count as device data (``forward_live``), each captured in one
+  CUDA graph and replayed at ``--capture-tokens`` in random order, each against a graph
+  captured for that count (target: within 10%); the time to compile the live kernels and
+  plan every count they serve. The MoE block's replays route the rows between the count and
+  the plan's count too (random data here).
 
 Run: python benchmarks/host_path.py [--sections plan first eager capture warmup] [--tokens 1 16
 128 1024 4096] [--quick]
@@ -213,61 +215,76 @@ def first_call_section(res: Results, tokens: int = MAX_TOKENS, seed: int = 0) ->
         torch.cuda.empty_cache()
 
 
-def capture_section(res: Results, tokens: list[int], seed: int = 0) -> None:
-    """One CUDA graph of the Qwen3-8B MegaMLP taking its token count as device data
-    (``MegaMLP.forward_live``), captured once and replayed at each count in random order,
-    against a graph captured for that count (the module's ordinary call)."""
+def capture_section(
+    res: Results, tokens: list[int], models: list[str] = ("mlp", "moe"), seed: int = 0
+) -> None:
+    """One CUDA graph of a module taking its token count as device data (``forward_live``:
+    the Qwen3-8B MegaMLP, the Qwen3-30B-A3B MegaMoE), captured once and replayed at each
+    count in random order, against a graph captured for that count (the module's ordinary
+    call)."""
     import random
 
     from cutemk.bench import graphed, time_us
-    from cutemk.nn import MegaMLP
+    from cutemk.nn import MegaMLP, MegaMoE
 
     torch.manual_seed(seed)
-    h, i, dt = MLP["hidden"], MLP["intermediate"], torch.bfloat16
+    dt = torch.bfloat16
 
     def rnd(*shape):
         return (torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).to(dt)
 
-    mlp = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=MAX_TOKENS)
-    x = torch.randn(MAX_TOKENS, h, device="cuda").to(dt)
-    n = torch.full((1,), MAX_TOKENS, dtype=torch.int32, device="cuda")
-    t0 = time.perf_counter()
-    mlp(x, num_tokens=n)  # every regime's live kernel compiled, every planned count planned
-    torch.cuda.synchronize()
-    prepare_s = time.perf_counter() - t0
-    counts = sum(len(live.counts) for _, live in mlp.live_graphs())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = mlp(x, num_tokens=n)
-    order = list(tokens)
-    random.Random(seed).shuffle(order)
-    for t in order:
-        n.fill_(t)
-        live_us = time_us(graph.replay)
-        graph.replay()
-        got = y[:t].float()
-        want = mlp(x[:t]).float()  # the launch planned for t
-        planned_us = time_us(graphed(lambda t=t: mlp(x[:t])))
-        diff = (got - want).abs().max().item()
-        case = f"capture-once MegaMLP 8B T={t}"
-        ratio = live_us / planned_us
-        res.add(
-            case,
-            "cutemk_live_replay",
-            live_us,
-            planned_us=round(planned_us, 2),
-            ratio=round(ratio, 3),
-            target_ratio=1.10,
-            max_abs_diff=diff,
-            prepare_s=round(prepare_s, 2),
-            planned_counts=counts,
-        )
-        res.add(case, "cutemk_planned_replay", planned_us)
-        print(
-            f"capture-once T={t}: {live_us:.1f} us replay vs {planned_us:.1f} us planned for "
-            f"T ({ratio:.3f}x), max |diff| {diff:.3g}"
-        )
-    print(f"capture-once prepare: {prepare_s:.1f} s ({counts} counts planned)")
+    for model in models:
+        if model == "mlp":
+            h, i = MLP["hidden"], MLP["intermediate"]
+            label = "MegaMLP 8B"
+            mod = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=MAX_TOKENS)
+        else:
+            e, h, i = MOE["num_experts"], MOE["hidden"], MOE["intermediate"]
+            label = "MegaMoE 30B-A3B"
+            weights = (rnd(e, h), rnd(e, 2 * i, h), rnd(e, h, i))
+            mod = MegaMoE(*weights, top_k=MOE["top_k"], max_tokens=MAX_TOKENS)
+        x = torch.randn(MAX_TOKENS, h, device="cuda").to(dt)
+        n = torch.full((1,), MAX_TOKENS, dtype=torch.int32, device="cuda")
+        t0 = time.perf_counter()
+        mod(x, num_tokens=n)  # every regime's live kernel compiled, every planned count planned
+        torch.cuda.synchronize()
+        prepare_s = time.perf_counter() - t0
+        counts = sum(len(live.counts) for _, live in mod.live_graphs())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mod(x, num_tokens=n)
+        order = list(tokens)
+        random.Random(seed).shuffle(order)
+        for t in order:
+            n.fill_(t)
+            live_us = time_us(graph.replay)
+            graph.replay()
+            got = y[:t].float()
+            want = mod(x[:t]).float()  # the launch planned for t
+            planned_us = time_us(graphed(lambda t=t, m=mod: m(x[:t])))
+            diff = (got - want).abs().max().item()
+            case = f"capture-once {label} T={t}"
+            ratio = live_us / planned_us
+            res.add(
+                case,
+                "cutemk_live_replay",
+                live_us,
+                planned_us=round(planned_us, 2),
+                ratio=round(ratio, 3),
+                target_ratio=1.10,
+                max_abs_diff=diff,
+                prepare_s=round(prepare_s, 2),
+                planned_counts=counts,
+                plan_count=mod.live_plan_count(t),
+            )
+            res.add(case, "cutemk_planned_replay", planned_us)
+            print(
+                f"capture-once {label} T={t} (plan {mod.live_plan_count(t)}): {live_us:.1f} us "
+                f"replay vs {planned_us:.1f} us planned for T ({ratio:.3f}x), max |diff| {diff:.3g}"
+            )
+        print(f"capture-once {label} prepare: {prepare_s:.1f} s ({counts} counts planned)")
+        del mod, graph, y
+        torch.cuda.empty_cache()
 
 
 _WARMUP_CHILD = """
@@ -352,6 +369,13 @@ def main(argv=None) -> int:
         default=[1, 37, 1000, 4096],
         help="token counts the capture-once graph replays at",
     )
+    p.add_argument(
+        "--capture-models",
+        nargs="+",
+        choices=["mlp", "moe"],
+        default=["mlp", "moe"],
+        help="modules the capture section captures once",
+    )
     args = p.parse_args(argv)
     unknown = set(args.sections) - {"plan", "first", "eager", "capture", "warmup"}
     if unknown:
@@ -371,7 +395,7 @@ def main(argv=None) -> int:
     if "eager" in args.sections:
         eager_section(res, 200 if args.quick else 2000)
     if "capture" in args.sections:
-        capture_section(res, args.capture_tokens)
+        capture_section(res, args.capture_tokens, args.capture_models)
     if "warmup" in args.sections:
         warmup_section(res, args.warm_tokens)
     res.finish()

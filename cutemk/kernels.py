@@ -52,36 +52,49 @@ def _loads_before_events(node) -> bool:
     return not producers or op.independent_loads_allowed(producers)
 
 
-def live_dims(graph: Graph, tokens: str) -> tuple[tuple[int, int], ...]:
-    """(value index, dim) of every dim of ``graph``'s values that is the token dim ``tokens``:
-    what a kernel that takes the token count as device data binds per launch. Raises
-    GraphError where the graph cannot run so: an op that is not row-wise (``TileOp.rowwise``),
-    or the token dim inside an expression, or other symbolic dims."""
-    bad = [n.op.name for n in graph.nodes if not n.op.rowwise]
+def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ...], tuple]:
+    """What a kernel that takes the token count as device data binds per launch: ``(pairs,
+    extents)``, ``extents`` the distinct token-dependent dims of ``graph``'s values (the token
+    dim ``tokens`` itself first, then expressions of it such as ``T * top_k``) and ``pairs``
+    (value index, dim, index into ``extents``) of every dim that is one of them. Each plan of
+    the live table carries every extent's value at its own count (``live.pack_live``).
+
+    Raises GraphError where the graph cannot run so: an op whose tokens are not independent
+    (``TileOp.token_local``), a value updated in place, or a dim with another symbol."""
+    bad = [n.op.name for n in graph.nodes if not n.op.token_local]
     if bad:
         raise GraphError(
-            f"{graph.name}: one capture for every token count needs row-wise ops (a tile's "
-            f"output rows depend on its own input rows only); {sorted(set(bad))} are not"
+            f"{graph.name}: one capture for every token count needs ops whose tokens are "
+            f"independent (a token's outputs depend on its own rows only); "
+            f"{sorted(set(bad))} are not"
         )
     updated = [v.name for v in graph.values if v.alias_of is not None]
     if updated:
         raise GraphError(
             f"{graph.name}: a live token count does not support inputs updated in place ({updated})"
         )
-    pairs = []
+    pairs, extents = [], []
     for i, v in enumerate(graph.values):
         for d, e in enumerate(v.shape):
             if isinstance(e, int):
                 continue
-            if not (isinstance(e, Sym) and e.name == tokens):
+            other = sorted(s.name for s in e.syms() if s.name != tokens)
+            if other or not e.syms():
                 raise GraphError(
                     f"{graph.name}: {v.name} has the dim {e}; one capture for every token "
-                    f"count needs every symbolic dim to be {tokens} itself"
+                    f"count needs every symbolic dim to depend on {tokens} alone"
                 )
-            pairs.append((i, d))
-    if not pairs:
+            if e not in extents:
+                extents.append(e)
+            pairs.append((i, d, extents.index(e)))
+    syms = [e for e in extents if isinstance(e, Sym)]
+    if not syms:
         raise GraphError(f"{graph.name}: no value has the token dim {tokens}")
-    return tuple(pairs)
+    # the token dim itself first (its index is what the kernel's table row also names tokens)
+    order = [extents.index(syms[0])] + [j for j, e in enumerate(extents) if e is not syms[0]]
+    remap = {old: new for new, old in enumerate(order)}
+    extents = [extents[j] for j in order]
+    return tuple((i, d, remap[j]) for i, d, j in pairs), tuple(extents)
 
 
 def kernel_spec(
@@ -118,11 +131,11 @@ def kernel_spec(
     prefetch = tuple(_loads_before_events(n) for n in graph.nodes)
     values = tuple((str(v.dtype), len(v.shape)) for v in graph.values)
     values += (("torch.int64", 1),) * len(symmetric)
-    live_pairs = None
+    live_pairs = None  # (value, dim, extent) of each token-dependent dim: ``live_dims``
     if live is not None:
         if symmetric or is_distributed(graph):
             raise GraphError(f"{graph.name}: a distributed graph cannot take a live token count")
-        live_pairs = live_dims(graph, live)
+        live_pairs = live_dims(graph, live)[0]
         values += (("torch.int32", 1), ("torch.int32", 1))  # the plan table, the live count
     spec = KernelSpec(
         ops_,

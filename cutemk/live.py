@@ -2,7 +2,8 @@
 
 A :class:`~cutemk.runtime.CuteGraph` plans each token count on the host and launches that
 plan; a CUDA graph captured at one count replays that count only. :class:`LiveGraph` serves
-a graph of row-wise ops (``TileOp.rowwise``: GEMMs, split-K reduces, RMSNorm, adds) whose
+a graph of ops whose tokens are independent (``TileOp.token_local``: GEMMs, split-K reduces,
+RMSNorm, adds, and the MoE block's routing, permute, grouped GEMMs and combine) whose
 tensors are allocated at the token dim's maximum, and reads the live count from a device
 tensor at each launch:
 
@@ -11,9 +12,11 @@ tensor at each launch:
   get), and packs every plan's program and device state into two buffers, with a table
   (``codegen.layout.LIVE_HEADER``) mapping each count to the smallest plan that covers it.
 - The kernel (``KernelSpec.live``) reads the count, picks the plan, binds the token dims of
-  its tensors to the plan's count and runs it; a count of 0, or one outside the kernel's
-  range (another regime's kernel serves it), runs nothing. Rows between the live count and
-  the plan's are computed from whatever the buffers hold and land in rows nobody reads.
+  its tensors (and dims computed from it, such as an MoE block's T x top_k slots) to their
+  values at the plan's count and runs it; a count of 0, or one outside the kernel's range
+  (another regime's kernel serves it), runs nothing. Tokens between the live count and the
+  plan's are computed from whatever the buffers hold (an MoE block routes them too) and land
+  in rows nobody reads.
 - A count below 0 or above the limit (the maximum, or the largest count any kernel of the
   caller serves) runs nothing and is recorded in the table;
   :meth:`LiveGraph.check` raises it (eager calls with the watchdog check every launch).
@@ -34,7 +37,7 @@ import torch
 from .binding import bind, poison_
 from .codegen.layout import DEVICE_STATE, LH, LIVE_HEADER_WORDS, LIVE_ROW, LR
 from .errors import CuteMKError, GraphError, LayoutError
-from .kernels import _compile, kernel_spec
+from .kernels import _compile, kernel_spec, live_dims
 from .plan import instantiate
 from .symbolic import Sym, free_syms
 
@@ -65,13 +68,20 @@ def pack_live(
     first: int,
     max_tokens: int,
     limit: int | None = None,
+    extents: Sequence[Sequence[int]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[int]]:
     """The live kernel's three int32 buffers from the planned counts' ``(lowered, program,
     device state, spans)`` (``CuteGraph._plan_arrays``): the table (``LIVE_HEADER``, the
     lookup from each count in ``[first, max_tokens]`` to the smallest plan that covers it,
-    a ``LIVE_ROW`` per plan), every program and every device state back to back; and where
-    each plan's program and state start. ``limit`` (default ``max_tokens``): counts above it
-    are errors; counts in ``(max_tokens, limit]`` belong to another kernel."""
+    a ``LIVE_ROW`` per plan followed by its ``extents``: the value of each token-dependent
+    dim at its count, default the count alone), every program and every device state back
+    to back; and where each plan's program and state start. ``limit`` (default
+    ``max_tokens``): counts above it are errors; counts in ``(max_tokens, limit]`` belong to
+    another kernel."""
+    if extents is None:
+        extents = [(c,) for c in counts]
+    if len(extents) != len(counts) or len({len(e) for e in extents}) != 1:
+        raise ValueError("extents: one row of the same length per planned count")
 
     def place(sizes):
         offs, off = [], 0
@@ -85,7 +95,8 @@ def pack_live(
     prog = np.zeros(prog_len, dtype=np.int32)
     dev = np.zeros(dev_len, dtype=np.int32)
     lookup = np.full(max_tokens + 1, -1, dtype=np.int32)
-    rows = np.zeros((len(built), len(LIVE_ROW)), dtype=np.int32)
+    width = len(LIVE_ROW) + len(extents[0])
+    rows = np.zeros((len(built), width), dtype=np.int32)
     lo = first
     for k, (c, (low, prog_np, dev_np, _)) in enumerate(zip(counts, built)):
         prog[prog_off[k] : prog_off[k] + prog_np.size] = prog_np
@@ -98,6 +109,7 @@ def pack_live(
         rows[k, LR["num_init"]] = low.num_init
         rows[k, LR["max_epoch"]] = low.max_launches()
         rows[k, LR["tokens"]] = c
+        rows[k, len(LIVE_ROW) :] = extents[k]
     head = np.zeros(LIVE_HEADER_WORDS, dtype=np.int32)
     head[LH["max"]] = max_tokens
     head[LH["limit"]] = max_tokens if limit is None else limit
@@ -211,9 +223,8 @@ class LiveGraph:
         cg, g = self.cg, self.cg.graph
         planned = [instantiate(g, {self.tokens: c}) for c in self.counts]
         built = [cg._plan_arrays(p) for p in planned]
-
         table, prog, dev, _, dev_off = pack_live(
-            built, self.counts, self.first, self.max_tokens, self.limit
+            built, self.counts, self.first, self.max_tokens, self.limit, self._extents()
         )
         self.table = torch.from_numpy(table).cuda()
         self.prog = torch.from_numpy(prog).cuda()
@@ -230,6 +241,23 @@ class LiveGraph:
             plans.append(_LivePlan(c, b))
         self._template_cache = self._template()
         return plans
+
+    def _extents(self) -> list[list[int]]:
+        """Per planned count, the value of each token-dependent dim (``kernels.live_dims``);
+        none may exceed its value at the maximum, where the buffers are allocated."""
+        _, exprs = live_dims(self.cg.graph, self.tokens)
+        at_max = [e.eval({self.tokens: self.max_tokens}) for e in exprs]
+        out = []
+        for c in self.counts:
+            row = [e.eval({self.tokens: c}) for e in exprs]
+            for e, v, top in zip(exprs, row, at_max):
+                if v > top:
+                    raise GraphError(
+                        f"{self.cg.graph.name}: the dim {e} is {v} at {self.tokens}={c}, more "
+                        f"than its {top} at the maximum, where a live graph allocates"
+                    )
+            out.append(row)
+        return out
 
     def _template(self) -> list:
         """The kernel's tensor list with the leaves' and outputs' slots empty: intermediates

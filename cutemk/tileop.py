@@ -230,12 +230,20 @@ class TileOp:
         raise ``GraphError`` where they disagree on something the shapes do not show (e.g.
         the number of experts the routing and the expert weights assume)."""
 
-    rowwise: ClassVar[bool] = False
-    """The op's tiles treat the token dim of its tensors as independent rows: an output row
-    depends on the same input row only, and a tile over rows the launch does not need only
-    writes rows nobody reads. Such graphs can take the token count as device data (one CUDA
-    graph capture for every count, ``CuteGraph.live``): a plan serves every count up to its
-    own, the rows past the live count computed from whatever the buffers hold."""
+    token_local: ClassVar[bool] = False
+    """The op keeps tokens apart: whatever the other tokens' rows hold (NaN, inf, ids out of
+    range), a token's final outputs in a graph of such ops depend on its own rows (and on
+    values no token writes) only, and the op's tiles read and write inside their buffers. A
+    row-wise op (GEMM, RMSNorm, add) does so row by row; the MoE block's routing, permute,
+    grouped GEMMs and combine do so together: routing keeps each expert's rows in token
+    order (a token's rank in its expert does not depend on the tokens after it), GEMM rows are independent and
+    the combine reads a token's own slots. Graphs of such ops can take the token count as
+    device data (one CUDA-graph capture for every count, ``CuteGraph.live``): a plan serves
+    every count up to its own, the tokens past the live count computed from whatever the
+    buffers hold into rows (or slots) no live token reads. Such an op takes its
+    token-dependent extents from its bound tensors' shapes and its strides from their
+    layouts, and relies on no zero fill past a token-dependent extent: a live launch binds
+    extents at the plan's count over buffers (and TMA descriptors) at the maximum."""
 
     # -- device contract (CuTe DSL; see the module docstring) -------------------------------
     exists_on_device: ClassVar[bool] = False

@@ -39,7 +39,7 @@ class AddTile(TileOp):
     inputs: ClassVar[tuple[str, ...]] = ("a", "b")
     outputs: ClassVar[tuple[str, ...]] = ("out",)
     uniform_cost: ClassVar[bool] = True
-    rowwise: ClassVar[bool] = True
+    token_local: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for name in ("a", "b"):

@@ -214,7 +214,7 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
         return {"c": (block(i, self.block_m, m), block(j, self.block_n, n))}
 
     uniform_cost: ClassVar[bool] = True
-    rowwise: ClassVar[bool] = True
+    token_local: ClassVar[bool] = True
 
     def region_arrays(self, which, env, coords):
         m, n, k = self._dims(env)

@@ -8,8 +8,11 @@ consumers' main loop and epilogue:
 
 - **Host** (``tma_args``, traced into the launch function): TMA descriptors for A, B (two with
   the ``silu_mul`` epilogue: the gate and the up half of B, each bounded by its own descriptor)
-  and C (the store). Built from the launch's tensors, so rows of A past the live token count load
-  as zeros and rows of C past it are never written: no masks anywhere.
+  and C (the store). Built from the launch's tensors, so rows of A past their extent load as
+  zeros and rows of C past it are never written: no masks anywhere. A launch taking its token
+  count as device data (``cutemk.live``) passes its tensors at the maximum count, so there the
+  rows between the plan's count and the maximum load what the buffer holds and are stored:
+  tiles own whole rows, and no live token reads those (``TileOp.token_local``).
 - **Producer warp**: ``load_weights`` (B, which no task of the launch writes: issued *before*
   the task's events are met) and ``load_activations`` (A, issued after the acquire and a
   ``fence.proxy.async``) for one BLOCK_K slice into one ring slot.
@@ -379,7 +382,7 @@ def _ring_views(
 @cute.jit
 def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr):
     """Storer warp: TMA-store the staged tile (coord0, coord1) of C (rows and columns past C's
-    extent are clipped by the copy engine). A split-K partial or a combine tile has nothing
+    extent, the descriptor's, are clipped by the copy engine). A split-K partial or a combine tile has nothing
     staged."""
     if cutlass.const_expr(cfg.from_registers):
         return

@@ -175,7 +175,7 @@ class SplitReduceTile(TileOp):
 
     name: ClassVar[str] = "gemm_split_reduce"
     uniform_cost: ClassVar[bool] = True
-    rowwise: ClassVar[bool] = True
+    token_local: ClassVar[bool] = True
 
     @property
     def outputs(self) -> tuple[str, ...]:

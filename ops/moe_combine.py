@@ -55,6 +55,7 @@ class MoeCombineTile(TileOp):
     num_experts: int = 0  # the slot layout's experts (ids outside [0, num_experts): no row)
 
     name: ClassVar[str] = "moe_combine"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("rows", "weights", "slot_row")
     outputs: ClassVar[tuple[str, ...]] = ("y",)
     data_inputs: ClassVar[tuple[str, ...]] = ("slot_row",)

@@ -81,6 +81,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     combine: Optional[TensorSpec] = None
 
     name: ClassVar[str] = "moe_grouped_gemm"
+    token_local: ClassVar[bool] = True
     block_k: ClassVar[int] = 32
     """K slice staged through shared memory per step of the device main loop."""
     data_inputs: ClassVar[tuple[str, ...]] = ("tile_info", "row_token")

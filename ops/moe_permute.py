@@ -50,6 +50,7 @@ class MoePermuteTile(TileOp):
     block_m: int = 64
 
     name: ClassVar[str] = "moe_permute"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("x", "tile_info", "row_token")
     outputs: ClassVar[tuple[str, ...]] = ("xp",)
     data_inputs: ClassVar[tuple[str, ...]] = ("tile_info", "row_token")

@@ -52,6 +52,7 @@ class MoeRouteTile(TileOp):
     distinct_ids: bool = True
 
     name: ClassVar[str] = "moe_route"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("ids",)
     outputs: ClassVar[tuple[str, ...]] = ("tile_info", "row_token", "slot_row", "exp_indptr")
 

@@ -140,6 +140,7 @@ class MoeRouteCountTile(_ChunkedIds, TileOp):
     chunk: int = 128  # tokens a tile
 
     name: ClassVar[str] = "moe_route_count"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("ids",)
     outputs: ClassVar[tuple[str, ...]] = ("chunk_count",)
 
@@ -218,6 +219,7 @@ class MoeRouteLayoutTile(TileOp):
     top_k: int
 
     name: ClassVar[str] = "moe_route_layout"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("chunk_count",)
     outputs: ClassVar[tuple[str, ...]] = ("tile_info", "exp_indptr", "chunk_base")
 
@@ -334,6 +336,7 @@ class MoeRoutePlaceTile(_ChunkedIds, TileOp):
     chunk: int = 128
 
     name: ClassVar[str] = "moe_route_place"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("ids", "chunk_base", "tile_info")
     outputs: ClassVar[tuple[str, ...]] = ("row_token", "slot_row")
     data_inputs: ClassVar[tuple[str, ...]] = ("ids", "chunk_base", "tile_info")

@@ -89,7 +89,7 @@ class RmsNormTile(TileOp):
         return {"y": (block(coord[0], self.block_m, rows), (0, cols))}
 
     uniform_cost: ClassVar[bool] = True
-    rowwise: ClassVar[bool] = True
+    token_local: ClassVar[bool] = True
 
     def region_arrays(self, which, env, coords):
         rows, cols = self._dims(env)

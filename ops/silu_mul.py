@@ -39,6 +39,7 @@ class SiluMulTile(TileOp):
     block_n: int = 1024  # output columns per tile: wide layers spread over many SMs
 
     name: ClassVar[str] = "silu_mul"
+    token_local: ClassVar[bool] = True
     outputs: ClassVar[tuple[str, ...]] = ("out",)
     data_inputs: ClassVar[tuple[str, ...]] = ("tile_info",)
 

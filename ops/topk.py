@@ -47,6 +47,7 @@ class TopkSoftmaxTile(TileOp):
     logits_dtype: torch.dtype | None = None
 
     name: ClassVar[str] = "topk_softmax"
+    token_local: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = ("logits",)
     outputs: ClassVar[tuple[str, ...]] = ("weights", "ids")
 

@@ -23,9 +23,9 @@ from cutemk.codegen.layout import LH, LIVE_ROW, LR
 from cutemk.errors import CuteMKError, GraphError, LayoutError
 from cutemk.kernels import compile_offline, live_dims
 from cutemk.layers import MoeConfig, mlp_graph, moe_graph
-from cutemk.live import live_counts, pack_live
+from cutemk.live import LiveGraph, live_counts, pack_live
 from cutemk.plan import instantiate
-from cutemk.regimes import mlp_regime_graph
+from cutemk.regimes import mlp_regime_graph, moe_regime_graph
 from cutemk.runtime import CuteGraph
 from cutemk.scheduling import resolve_scheduler
 
@@ -57,7 +57,8 @@ def test_pack_live_maps_each_count_to_the_smallest_plan_covering_it(scheduler):
     table, prog, dev, prog_off, dev_off = pack_live(built, counts, 129, 1000)
     assert table[LH["max"]] == 1000 and table[LH["num_plans"]] == len(counts)
     lookup = table[table[LH["lookup"]] : table[LH["lookup"]] + 1001]
-    rows = table[table[LH["rows"]] :].reshape(len(counts), len(LIVE_ROW))
+    rows = table[table[LH["rows"]] :].reshape(len(counts), len(LIVE_ROW) + 1)
+    assert (rows[:, len(LIVE_ROW)] == counts).all()  # the one extent, the count itself
     assert (lookup[:129] == -1).all()  # served by another regime's kernel (or nothing, at 0)
     for t in range(129, 1001):
         k = lookup[t]
@@ -77,12 +78,24 @@ def test_pack_live_maps_each_count_to_the_smallest_plan_covering_it(scheduler):
 
 def test_live_dims_and_the_graphs_that_cannot_take_a_live_count():
     g = mlp_regime_graph(4096, 12288, "decode", BF, 1000)
-    pairs = live_dims(g, "T")
-    names = {g.values[i].name: d for i, d in pairs}
-    assert names == {"x": 0, "gate_up.c": 0, "down.part": 1, "y": 0}
-    cfg = MoeConfig(64, 32, 8, 2, block_m=16, block_n=32)
-    with pytest.raises(GraphError, match="row-wise"):
-        live_dims(moe_graph(mk.sym("T", max=64), cfg), "T")
+    pairs, extents = live_dims(g, "T")
+    names = {g.values[i].name: (d, j) for i, d, j in pairs}
+    assert names == {"x": (0, 0), "gate_up.c": (0, 0), "down.part": (1, 0), "y": (0, 0)}
+    assert extents == (g.values[0].shape[0],)
+    # an MoE block's ops keep tokens apart too; its slot buffers' dims are expressions of T
+    moe = moe_graph(mk.sym("T", max=64), MoeConfig(64, 32, 8, 2, block_m=16, block_n=32))
+    pairs, extents = live_dims(moe, "T")
+    assert str(extents[0]) == "T" and len(extents) > 1
+    env = {"T": 64}
+    for i, d, j in pairs:
+        assert moe.values[i].shape[d].eval(env) == extents[j].eval(env)
+    # an op that does not keep tokens apart
+    mixed = mk.Graph("mixed")
+    x = mixed.input("x", (mk.sym("T", max=8), 64), torch.float32)
+    mixed.output(mixed.call(mk.ops.rmsnorm, x), "y")
+    object.__setattr__(mixed.nodes[0].op, "token_local", False)  # as the op's class would
+    with pytest.raises(GraphError, match="independent"):
+        live_dims(mixed, "T")
     two = mk.Graph("two_dims")
     w = two.weight("w", (64,), torch.float32)
     for name, dim in (("a", "T"), ("b", "U")):
@@ -92,18 +105,54 @@ def test_live_dims_and_the_graphs_that_cannot_take_a_live_count():
         live_dims(two, "T")
 
 
-@pytest.mark.parametrize("regime,scheduler", [("gemv1", "static"), ("prefill", "dynamic")])
-def test_live_kernel_compiles_for_sm90a(regime, scheduler):
-    g = mlp_regime_graph(1024, 1536, regime, BF, 1000)
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_live_table_carries_each_plans_slot_extents(scheduler):
+    """The MoE prefill graph's live table: per plan, the value at its count of every
+    token-dependent dim (tile counts, slot rows, routing chunks), none above its value at the
+    maximum, where the buffers are allocated."""
+    g = moe_regime_graph(256, 128, 16, 4, True, "prefill", BF, 700)
+    cg = SimpleNamespace(
+        graph=g,
+        scheduler=resolve_scheduler(scheduler),
+        num_sms=132,
+        dynamic=scheduler == "dynamic",
+    )
+    live = LiveGraph.__new__(LiveGraph)
+    live.cg, live.tokens, live.max_tokens = cg, "T", 700
+    live.counts = live_counts(17, 700)
+    _, exprs = live_dims(g, "T")
+    extents = live._extents()
+    assert len(exprs) >= 3 and [row[0] for row in extents] == live.counts
+    for c, row in zip(live.counts, extents):
+        assert row == [e.eval({"T": c}) for e in exprs]
+    built = [CuteGraph._plan_arrays(cg, instantiate(g, {"T": c})) for c in live.counts]
+    table, *_ = pack_live(built, live.counts, 17, 700, extents=extents)
+    width = len(LIVE_ROW) + len(exprs)
+    rows = table[table[LH["rows"]] :].reshape(len(live.counts), width)
+    assert (rows[:, len(LIVE_ROW) :] == np.array(extents)).all()
+
+
+@pytest.mark.parametrize(
+    "layer,regime,scheduler",
+    [("mlp", "gemv1", "static"), ("mlp", "prefill", "dynamic"), ("moe", "slots", "static"),
+     ("moe", "gemv", "dynamic"), ("moe", "prefill", "static")],
+)
+def test_live_kernel_compiles_for_sm90a(layer, regime, scheduler, spill_stores):
+    if layer == "mlp":
+        g = mlp_regime_graph(1024, 1536, regime, BF, 1000)
+    else:  # Qwen3-30B-A3B's block
+        g = moe_regime_graph(2048, 768, 128, 8, True, regime, BF, 4096)
     with tempfile.TemporaryDirectory() as d:
         compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={d}", live="T")
         (path,) = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")]
         ptx = Path(path).read_text()
+        spills = spill_stores(path)
     assert len(re.findall(r"\.entry\s+cutemk_megakernel", ptx)) == 1
     assert "wgmma.mma_async" in ptx
     assert re.search(r"ld\.acquire\.gpu", ptx)
     # the launches with a count out of range are counted with an atomic add on the table
     assert re.search(r"(red|atom)\.(relaxed\.gpu\.)?global\.add", ptx)
+    assert spills == 0
 
 
 # -- GPU ------------------------------------------------------------------------------------
@@ -197,3 +246,59 @@ def test_live_graph_with_the_watchdog_and_counts_out_of_range():
     with pytest.raises(LayoutError, match="maximum"):
         live(x[:100], wgu, wd, num_tokens=n)
     np.testing.assert_array_equal(live.table[: LH["last_bad"] + 1].cpu().numpy()[1:], [0, -3])
+
+
+def garbage_rows(x, n):
+    """Rows of ``x`` at and past ``n`` as a buffer may hold them: NaN, inf, huge values (the
+    live MoE block routes those tokens too; they must not touch a live token's output)."""
+    fill = (float("nan"), float("inf"), float("-inf"), 3e38, -1e4)
+    for k in range(n, min(x.shape[0], n + 64)):
+        x[k, (7 * k) % x.shape[1]] = fill[k % len(fill)]
+    return x
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_moe_block_captured_once_replays_every_count(scheduler):
+    """Qwen3-30B-A3B's sparse block (E=128, top-8, H=2048, I=768), max 600 tokens: all four
+    regimes (slots, gemv, decode, prefill) in one capture, replayed at counts in random order
+    with garbage tokens past the count, against an fp32 reference routing on the same bf16
+    logits and against an eager launch planned for that count."""
+    from cutemk.layers import moe_reference
+
+    torch.manual_seed(21)
+    e, k, h, inter, max_tokens = 128, 8, 2048, 768, 600
+    w_router = (torch.randn(e, h, device="cuda") / h**0.5).to(BF)
+    w_gu = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).to(BF)
+    w_down = (torch.randn(e, h, inter, device="cuda") / inter**0.5).to(BF)
+    moe = mk.nn.MegaMoE(w_router, w_gu, w_down, k, max_tokens=max_tokens, scheduler=scheduler)
+    assert moe.regimes() == ("slots", "gemv", "decode", "prefill")
+    x = torch.randn(max_tokens, h, device="cuda").to(BF)
+    n = torch.full((1,), max_tokens, dtype=torch.int32, device="cuda")
+    mk.warmup(moe, live=True, progress=False)
+    compiles = mk.runtime.compile_count
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe(x, num_tokens=n)
+    counts = [1, 2, 3, 16, 17, 37, 512, 513, 600, 0, 129, 5, 300, 1]
+    random.Random(6).shuffle(counts)
+    for t in counts:
+        x.copy_(garbage_rows(torch.randn(max_tokens, h, device="cuda").to(BF), t))
+        n.fill_(t)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if t == 0:
+            assert torch.isnan(y).all()  # nothing ran
+            continue
+        ref = moe_reference(x[:t], w_router, w_gu, w_down, k, True, router_dtype=BF)
+        assert rel_err(y[:t], ref) < 1e-2, f"T={t}"
+        eager = moe(x[:t].clone())
+        assert rel_err(y[:t], eager.float()) < 1e-2, f"T={t} vs the eager launch"
+    moe.check_live()
+    assert mk.runtime.compile_count == compiles  # no count compiled anything
+    n.fill_(max_tokens + 1)
+    graph.replay()
+    with pytest.raises(CuteMKError, match=f"the last: {max_tokens + 1}"):
+        moe.check_live()

@@ -254,15 +254,16 @@ def test_eager_fast_path_is_keyed_by_shape_dtype_and_the_weights(hf_mlp):
 
 
 def test_forward_live_on_the_interpreter(hf_mlp):
-    """The live-count path's reference: rows below the count are the MLP of those rows, the
-    rest untouched; shapes, the count's type and range give clear errors."""
+    """The live-count path's reference: rows below the count are the MLP of those rows, rows
+    past the plan the device would run untouched; shapes, the count's type and range give
+    clear errors."""
     mlp = MegaMLP.from_hf(hf_mlp, max_tokens=20, backend="interpret")
     x = torch.randn(20, H)
     for n in (1, 7, 20, 0):
         out = torch.full_like(x, float("nan"))
         y = mlp(x, num_tokens=torch.tensor([n], dtype=torch.int32))
         y2 = mlp.forward_live(x, torch.tensor([n], dtype=torch.int32), out=out)
-        assert y2 is out and torch.isnan(out[n:]).all()
+        assert y2 is out and torch.isnan(out[mlp.live_plan_count(n) if n else 0 :]).all()
         if n:
             assert rel_err(y[:n], fp32_reference(hf_mlp, x[:n])) < TOL[torch.float32]
             assert torch.equal(y2[:n], y[:n])

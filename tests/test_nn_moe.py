@@ -70,3 +70,40 @@ def test_matches_hf_block_on_the_gpu(scheduler):
         )
         assert rel_err(y, ref) < 1e-2, f"T={t} vs fp32 reference"
         assert rel_err(y, hf_forward(block, x)) < 2e-2, f"T={t} vs the HF module"
+
+
+def garbage_rows(x, n):
+    """Rows of ``x`` at and past ``n`` filled with what a buffer may hold: NaN, inf, huge and
+    ordinary values (a live launch routes them too)."""
+    fill = (float("nan"), float("inf"), float("-inf"), 1e30, -3e4)
+    for k in range(n, x.shape[0]):
+        if k % 6 < len(fill):
+            x[k, k % x.shape[1]] = fill[k % 6]
+        else:
+            x[k] *= 1e3
+    return x
+
+
+def test_forward_live_on_the_interpreter_routes_the_rows_past_the_count():
+    """The live count's CPU reference runs the plan the device picks (the smallest planned
+    count at or above the live one) on the rows it would compute: tokens past the count hold
+    NaN, inf and huge values, are routed too, and change no live token's output."""
+    block = hf_block(64, 32, 8, 2, True, torch.float32)
+    max_tokens = 40
+    mega = MegaMoE.from_hf(block, max_tokens=max_tokens, backend="interpret")
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 2, 3, 9, 16, 17, 33, 40, 0):
+        x = garbage_rows(torch.randn(max_tokens, 64, generator=gen), n)
+        out = torch.full_like(x, float("nan"))
+        y = mega(x, num_tokens=torch.tensor([n], dtype=torch.int32))
+        y2 = mega.forward_live(x, torch.tensor([n], dtype=torch.int32), out=out)
+        plan = mega.live_plan_count(n) if n else 0
+        assert n <= plan <= max_tokens and torch.isnan(out[plan:]).all()
+        assert y2 is out
+        if n:
+            assert rel_err(y[:n], hf_forward(block, x[:n])) < 1e-5, f"n={n}"
+            assert torch.equal(y2[:n], y[:n])
+    with pytest.raises(Exception, match="max_tokens=40"):
+        mega(x[:39], num_tokens=torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(Exception, match="outside"):
+        mega(x, num_tokens=torch.tensor([41], dtype=torch.int32))

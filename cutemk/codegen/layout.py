@@ -38,7 +38,8 @@ SLICE_WIDTH = 4  # per ring slice (``profile="slices"``): issued ns, landed ns, 
 # The live-count table of a kernel compiled for one capture at every token count
 # (``KernelSpec.live``): a header, a lookup from the live token count to a plan (-1: none in
 # this kernel), and per plan a row of where its program and device state lie in the kernel's
-# concatenated buffers, with its scalars. ``max``: the largest count this kernel serves;
+# concatenated buffers, with its scalars, then the value at its count of each token-dependent
+# extent (``KernelSpec.live``'s third index; the token count itself first). ``max``: the largest count this kernel serves;
 # ``limit``: the largest count any kernel of the caller serves (one regime's kernel skips the
 # counts of the next); ``bad``/``last_bad`` count launches whose live count was outside
 # [0, limit].
@@ -56,3 +57,9 @@ LIVE_ROW = (
 LH = {name: i for i, name in enumerate(LIVE_HEADER)}
 LR = {name: i for i, name in enumerate(LIVE_ROW)}
 LIVE_HEADER_WORDS = 8
+
+
+def live_row_width(live) -> int:
+    """Words of a plan's row in the live table of a kernel binding ``live`` ((value, dim,
+    extent) triples, ``KernelSpec.live``): ``LIVE_ROW``, then one per extent."""
+    return len(LIVE_ROW) + 1 + max(j for _, _, j in live)

@@ -62,7 +62,7 @@ from ..device.ring import init_barriers
 from ..errors import GraphError
 from ..tileop import TileOp
 from .dynamic import DynamicQueue
-from .layout import D, DEVICE_STATE, LH, LIVE_ROW, LR, P, PROF_WIDTH, PROGRAM
+from .layout import D, DEVICE_STATE, LH, LIVE_ROW, LR, P, PROF_WIDTH, PROGRAM, live_row_width
 from .lower import (
     DONE,
     EPOCH,
@@ -142,10 +142,11 @@ class KernelSpec:
     distributed: bool = False  # cross-rank waits, sys-scope notifies, a barrier per launch
     prefetch: tuple[bool, ...] = ()  # per node: its independent loads may precede its waits
     worker: WorkerShape = WorkerShape()
-    # one capture for every token count: (graph tensor, dim) pairs that carry the token count,
-    # bound in the kernel to the plan the live count picks (the kernel's last two tensors are
-    # the live-count table, ``layout.LIVE_HEADER``, and the count); None: plans from the host
-    live: tuple[tuple[int, int], ...] | None = None
+    # one capture for every token count: (graph tensor, dim, extent) of each dim that depends
+    # on the token count, bound in the kernel to the extent's value at the plan the live count
+    # picks (its row of the live-count table, ``layout.LIVE_ROW`` then one word per extent;
+    # the kernel's last two tensors are that table and the count); None: plans from the host
+    live: tuple[tuple[int, int, int], ...] | None = None
     # a cooperative launch starts every CTA at once or none (two persistent kernels on two
     # streams can then never each hold part of the GPU waiting for the rest); off
     # (``CUTEMK_COOPERATIVE=0``) only to measure what the guarantee costs a launch
@@ -363,9 +364,8 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                         )
                         table[LH["last_bad"]] = live
             if plan >= 0:
-                row = table[LH["rows"]] + len(LIVE_ROW) * plan
-                tokens = table[row + LR["tokens"]]
-                bound = tuple(self._bind_tokens(graph_tensors[i], i, tokens) for i in range(nv - 2))
+                row = table[LH["rows"]] + live_row_width(self.spec.live) * plan
+                bound = tuple(self._bind_tokens(graph_tensors[i], i, table, row) for i in range(nv - 2))
                 self._run(
                     bound,
                     extras,
@@ -383,13 +383,17 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                     *args,
                 )
 
-    def _bind_tokens(self, t, i: int, tokens):
-        """``t`` (graph tensor ``i``) with its token dims (``KernelSpec.live``) set to ``tokens``;
-        strides stay those of the tensor passed (allocated at the maxima)."""
-        dims = [d for k, d in self.spec.live if k == i]
-        if not dims:
+    def _bind_tokens(self, t, i: int, table, row):
+        """``t`` (graph tensor ``i``) with each token-dependent dim (``KernelSpec.live``) set to
+        its extent in the plan's ``row`` of the live table; strides stay those of the tensor
+        passed (allocated at the maxima)."""
+        extent = {d: j for k, d, j in self.spec.live if k == i}
+        if not extent:
             return t
-        shape = tuple(tokens if d in dims else t.shape[d] for d in range(cute.rank(t)))
+        shape = tuple(
+            table[row + len(LIVE_ROW) + extent[d]] if d in extent else t.shape[d]
+            for d in range(cute.rank(t))
+        )
         return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=t.stride))
 
     @cute.jit

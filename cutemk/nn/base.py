@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import torch_ops
-from ..errors import DeviceError, DTypeError, ShapeError
+from ..errors import CuteMKError, DeviceError, DTypeError, LayoutError, ShapeError
 from ..regimes import regime_of, regime_starts
 
 _SILU_NAMES = ("silu", "swish")
@@ -99,6 +99,106 @@ class _KeyedModule(nn.Module):
             return self.backend
         # a CUDA tensor means CUDA is available (no ``torch.cuda.is_available()`` per call)
         return "cute" if (self.w_down if like is None else like).is_cuda else "interpret"
+
+
+class _LiveModule(_KeyedModule):
+    """A keyed module over (tokens, H) rows whose regimes' graphs can take the token count as
+    device data (every op ``TileOp.token_local``): :meth:`forward_live` and its kin."""
+
+    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights a regime's graph takes after the activation rows, in its leaf order."""
+        raise NotImplementedError
+
+    def forward_live(
+        self, x: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The module on the first ``num_tokens`` rows of ``x`` ((max_tokens, H) or (..., H)
+        with max_tokens rows), the count read on the GPU: no host work depends on it, so a
+        CUDA graph captured once replays at every count up to ``max_tokens``. Launches every
+        regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`); the one
+        whose range holds the count runs its plan, the others exit at once. Rows of the result
+        at and past the count are not defined. A count outside [0, max_tokens] runs nothing
+        and is raised by :meth:`check_live`. ``out``: a (max_tokens, H) tensor to write
+        into. On the interpreter (the CPU reference) the count is read on the host and checked
+        at once."""
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
+            raise LayoutError(
+                f"forward_live takes x with max_tokens={self.max_tokens} rows of "
+                f"{self.hidden}, got {tuple(x.shape)}"
+            )
+        if self.resolved_backend() != "cute":
+            return self._forward_live_reference(x, x2, num_tokens, out)
+        graphs = self.live_graphs()
+        y = torch.empty_like(x2) if out is None else out
+        weights = self._leaf_weights()
+        with torch.no_grad():
+            for rows, live in graphs:
+                live(x2[:rows], *weights, num_tokens=num_tokens, out=(y[:rows],))
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def live_plan_count(self, n: int) -> int:
+        """The token count whose plan a live launch at count ``n`` (>= 1) runs: the smallest
+        count at or above ``n`` that the regime of ``n`` plans (:func:`cutemk.live.live_counts`);
+        its tokens past ``n`` are computed too, from whatever ``x`` holds there."""
+        from ..live import live_counts
+
+        regime = self.regime(n)
+        first = dict(self.regime_starts())[regime]
+        rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
+        return next(c for c in live_counts(first, rows) if c >= n)
+
+    def _forward_live_reference(self, x, x2, num_tokens, out):
+        """:meth:`forward_live` on the interpreter: the count read on the host, the plan the
+        device would pick run on the rows it would compute (:meth:`live_plan_count`)."""
+        if not (
+            isinstance(num_tokens, torch.Tensor)
+            and num_tokens.dtype == torch.int32
+            and num_tokens.numel() == 1
+        ):
+            raise TypeError(
+                "num_tokens must be an int32 tensor of one element (the live token count)"
+            )
+        n = int(num_tokens.reshape(()))
+        if not 0 <= n <= self.max_tokens:
+            raise CuteMKError(
+                f"{type(self).__name__}: forward_live got a token count of {n}, outside "
+                f"[0, {self.max_tokens}]"
+            )
+        y = torch.empty_like(x2) if out is None else out
+        if n:
+            c = self.live_plan_count(n)
+            y[:c] = self.forward(x2[:c])
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def live_graphs(self, build: bool = True) -> list[tuple[int, Any]]:
+        """(rows, :class:`~cutemk.live.LiveGraph`) of each regime, for :meth:`forward_live`:
+        built on first use (compiling the live kernels, planning every count); with
+        ``build=False`` only those built so far."""
+        if self.resolved_backend() != "cute":
+            raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
+        out = []
+        for regime, first in self.regime_starts():
+            rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
+            graph = self.compiled(regime)
+            if build:
+                out.append((rows, graph.live(first=first, limit=self.max_tokens)))
+            elif (live := graph.live_built(first=first, limit=self.max_tokens)) is not None:
+                out.append((rows, live))
+        return out
+
+    def check_live(self) -> None:
+        """Raise CuteMKError if a :meth:`forward_live` since the last check got a count outside
+        [0, max_tokens] (it ran nothing); waits for the launches."""
+        if self.resolved_backend() != "cute":
+            return  # the interpreter checks each count when it reads it
+        tallies = [live.take_errors() for _, live in self.live_graphs(build=False)]
+        bad, last = max(tallies, default=(0, 0))  # every regime's kernel saw the same counts
+        if bad:
+            raise CuteMKError(
+                f"{type(self).__name__}: {bad} forward_live call(s) got a token count outside "
+                f"[0, {self.max_tokens}] (the last: {last}) and computed nothing"
+            )
 
 
 def _check_options(max_tokens: Any, backend: Any) -> None:

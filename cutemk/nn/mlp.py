@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from .. import torch_ops
-from ..errors import CuteMKError, DeviceError, DTypeError, LayoutError, ShapeError
+from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import REGIME_LIMITS, mlp_regime_graph
 from .base import (
     _aligned,
     _check_options,
     _check_silu,
-    _KeyedModule,
+    _LiveModule,
     _sm_count,
     _token_rows,
 )
@@ -32,7 +32,7 @@ def _same_generation(graph_ref: Any, generation: int) -> bool:
     return graph is not None and graph._generation == generation
 
 
-class MegaMLP(_KeyedModule):
+class MegaMLP(_LiveModule):
     """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` as a cutemk megakernel, for x of shape
     (..., H) with at most ``max_tokens`` rows once flattened.
 
@@ -183,81 +183,8 @@ class MegaMLP(_KeyedModule):
             y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)
         return y if x.dim() == 2 else y.reshape(x.shape)
 
-    def forward_live(
-        self, x: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The MLP of the first ``num_tokens`` rows of ``x`` ((max_tokens, H) or (..., H)
-        with max_tokens rows), the count read on the GPU: no host work depends on it, so a
-        CUDA graph captured once replays at every count up to ``max_tokens``. Launches every
-        regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`); the one
-        whose range holds the count runs its plan, the others exit at once. Rows of the result
-        at and past the count are not defined. A count outside [0, max_tokens] runs nothing
-        and is raised by :meth:`check_live`. ``out``: a (max_tokens, H) tensor to write
-        into. On the interpreter (the CPU reference) the count is read on the host and checked
-        at once."""
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
-            raise LayoutError(
-                f"forward_live takes x with max_tokens={self.max_tokens} rows of "
-                f"{self.hidden}, got {tuple(x.shape)}"
-            )
-        if self.resolved_backend() != "cute":
-            return self._forward_live_reference(x, x2, num_tokens, out)
-        graphs = self.live_graphs()
-        y = torch.empty_like(x2) if out is None else out
-        with torch.no_grad():
-            for rows, live in graphs:
-                live(x2[:rows], self.w_gate_up, self.w_down, num_tokens=num_tokens, out=(y[:rows],))
-        return y if x.dim() == 2 else y.reshape(x.shape)
-
-    def _forward_live_reference(self, x, x2, num_tokens, out):
-        """:meth:`forward_live` on the interpreter: the count read on the host."""
-        if not (
-            isinstance(num_tokens, torch.Tensor)
-            and num_tokens.dtype == torch.int32
-            and num_tokens.numel() == 1
-        ):
-            raise TypeError(
-                "num_tokens must be an int32 tensor of one element (the live token count)"
-            )
-        n = int(num_tokens.reshape(()))
-        if not 0 <= n <= self.max_tokens:
-            raise CuteMKError(
-                f"MegaMLP: forward_live got a token count of {n}, outside [0, {self.max_tokens}]"
-            )
-        y = torch.empty_like(x2) if out is None else out
-        if n:
-            y[:n] = self.forward(x2[:n])
-        return y if x.dim() == 2 else y.reshape(x.shape)
-
-    def live_graphs(self, build: bool = True) -> list[tuple[int, Any]]:
-        """(rows, :class:`~cutemk.live.LiveGraph`) of each regime, for :meth:`forward_live`:
-        built on first use (compiling the live kernels, planning every count); with
-        ``build=False`` only those built so far."""
-        if self.resolved_backend() != "cute":
-            raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
-        out = []
-        for regime, first in self.regime_starts():
-            rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
-            graph = self.compiled(regime)
-            if build:
-                out.append((rows, graph.live(first=first, limit=self.max_tokens)))
-            elif (live := graph.live_built(first=first, limit=self.max_tokens)) is not None:
-                out.append((rows, live))
-        return out
-
-    def check_live(self) -> None:
-        """Raise CuteMKError if a :meth:`forward_live` since the last check got a count outside
-        [0, max_tokens] (it ran nothing); waits for the launches."""
-        if self.resolved_backend() != "cute":
-            return  # the interpreter checks each count when it reads it
-        tallies = [live.take_errors() for _, live in self.live_graphs(build=False)]
-        bad, last = max(tallies, default=(0, 0))  # every regime's kernel saw the same counts
-        if bad:
-            raise CuteMKError(
-                f"MegaMLP: {bad} forward_live call(s) got a token count outside "
-                f"[0, {self.max_tokens}] (the last: {last}) and computed nothing"
-            )
+    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.w_gate_up, self.w_down)
 
     def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
         """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""

@@ -10,10 +10,10 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
-from .base import _aligned, _check_options, _check_silu, _KeyedModule, _token_rows
+from .base import _aligned, _check_options, _check_silu, _LiveModule, _token_rows
 
 
-class MegaMoE(_KeyedModule):
+class MegaMoE(_LiveModule):
     """A Qwen3-MoE sparse block (router, softmax top-k, gated-SiLU experts, weighted combine)
     as one cutemk megakernel, for x of shape (..., H) with at most ``max_tokens`` rows.
 
@@ -124,8 +124,15 @@ class MegaMoE(_KeyedModule):
 
         return self._graph(regime, like, build)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., H). Inference only: runs under no_grad."""
+    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad.
+
+        ``num_tokens`` (an int32 CUDA tensor of one element): the token count as device data,
+        for one CUDA-graph capture that replays at every count (:meth:`forward_live`; x then
+        has ``max_tokens`` rows, and the rows past the count are routed too, from whatever
+        they hold, into rows of the result nobody reads)."""
+        if num_tokens is not None:
+            return self.forward_live(x, num_tokens)
         x2 = _token_rows(self, x)
         if x2 is None:
             return x.detach().new_empty(x.shape)
@@ -135,6 +142,9 @@ class MegaMoE(_KeyedModule):
             key = torch_ops.key_of(self)
             y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
         return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.w_router, self.w_gate_up, self.w_down)
 
     def _launch(self, x2, w_router, w_gate_up, w_down):
         """The megakernel call behind ``torch.ops.cutemk.mega_moe`` (real tensors)."""
