@@ -91,6 +91,22 @@ def _(x, w_router, w_gate_up, w_down, key):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("cutemk::mega_live", mutates_args=())
+def mega_live(
+    x: torch.Tensor, num_tokens: torch.Tensor, weights: list[torch.Tensor], key: str
+) -> torch.Tensor:
+    """MegaMLP's / MegaMoE's ``forward_live``: rows ``x`` (max_tokens, H), the token count a
+    device int (``num_tokens``), the module's weights in its graphs' leaf order -> (max_tokens,
+    H), rows past the count undefined. Its shapes never depend on the count, so a compiled
+    module captures once (``mode="reduce-overhead"``) for every count."""
+    return _runner(key)._live_rows(x, num_tokens, weights)
+
+
+@mega_live.register_fake
+def _(x, num_tokens, weights, key):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("cutemk::mega_decoder_layer", mutates_args=("k_cache", "v_cache"))
 def mega_decoder_layer(
     x: torch.Tensor,

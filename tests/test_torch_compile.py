@@ -91,6 +91,70 @@ def test_a_profiled_module_has_a_key_of_its_own():
     assert torch_ops.key_of(slices) not in (torch_ops.key_of(plain), torch_ops.key_of(profiled))
 
 
+class _LiveBlock(torch.nn.Module):
+    """A residual block whose module takes the token count as device data."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, n):
+        return x + self.inner(torch.nn.functional.gelu(x), num_tokens=n)
+
+
+@pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
+def test_live_count_compiles_once_for_every_count(make):
+    """``forward(x, num_tokens=n)`` under ``torch.compile(fullgraph=True)``: the live call is
+    the custom op ``cutemk::mega_live`` (shapes at the maximum, whatever the count), so one
+    compiled graph serves every count; rows below the count equal the eager module's."""
+    block = _LiveBlock(make("interpret"))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    gen = torch.Generator().manual_seed(5)
+    for t in (1, 3, 17, 200, 256, 0):
+        x = torch.randn(256, 64, generator=gen)
+        n = torch.tensor([t], dtype=torch.int32)
+        got = compiled(x, n)
+        if t:
+            want = x[:t] + block.inner(torch.nn.functional.gelu(x[:t]))
+            torch.testing.assert_close(got[:t], want, rtol=1e-6, atol=1e-6)
+    assert len(graphs) == 1
+    assert any("mega_live" in str(node.target) for node in graphs[0].graph.nodes)
+    with pytest.raises(Exception, match="out"):
+        torch.compile(
+            lambda x, n, o: block.inner.forward_live(x, n, out=o), fullgraph=True, backend="eager"
+        )(x, n, torch.empty_like(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
+def test_reduce_overhead_captures_the_live_count_once(make):
+    """``mode="reduce-overhead"`` on a module called with ``num_tokens``: the shapes never
+    change, so its CUDA graph is captured once and replays correctly at every count."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    inner = make(None, "cuda", torch.bfloat16)
+    block = _LiveBlock(inner)
+    import cutemk as mk
+
+    mk.warmup(inner, live=True, progress=False)
+    compiled = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    n = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for t in (5, 5, 5, 40, 1, 256, 129):
+        x = torch.randn(256, 64, device="cuda", generator=gen).bfloat16()
+        n.fill_(t)
+        got = compiled(x, n).float()
+        want = (x[:t] + inner(torch.nn.functional.gelu(x[:t]))).float()
+        torch.testing.assert_close(got[:t], want, rtol=2e-2, atol=2e-2)
+    inner.check_live()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
 def test_reduce_overhead_captures_the_megakernel(make):

@@ -127,15 +127,38 @@ class _LiveModule(_KeyedModule):
                 f"forward_live takes x with max_tokens={self.max_tokens} rows of "
                 f"{self.hidden}, got {tuple(x.shape)}"
             )
-        if self.resolved_backend() != "cute":
-            return self._forward_live_reference(x, x2, num_tokens, out)
-        graphs = self.live_graphs()
-        y = torch.empty_like(x2) if out is None else out
+        if x.dtype != self.w_down.dtype:
+            raise DTypeError(
+                f"{type(self).__name__} input has dtype {x.dtype} but its weights are "
+                f"{self.w_down.dtype}"
+            )
         weights = self._leaf_weights()
+        if torch_ops.direct(x2):
+            y = self._live_rows(x2, num_tokens, weights, out)
+        elif out is not None:
+            raise CuteMKError("forward_live(out=...) cannot be traced (torch.compile): drop out")
+        else:  # traced (torch.compile): an opaque op, its fake output the rows' shape
+            key = torch_ops.key_of(self)
+            y = torch.ops.cutemk.mega_live(x2, num_tokens, list(weights), key)
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def _live_rows(
+        self,
+        x2: torch.Tensor,
+        num_tokens: torch.Tensor,
+        weights: tuple[torch.Tensor, ...] | list[torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward_live` on (max_tokens, H) rows with these weights (the call behind
+        ``torch.ops.cutemk.mega_live``, real tensors)."""
+        if self.resolved_backend(weights[-1]) != "cute":
+            return self._live_rows_reference(x2, num_tokens, weights, out)
+        graphs = self.live_graphs(like=weights[-1])
+        y = torch.empty_like(x2) if out is None else out
         with torch.no_grad():
             for rows, live in graphs:
                 live(x2[:rows], *weights, num_tokens=num_tokens, out=(y[:rows],))
-        return y if x.dim() == 2 else y.reshape(x.shape)
+        return y
 
     def live_plan_count(self, n: int) -> int:
         """The token count whose plan a live launch at count ``n`` (>= 1) runs: the smallest
@@ -148,8 +171,8 @@ class _LiveModule(_KeyedModule):
         rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
         return next(c for c in live_counts(first, rows) if c >= n)
 
-    def _forward_live_reference(self, x, x2, num_tokens, out):
-        """:meth:`forward_live` on the interpreter: the count read on the host, the plan the
+    def _live_rows_reference(self, x2, num_tokens, weights, out):
+        """:meth:`_live_rows` on the interpreter: the count read on the host, the plan the
         device would pick run on the rows it would compute (:meth:`live_plan_count`)."""
         if not (
             isinstance(num_tokens, torch.Tensor)
@@ -168,19 +191,22 @@ class _LiveModule(_KeyedModule):
         y = torch.empty_like(x2) if out is None else out
         if n:
             c = self.live_plan_count(n)
-            y[:c] = self.forward(x2[:c])
-        return y if x.dim() == 2 else y.reshape(x.shape)
+            y[:c] = self._launch(x2[:c], *weights)
+        return y
 
-    def live_graphs(self, build: bool = True) -> list[tuple[int, Any]]:
-        """(rows, :class:`~cutemk.live.LiveGraph`) of each regime, for :meth:`forward_live`:
-        built on first use (compiling the live kernels, planning every count); with
-        ``build=False`` only those built so far."""
+    def live_graphs(
+        self, build: bool = True, like: torch.Tensor | None = None
+    ) -> list[tuple[int, Any]]:
+        """(rows, :class:`~cutemk.live.LiveGraph`) of each regime, for :meth:`forward_live`
+        with weights like ``like`` (default: this module's): built on first use (compiling
+        the live kernels, planning every count); with ``build=False`` only those built so
+        far."""
         if self.resolved_backend() != "cute":
             raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
         out = []
         for regime, first in self.regime_starts():
             rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
-            graph = self.compiled(regime)
+            graph = self.compiled(regime, like=like)
             if build:
                 out.append((rows, graph.live(first=first, limit=self.max_tokens)))
             elif (live := graph.live_built(first=first, limit=self.max_tokens)) is not None:
