@@ -57,7 +57,9 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
     extents)``, ``extents`` the distinct token-dependent dims of ``graph``'s values (the token
     dim ``tokens`` itself first, then expressions of it such as ``T * top_k``) and ``pairs``
     (value index, dim, index into ``extents``) of every dim that is one of them. Each plan of
-    the live table carries every extent's value at its own count (``live.pack_live``).
+    the live table carries every extent's value at its own count (``live.pack_live``). A
+    value only ops with it in ``TileOp.live_rows_inputs`` read has its token dim bound to the
+    live count itself: index -1.
 
     Raises GraphError where the graph cannot run so: an op whose tokens are not independent
     (``TileOp.token_local``), a value updated in place, or a dim with another symbol."""
@@ -73,6 +75,17 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
         raise GraphError(
             f"{graph.name}: a live token count does not support inputs updated in place ({updated})"
         )
+    # values every reader of which treats the rows past its bound extent as absent
+    # (``TileOp.live_rows_inputs``): bound to the live count itself (extent index -1)
+    readers: dict[int, list[bool]] = {}
+    for n in graph.nodes:
+        for a in n.op.inputs:
+            readers.setdefault(id(n.args[a]), []).append(a in n.op.live_rows_inputs)
+    at_live = {
+        id(v)
+        for v in graph.values
+        if v.kind == "intermediate" and v not in graph.outputs and all(readers.get(id(v), [False]))
+    }
     pairs, extents = [], []
     for i, v in enumerate(graph.values):
         for d, e in enumerate(v.shape):
@@ -84,15 +97,19 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
                     f"{graph.name}: {v.name} has the dim {e}; one capture for every token "
                     f"count needs every symbolic dim to depend on {tokens} alone"
                 )
+            if id(v) in at_live and isinstance(e, Sym):
+                pairs.append((i, d, -1))
+                continue
             if e not in extents:
                 extents.append(e)
             pairs.append((i, d, extents.index(e)))
     syms = [e for e in extents if isinstance(e, Sym)]
     if not syms:
         raise GraphError(f"{graph.name}: no value has the token dim {tokens}")
-    # the token dim itself first (its index is what the kernel's table row also names tokens)
+    # the token dim itself first (the plan's count, as the table row's ``tokens`` word)
     order = [extents.index(syms[0])] + [j for j, e in enumerate(extents) if e is not syms[0]]
     remap = {old: new for new, old in enumerate(order)}
+    remap[-1] = -1
     extents = [extents[j] for j in order]
     return tuple((i, d, remap[j]) for i, d, j in pairs), tuple(extents)
 

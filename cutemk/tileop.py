@@ -245,6 +245,15 @@ class TileOp:
     layouts, and relies on no zero fill past a token-dependent extent: a live launch binds
     extents at the plan's count over buffers (and TMA descriptors) at the maximum."""
 
+    live_rows_inputs: ClassVar[tuple[str, ...]] = ()
+    """Inputs whose token rows past their bound extent the op treats as absent (as if they did
+    not exist, e.g. a top-k picking no expert for them) while it still covers its outputs'
+    rows. A live launch (``CuteGraph.live``) binds these values' token dim to the live count
+    itself rather than the plan's, so the tokens between the two cost nothing downstream (the
+    MoE block's routing then places only live tokens). Every other op touching such a value
+    must tolerate the smaller extent (stores masked by it, or by a TMA descriptor at the
+    maximum)."""
+
     # -- device contract (CuTe DSL; see the module docstring) -------------------------------
     exists_on_device: ClassVar[bool] = False
     """True if :meth:`device_exists` reads data to decide whether a tile exists."""

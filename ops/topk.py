@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import cutlass
-import numpy as np
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32, cute
 
@@ -48,6 +47,7 @@ class TopkSoftmaxTile(TileOp):
 
     name: ClassVar[str] = "topk_softmax"
     token_local: ClassVar[bool] = True
+    live_rows_inputs: ClassVar[tuple[str, ...]] = ("logits",)
     inputs: ClassVar[tuple[str, ...]] = ("logits",)
     outputs: ClassVar[tuple[str, ...]] = ("weights", "ids")
 
@@ -191,6 +191,9 @@ class TopkSoftmaxTile(TileOp):
         per_lane = (num_experts + WARP - 1) // WARP
         warps = NUM_THREADS // WARP
         tokens = mWeights.shape[0]
+        # a live launch binds the logits' token dim to the live count (``live_rows_inputs``):
+        # rows past it are absent, their picks "no expert" (-1) like an all-NaN row's
+        logit_rows = mLogits.shape[1] if cutlass.const_expr(self._split) else mLogits.shape[0]
         lane = tidx % WARP
         row0 = coord0 * self.block_m
         row_end = cute.min(row0 + self.block_m, tokens)
@@ -203,7 +206,9 @@ class TopkSoftmaxTile(TileOp):
                 v = Float32(-float("inf"))
                 taken[q] = Int32(1)  # lanes past E hold nothing to pick
                 if e < num_experts:
-                    v = self._logit(mLogits, row, e)
+                    v = Float32(float("nan"))
+                    if row < logit_rows:
+                        v = self._logit(mLogits, row, e)
                     taken[q] = Int32(0)
                 vals[q] = v
                 vmax = cute.arch.fmax(vmax, v)

@@ -21,7 +21,8 @@ import torch
 import cutemk as mk
 from cutemk.codegen.layout import LH, LIVE_ROW, LR
 from cutemk.errors import CuteMKError, GraphError, LayoutError
-from cutemk.kernels import compile_offline, live_dims
+from cutemk.codegen.layout import live_row_width
+from cutemk.kernels import compile_offline, kernel_spec, live_dims
 from cutemk.layers import MoeConfig, mlp_graph, moe_graph
 from cutemk.live import LiveGraph, live_counts, pack_live
 from cutemk.plan import instantiate
@@ -86,9 +87,13 @@ def test_live_dims_and_the_graphs_that_cannot_take_a_live_count():
     moe = moe_graph(mk.sym("T", max=64), MoeConfig(64, 32, 8, 2, block_m=16, block_n=32))
     pairs, extents = live_dims(moe, "T")
     assert str(extents[0]) == "T" and len(extents) > 1
-    env = {"T": 64}
+    topk = next(n for n in moe.nodes if n.op.name == "topk_softmax")
     for i, d, j in pairs:
-        assert moe.values[i].shape[d].eval(env) == extents[j].eval(env)
+        if j < 0:  # bound to the live count: the top-k's logits alone (its live_rows_inputs)
+            assert moe.values[i] is topk.args["logits"] and str(moe.values[i].shape[d]) == "T"
+        else:
+            assert moe.values[i].shape[d] == extents[j]
+    assert sum(j < 0 for _, _, j in pairs) == 1
     # an op that does not keep tokens apart
     mixed = mk.Graph("mixed")
     x = mixed.input("x", (mk.sym("T", max=8), 64), torch.float32)
@@ -127,9 +132,19 @@ def test_live_table_carries_each_plans_slot_extents(scheduler):
         assert row == [e.eval({"T": c}) for e in exprs]
     built = [CuteGraph._plan_arrays(cg, instantiate(g, {"T": c})) for c in live.counts]
     table, *_ = pack_live(built, live.counts, 17, 700, extents=extents)
-    width = len(LIVE_ROW) + len(exprs)
-    rows = table[table[LH["rows"]] :].reshape(len(live.counts), width)
-    assert (rows[:, len(LIVE_ROW) :] == np.array(extents)).all()
+    # what the kernel reads: its row width from the spec, each bound dim's word of the row
+    spec_live = kernel_spec(g, scheduler == "dynamic", live="T").live
+    width = live_row_width(spec_live)
+    assert width == len(LIVE_ROW) + len(exprs)
+    for n in (17, 18, 100, 128, 129, 640, 641, 699, 700):
+        plan = table[table[LH["lookup"]] + n]
+        row = table[LH["rows"]] + width * plan
+        c = table[row + LR["tokens"]]
+        assert c == live.counts[plan] and c >= n
+        for i, d, j in spec_live:
+            want = n if j < 0 else g.values[i].shape[d].eval({"T": int(c)})
+            got = n if j < 0 else table[row + len(LIVE_ROW) + j]
+            assert got == want, (g.values[i].name, d, n)
 
 
 @pytest.mark.parametrize(

@@ -86,8 +86,8 @@ def garbage_rows(x, n):
 
 def test_forward_live_on_the_interpreter_routes_the_rows_past_the_count():
     """The live count's CPU reference runs the plan the device picks (the smallest planned
-    count at or above the live one) on the rows it would compute: tokens past the count hold
-    NaN, inf and huge values, are routed too, and change no live token's output."""
+    count at or above the live one): x's rows past the count hold NaN, inf and huge values,
+    its tokens there are absent (routed nowhere), and no live token's output changes."""
     block = hf_block(64, 32, 8, 2, True, torch.float32)
     max_tokens = 40
     mega = MegaMoE.from_hf(block, max_tokens=max_tokens, backend="interpret")
@@ -103,6 +103,9 @@ def test_forward_live_on_the_interpreter_routes_the_rows_past_the_count():
         if n:
             assert rel_err(y[:n], hf_forward(block, x[:n])) < 1e-5, f"n={n}"
             assert torch.equal(y2[:n], y[:n])
+    for bad in (0, 41, 2.0):
+        with pytest.raises(ValueError, match=r"\[1, 40\]"):
+            mega.live_plan_count(bad)
     with pytest.raises(Exception, match="max_tokens=40"):
         mega(x[:39], num_tokens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(Exception, match="outside"):

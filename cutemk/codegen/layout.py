@@ -62,4 +62,4 @@ LIVE_HEADER_WORDS = 8
 def live_row_width(live) -> int:
     """Words of a plan's row in the live table of a kernel binding ``live`` ((value, dim,
     extent) triples, ``KernelSpec.live``): ``LIVE_ROW``, then one per extent."""
-    return len(LIVE_ROW) + 1 + max(j for _, _, j in live)
+    return len(LIVE_ROW) + 1 + max(j for _, _, j in live)  # -1 (the live count) has no word

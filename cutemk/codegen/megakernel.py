@@ -344,8 +344,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             self._run(graph_tensors, extras, mProg, mDev, num_tasks, num_init, max_epoch, *args)
         else:
             # one capture for every token count: the live count (device data) picks this
-            # launch's plan from the table; the token dims of the graph's tensors (passed at
-            # their maxima) are bound to that plan's count
+            # launch's plan from the table; the token-dependent dims of the graph's tensors
+            # (passed at their maxima) are bound to their values at that plan's count (or to
+            # the live count, ``_bind_tokens``)
             nv = len(graph_tensors)
             table, count = graph_tensors[nv - 2], graph_tensors[nv - 1]
             live = count[0]
@@ -365,7 +366,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                         table[LH["last_bad"]] = live
             if plan >= 0:
                 row = table[LH["rows"]] + live_row_width(self.spec.live) * plan
-                bound = tuple(self._bind_tokens(graph_tensors[i], i, table, row) for i in range(nv - 2))
+                bound = tuple(
+                    self._bind_tokens(graph_tensors[i], i, table, row, live) for i in range(nv - 2)
+                )
                 self._run(
                     bound,
                     extras,
@@ -383,15 +386,18 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                     *args,
                 )
 
-    def _bind_tokens(self, t, i: int, table, row):
+    def _bind_tokens(self, t, i: int, table, row, live):
         """``t`` (graph tensor ``i``) with each token-dependent dim (``KernelSpec.live``) set to
-        its extent in the plan's ``row`` of the live table; strides stay those of the tensor
-        passed (allocated at the maxima)."""
+        its extent in the plan's ``row`` of the live table, or to the ``live`` count itself
+        (extent -1: ``TileOp.live_rows_inputs``); strides stay those of the tensor passed
+        (allocated at the maxima)."""
         extent = {d: j for k, d, j in self.spec.live if k == i}
         if not extent:
             return t
         shape = tuple(
-            table[row + len(LIVE_ROW) + extent[d]] if d in extent else t.shape[d]
+            (live if extent[d] < 0 else table[row + len(LIVE_ROW) + extent[d]])
+            if d in extent
+            else t.shape[d]
             for d in range(cute.rank(t))
         )
         return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=t.stride))

@@ -163,9 +163,12 @@ class _LiveModule(_KeyedModule):
     def live_plan_count(self, n: int) -> int:
         """The token count whose plan a live launch at count ``n`` (>= 1) runs: the smallest
         count at or above ``n`` that the regime of ``n`` plans (:func:`cutemk.live.live_counts`);
-        its tokens past ``n`` are computed too, from whatever ``x`` holds there."""
+        its rows past ``n`` are computed too, from whatever ``x`` holds there (an MoE block
+        routes those tokens nowhere)."""
         from ..live import live_counts
 
+        if not isinstance(n, int) or not 1 <= n <= self.max_tokens:
+            raise ValueError(f"n must be an int in [1, {self.max_tokens}], got {n!r}")
         regime = self.regime(n)
         first = dict(self.regime_starts())[regime]
         rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
@@ -173,7 +176,8 @@ class _LiveModule(_KeyedModule):
 
     def _live_rows_reference(self, x2, num_tokens, weights, out):
         """:meth:`_live_rows` on the interpreter: the count read on the host, the plan the
-        device would pick run on the rows it would compute (:meth:`live_plan_count`)."""
+        device would pick (:meth:`live_plan_count`) run with its tokens past the count
+        absent."""
         if not (
             isinstance(num_tokens, torch.Tensor)
             and num_tokens.dtype == torch.int32
@@ -191,7 +195,11 @@ class _LiveModule(_KeyedModule):
         y = torch.empty_like(x2) if out is None else out
         if n:
             c = self.live_plan_count(n)
-            y[:c] = self._launch(x2[:c], *weights)
+            # the plan's tokens past the live count are absent (the MoE block routes them
+            # nowhere, ``TileOp.live_rows_inputs``): NaN rows, which route nowhere here too
+            xc = x2[:c].clone()
+            xc[n:] = float("nan")
+            y[:c] = self._launch(xc, *weights)
         return y
 
     def live_graphs(
