@@ -21,7 +21,10 @@ tensor at each launch:
   caller serves) runs nothing and is recorded in the table;
   :meth:`LiveGraph.check` raises it (eager calls with the watchdog check every launch).
 
-So one capture replays correctly at any count, and a count costs what its plan costs.
+So one capture replays correctly at any count, and a count costs what its plan costs; an op
+that treats rows past its input's extent as absent (``TileOp.live_rows_inputs``: the MoE
+block's top-k) gets that input bound to the live count itself, so the plan's tokens past it
+route nowhere and cost next to nothing.
 """
 
 from __future__ import annotations
