@@ -66,8 +66,8 @@ def warmup(
     ``progress``: a tqdm bar (None: when stderr is a terminal). ``parallel``: first compile
     every kernel not yet compiled or cached, in worker processes at once, into the on-disk
     cache (``cutemk.kernels.compile_many``), so the launches load them. ``live``: also
-    prepare the modules' one-capture path (``MegaMLP`` / ``MegaMoE.forward_live``): its kernels compiled
-    (in parallel with the others) and every count it serves planned."""
+    prepare the modules' one-capture path (``MegaMLP`` / ``MegaMoE.forward_live``): its
+    kernels compiled (in parallel with the others) and every count it serves planned."""
     objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     tokens = [int(t) for t in tokens]
     for o in objs:  # before any work

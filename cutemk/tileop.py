@@ -236,10 +236,10 @@ class TileOp:
     values no token writes) only, and the op's tiles read and write inside their buffers. A
     row-wise op (GEMM, RMSNorm, add) does so row by row; the MoE block's routing, permute,
     grouped GEMMs and combine do so together: routing keeps each expert's rows in token
-    order (a token's rank in its expert does not depend on the tokens after it), GEMM rows are independent and
-    the combine reads a token's own slots. Graphs of such ops can take the token count as
-    device data (one CUDA-graph capture for every count, ``CuteGraph.live``): a plan serves
-    every count up to its own, the tokens past the live count computed from whatever the
+    order (a token's rank in its expert does not depend on the tokens after it), GEMM rows
+    are independent and the combine reads a token's own slots. Graphs of such ops can take
+    the token count as device data (one CUDA-graph capture for every count,
+    ``CuteGraph.live``): a plan serves every count up to its own, the tokens past the live count computed from whatever the
     buffers hold into rows (or slots) no live token reads. Such an op takes its
     token-dependent extents from its bound tensors' shapes and its strides from their
     layouts, and relies on no zero fill past a token-dependent extent: a live launch binds

@@ -382,8 +382,8 @@ def _ring_views(
 @cute.jit
 def store(cfg: cutlass.Constexpr, tensors, coord0: Int32, coord1: Int32, epi_ptr):
     """Storer warp: TMA-store the staged tile (coord0, coord1) of C (rows and columns past C's
-    extent, the descriptor's, are clipped by the copy engine). A split-K partial or a combine tile has nothing
-    staged."""
+    extent, the descriptor's, are clipped by the copy engine). A split-K partial or a combine
+    tile has nothing staged."""
     if cutlass.const_expr(cfg.from_registers):
         return
     out = _CUTE_DTYPES[cfg.out_dtype]

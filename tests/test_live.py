@@ -149,8 +149,13 @@ def test_live_table_carries_each_plans_slot_extents(scheduler):
 
 @pytest.mark.parametrize(
     "layer,regime,scheduler",
-    [("mlp", "gemv1", "static"), ("mlp", "prefill", "dynamic"), ("moe", "slots", "static"),
-     ("moe", "gemv", "dynamic"), ("moe", "prefill", "static")],
+    [
+        ("mlp", "gemv1", "static"),
+        ("mlp", "prefill", "dynamic"),
+        ("moe", "slots", "static"),
+        ("moe", "gemv", "dynamic"),
+        ("moe", "prefill", "static"),
+    ],
 )
 def test_live_kernel_compiles_for_sm90a(layer, regime, scheduler, spill_stores):
     if layer == "mlp":
