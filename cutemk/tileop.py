@@ -239,11 +239,12 @@ class TileOp:
     order (a token's rank in its expert does not depend on the tokens after it), GEMM rows
     are independent and the combine reads a token's own slots. Graphs of such ops can take
     the token count as device data (one CUDA-graph capture for every count,
-    ``CuteGraph.live``): a plan serves every count up to its own, the tokens past the live count computed from whatever the
-    buffers hold into rows (or slots) no live token reads. Such an op takes its
-    token-dependent extents from its bound tensors' shapes and its strides from their
-    layouts, and relies on no zero fill past a token-dependent extent: a live launch binds
-    extents at the plan's count over buffers (and TMA descriptors) at the maximum."""
+    ``CuteGraph.live``): a plan serves every count up to its own, the tokens past the live
+    count computed from whatever the buffers hold into rows (or slots) no live token reads.
+    Such an op takes its token-dependent extents from its bound tensors' shapes and its
+    strides from their layouts, and relies on no zero fill past a token-dependent extent: a
+    live launch binds extents at the plan's count over buffers (and TMA descriptors) at the
+    maximum."""
 
     live_rows_inputs: ClassVar[tuple[str, ...]] = ()
     """Inputs whose token rows past their bound extent the op treats as absent (as if they did
