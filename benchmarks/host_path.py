@@ -45,7 +45,7 @@ import time
 
 import torch
 
-import cutemk.nn.mlp
+import cutemk.nn.base
 from cutemk.bench import Results, host_us, host_us_queued, plan_stages
 from cutemk.regimes import (
     MOE_REGIME_LIMITS,
@@ -118,11 +118,11 @@ def eager_section(res: Results, calls: int) -> None:
     h, i = mlp.hidden, mlp.intermediate
     a = torch.randn_like(x, dtype=torch.float32)
     mk_us = host_us(lambda: mlp(x), calls)
-    cutemk.nn.mlp.FAST_PATH = False  # the same module's full path, for the fast path's gain
+    cutemk.nn.base.FAST_PATH = False  # the same module's full path, for the fast path's gain
     try:
         full_us = host_us(lambda: mlp(x), calls)
     finally:
-        cutemk.nn.mlp.FAST_PATH = True
+        cutemk.nn.base.FAST_PATH = True
     torch_us = host_us(lambda: torch.add(a, a), calls)
     replay = time_us(graphed(lambda: mlp(x)), cold_l2=False)
     # the same calls queued behind a busy GPU: the host's own cost, whatever the GPU's pace

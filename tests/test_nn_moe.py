@@ -70,6 +70,7 @@ def test_matches_hf_block_on_the_gpu(scheduler):
         )
         assert rel_err(y, ref) < 1e-2, f"T={t} vs fp32 reference"
         assert rel_err(y, hf_forward(block, x)) < 2e-2, f"T={t} vs the HF module"
+        assert torch.equal(mega(x), y), f"T={t}: the eager fast path's launch differs"
 
 
 def garbage_rows(x, n):
@@ -110,3 +111,23 @@ def test_forward_live_on_the_interpreter_routes_the_rows_past_the_count():
         mega(x[:39], num_tokens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(Exception, match="outside"):
         mega(x, num_tokens=torch.tensor([41], dtype=torch.int32))
+
+
+def test_eager_fast_path_serves_the_block_too():
+    """MegaMoE shares MegaMLP's eager fast path: the second call with rows of one shape runs
+    the remembered launch (no checks, no regime lookup); replaced weights take the full path."""
+    block = hf_block(64, 32, 8, 2, True, torch.float32)
+    mega = MegaMoE.from_hf(block, max_tokens=40, backend="interpret")
+    x = torch.randn(5, 64)
+    assert rel_err(mega(x), hf_forward(block, x)) < 1e-5
+    run, *rest = mega._fast[x.shape]
+    calls = []
+    mega._fast[x.shape] = (lambda a: calls.append(a) or run(a), *rest)
+    x2 = torch.randn(5, 64)
+    assert rel_err(mega(x2), hf_forward(block, x2)) < 1e-5
+    assert len(calls) == 1 and calls[0][0] is x2 and len(calls[0]) == 4  # rows + 3 weights
+    mega.w_router = mega.w_router.clone()  # a new weight tensor: the remembered launch is stale
+    mega(x2)
+    assert len(calls) == 1
+    mega(x2.reshape(5, 1, 64))  # not (tokens, H) rows: the full path
+    assert len(calls) == 1

@@ -4,6 +4,7 @@ base (regimes, backend, pickling), and the checks of an input and of an activati
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -101,13 +102,97 @@ class _KeyedModule(nn.Module):
         return "cute" if (self.w_down if like is None else like).is_cuda else "interpret"
 
 
+FAST_PATH = True
+"""The drop-in row modules' eager fast path (see ``_LiveModule.forward``); benchmarks turn it
+off to time the full path in the same process."""
+
+
+def _same_generation(graph_ref: Any, generation: int) -> bool:
+    graph = graph_ref()
+    return graph is not None and graph._generation == generation
+
+
 class _LiveModule(_KeyedModule):
-    """A keyed module over (tokens, H) rows whose regimes' graphs can take the token count as
-    device data (every op ``TileOp.token_local``): :meth:`forward_live` and its kin."""
+    """A keyed module over (tokens, H) rows (``MegaMLP``, ``MegaMoE``): its graphs take the
+    rows then the weights named by ``_weight_names``, launch through the custom op
+    ``torch.ops.cutemk.<_op_name>`` when traced, and can take the token count as device data
+    (every op ``TileOp.token_local``): :meth:`forward`, its eager fast path, and
+    :meth:`forward_live` with its kin."""
+
+    _weight_names: tuple[str, ...] = ()
+    _op_name = ""
 
     def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
         """The weights a regime's graph takes after the activation rows, in its leaf order."""
-        raise NotImplementedError
+        return tuple(getattr(self, n) for n in self._weight_names)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph).
+
+        ``num_tokens`` (an int32 CUDA tensor of one element): the token count as device data,
+        for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
+        if num_tokens is not None:
+            return self.forward_live(x, num_tokens)
+        fast = self.__dict__.get("_fast") if FAST_PATH else None
+        hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
+        if hit is not None:  # rows of a shape an earlier eager call launched (see below)
+            run, current, weights, dtype, device, config = hit
+            if (
+                x.dtype is dtype
+                and x.get_device() == device
+                and not x.requires_grad
+                and x.stride() == (x.shape[1], 1)  # row-major, size-1 dims too (TMA strides)
+                and current()
+                and all(w is self._buffers[n] for n, w in zip(self._weight_names, weights))
+                and config == (self.backend, self.scheduler, self.num_sms)
+                and not self.__dict__.get("profile")
+                and torch_ops.direct(x)
+            ):
+                return run((_aligned(x), *weights))
+        x2 = _token_rows(self, x)
+        if x2 is None:
+            return x.detach().new_empty(x.shape)
+        weights = self._leaf_weights()
+        if torch_ops.direct(x2):
+            y = self._launch(x2, *weights)
+            if (
+                FAST_PATH
+                and x2 is x
+                and y.dim() == 2
+                and x.stride() == (x.shape[1], 1)  # what the fast path takes (see above)
+                and not self.__dict__.get("profile")
+            ):
+                self._remember(x, weights)
+        else:
+            key = torch_ops.key_of(self)
+            y = getattr(torch.ops.cutemk, self._op_name)(x2, *weights, key)
+        return y if x.dim() == 2 else y.reshape(x.shape)
+
+    def _remember(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> None:
+        """Keep the launch of ``x``'s rows: the next eager call with rows of this shape skips
+        the checks above it (they hold for any x of this shape, dtype, device and layout, with
+        these weights), the regime lookup, no_grad (the kernel call records no autograd
+        graph) and the graph's per-call checks of the leaves (``CuteGraph.runner``)."""
+        fast = self.__dict__.get("_fast")
+        if fast is None or len(fast) >= 64:
+            fast = self.__dict__["_fast"] = {}
+        graph = self.compiled(self.regime(x.shape[0]), like=weights[-1])
+        runner = getattr(graph, "runner", None)  # the interpreter has none
+        run = runner(_aligned(x), *weights) if runner else None
+        if run is None:
+            run, current = (lambda args, g=graph: g(*args)), (lambda: True)
+        else:  # a runner of replaced plans (CuteGraph.load_plan) is dropped
+            current = partial(_same_generation, weakref.ref(graph), run.generation)
+        config = (self.backend, self.scheduler, self.num_sms)
+        fast[x.shape] = (run, current, weights, x.dtype, x.get_device(), config)
+
+    def _launch(self, x2: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        """The megakernel call behind the module's custom op (real tensors): rows ``x2``
+        (tokens, H), the weights in ``_weight_names`` order."""
+        with torch.no_grad():
+            fn = self.compiled(self.regime(x2.shape[0]), like=weights[-1])
+            return fn(_aligned(x2), *weights)
 
     def forward_live(
         self, x: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor | None = None

@@ -3,8 +3,6 @@ device data."""
 
 from __future__ import annotations
 
-import weakref
-from functools import partial
 from typing import Any
 
 import torch
@@ -13,24 +11,7 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import REGIME_LIMITS, mlp_regime_graph
-from .base import (
-    _aligned,
-    _check_options,
-    _check_silu,
-    _LiveModule,
-    _sm_count,
-    _token_rows,
-)
-
-FAST_PATH = True
-"""MegaMLP's eager fast path (see ``MegaMLP.forward``); benchmarks turn it off to time the full
-path in the same process."""
-
-
-def _same_generation(graph_ref: Any, generation: int) -> bool:
-    graph = graph_ref()
-    return graph is not None and graph._generation == generation
-
+from .base import _check_options, _check_silu, _LiveModule, _sm_count
 
 class MegaMLP(_LiveModule):
     """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` as a cutemk megakernel, for x of shape
@@ -119,78 +100,8 @@ class MegaMLP(_LiveModule):
 
         return self._graph(regime, like, build)
 
-    # -- forward ----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., H) -> (..., H). Inference only: runs under no_grad (no autograd graph).
-
-        ``num_tokens`` (an int32 CUDA tensor of one element): the token count as device data,
-        for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
-        if num_tokens is not None:
-            return self.forward_live(x, num_tokens)
-        fast = self.__dict__.get("_fast") if FAST_PATH else None
-        hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
-        if hit is not None:  # rows of a shape an earlier eager call launched (see below)
-            run, current, w_gate_up, w_down, dtype, device, config = hit
-            if (
-                x.dtype is dtype
-                and x.get_device() == device
-                and not x.requires_grad
-                and x.stride() == (x.shape[1], 1)  # row-major, size-1 dims too (TMA strides)
-                and current()
-                and w_gate_up is self._buffers["w_gate_up"]
-                and w_down is self._buffers["w_down"]
-                and config == (self.backend, self.scheduler, self.num_sms)
-                and not self.__dict__.get("profile")
-                and torch_ops.direct(x)
-            ):
-                return run((_aligned(x), w_gate_up, w_down))
-        x2 = _token_rows(self, x)
-        if x2 is None:
-            return x.detach().new_empty(x.shape)
-        if torch_ops.direct(x2):
-            y = self._launch(x2, self.w_gate_up, self.w_down)
-            if (
-                FAST_PATH
-                and x2 is x
-                and y.dim() == 2
-                and x.stride() == (x.shape[1], 1)  # what the fast path takes (see above)
-                and not self.__dict__.get("profile")
-            ):
-                # the next eager call with these rows skips the checks above it (they hold for
-                # any x of this shape, dtype, device and layout, with these weights), the
-                # regime lookup, no_grad (the kernel call records no autograd graph) and the
-                # graph's per-call checks of the leaves (CuteGraph.runner)
-                if fast is None or len(fast) >= 64:
-                    fast = self.__dict__["_fast"] = {}
-                graph = self.compiled(self.regime(x.shape[0]), like=self.w_down)
-                runner = getattr(graph, "runner", None)  # the interpreter has none
-                run = runner(_aligned(x), self.w_gate_up, self.w_down) if runner else None
-                if run is None:
-                    run, current = (lambda args, g=graph: g(*args)), (lambda: True)
-                else:  # a runner of replaced plans (CuteGraph.load_plan) is dropped
-                    current = partial(_same_generation, weakref.ref(graph), run.generation)
-                fast[x.shape] = (
-                    run,
-                    current,
-                    self.w_gate_up,
-                    self.w_down,
-                    x.dtype,
-                    x.get_device(),
-                    (self.backend, self.scheduler, self.num_sms),
-                )
-        else:
-            key = torch_ops.key_of(self)
-            y = torch.ops.cutemk.mega_mlp(x2, self.w_gate_up, self.w_down, key)
-        return y if x.dim() == 2 else y.reshape(x.shape)
-
-    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
-        return (self.w_gate_up, self.w_down)
-
-    def _launch(self, x2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
-        """The megakernel call behind ``torch.ops.cutemk.mega_mlp`` (real tensors)."""
-        with torch.no_grad():
-            fn = self.compiled(self.regime(x2.shape[0]), like=w_down)
-            return fn(_aligned(x2), w_gate_up, w_down)
+    _weight_names = ("w_gate_up", "w_down")
+    _op_name = "mega_mlp"
 
     def extra_repr(self) -> str:
         return (

@@ -10,7 +10,7 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
-from .base import _aligned, _check_options, _check_silu, _LiveModule, _token_rows
+from .base import _check_options, _check_silu, _LiveModule
 
 
 class MegaMoE(_LiveModule):
@@ -124,33 +124,8 @@ class MegaMoE(_LiveModule):
 
         return self._graph(regime, like, build)
 
-    def forward(self, x: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., H) -> (..., H). Inference only: runs under no_grad.
-
-        ``num_tokens`` (an int32 CUDA tensor of one element): the token count as device data,
-        for one CUDA-graph capture that replays at every count (:meth:`forward_live`; x then
-        has ``max_tokens`` rows, and the rows past the count are routed too, from whatever
-        they hold, into rows of the result nobody reads)."""
-        if num_tokens is not None:
-            return self.forward_live(x, num_tokens)
-        x2 = _token_rows(self, x)
-        if x2 is None:
-            return x.detach().new_empty(x.shape)
-        if torch_ops.direct(x2):
-            y = self._launch(x2, self.w_router, self.w_gate_up, self.w_down)
-        else:
-            key = torch_ops.key_of(self)
-            y = torch.ops.cutemk.mega_moe(x2, self.w_router, self.w_gate_up, self.w_down, key)
-        return y if x.dim() == 2 else y.reshape(x.shape)
-
-    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
-        return (self.w_router, self.w_gate_up, self.w_down)
-
-    def _launch(self, x2, w_router, w_gate_up, w_down):
-        """The megakernel call behind ``torch.ops.cutemk.mega_moe`` (real tensors)."""
-        with torch.no_grad():
-            fn = self.compiled(self.regime(x2.shape[0]), like=w_down)
-            return fn(_aligned(x2), w_router, w_gate_up, w_down)
+    _weight_names = ("w_router", "w_gate_up", "w_down")
+    _op_name = "mega_moe"
 
     def extra_repr(self) -> str:
         return (
