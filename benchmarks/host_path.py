@@ -11,10 +11,10 @@ Sections (``--sections``, all by default):
 - ``first`` (GPU): the first call of each module at real size at T=4096 after a warm call
   at 4095 (kernel compiled), end to end and synchronized, minus a warm call at 4096: what a
   new count costs in a server, both schedulers (target: at most 50 ms).
-- ``eager`` (GPU): host time of one eager call (no CUDA graph) of a small ``MegaMLP`` (the
-  kernel is tiny): host time of back-to-back calls in chunks (``cutemk.bench.host_us``),
-  against one torch kernel launch (``torch.add``) timed the same way, and the module's
-  CUDA-graph replay for reference (target: at most 15 us).
+- ``eager`` (GPU): host time of one eager call (no CUDA graph) of a small ``MegaMLP`` and a
+  small ``MegaMoE`` (the kernels are tiny): host time of back-to-back calls in chunks
+  (``cutemk.bench.host_us``), against one torch kernel launch (``torch.add``) timed the same
+  way, and the MLP's CUDA-graph replay for reference (target: at most 15 us).
 - ``warmup`` (GPU): a fresh process builds both modules at real size and runs
   ``cutemk.warmup`` on both (every regime's kernel compiled, in parallel worker processes,
   then loaded by one launch; the ``--warm-tokens`` planned), twice against one empty on-disk
@@ -147,6 +147,29 @@ def eager_section(res: Results, calls: int) -> None:
         f"with the GPU busy: module {q_mk:.1f} us, graph call {q_graph:.1f} us, "
         f"torch.add {q_torch:.1f} us"
     )
+    # a small MegaMoE the same way (the same fast path since the modules share it)
+    from cutemk.nn import MegaMoE
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    e, mh, mi = 8, 256, 128
+
+    def rw(*shape):
+        return (torch.randn(*shape, device="cuda", generator=g) / shape[-1] ** 0.5).bfloat16()
+
+    moe = MegaMoE(rw(e, mh), rw(e, 2 * mi, mh), rw(e, mh, mi), top_k=2, max_tokens=64)
+    xm = torch.randn(8, mh, device="cuda", generator=g).bfloat16()
+    moe(xm)
+    moe_us = host_us(lambda: moe(xm), calls)
+    cutemk.nn.base.FAST_PATH = False
+    try:
+        moe_full_us = host_us(lambda: moe(xm), calls)
+    finally:
+        cutemk.nn.base.FAST_PATH = True
+    moe_case = f"eager MegaMoE h={mh} i={mi} e={e} k=2 T=8"
+    res.add(moe_case, "cutemk_eager_host", moe_us, target_us=15.0)
+    res.add(moe_case, "cutemk_eager_host_full_path", moe_full_us)
+    res.add(moe_case, "torch_add_host", torch_us)
+    print(f"eager MegaMoE: {moe_us:.1f} us host ({moe_full_us:.1f} without the fast path)")
     # the same module without the cooperative launch attribute (a module of another key,
     # compiled with CUTEMK_COOPERATIVE=0): what the co-residency guarantee costs a launch
     want = mlp(x).float()
