@@ -116,7 +116,8 @@ def pack_live(
     head = np.zeros(LIVE_HEADER_WORDS, dtype=np.int32)
     head[LH["max"]] = max_tokens
     head[LH["limit"]] = max_tokens if limit is None else limit
-    head[LH["lookup"]] = LIVE_HEADER_WORDS
+    head[LH["first"]] = max(first, 1)  # a count of 0 runs nothing in any kernel
+    head[LH["lookup"]] = LIVE_HEADER_WORDS  # the kernel takes it as that constant
     head[LH["rows"]] = LIVE_HEADER_WORDS + lookup.size
     head[LH["num_plans"]] = len(built)
     table = np.concatenate([head, lookup, rows.ravel()])

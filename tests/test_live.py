@@ -57,6 +57,7 @@ def test_pack_live_maps_each_count_to_the_smallest_plan_covering_it(scheduler):
     built = [CuteGraph._plan_arrays(holder, p) for p in plans]
     table, prog, dev, prog_off, dev_off = pack_live(built, counts, 129, 1000)
     assert table[LH["max"]] == 1000 and table[LH["num_plans"]] == len(counts)
+    assert table[LH["first"]] == 129  # below it: another kernel's, known from the header
     lookup = table[table[LH["lookup"]] : table[LH["lookup"]] + 1001]
     rows = table[table[LH["rows"]] :].reshape(len(counts), len(LIVE_ROW) + 1)
     assert (rows[:, len(LIVE_ROW)] == counts).all()  # the one extent, the count itself

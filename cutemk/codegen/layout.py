@@ -41,9 +41,10 @@ SLICE_WIDTH = 4  # per ring slice (``profile="slices"``): issued ns, landed ns, 
 # concatenated buffers, with its scalars, then the value at its count of each token-dependent
 # extent (``KernelSpec.live``'s third index; the token count itself first). ``max``: the
 # largest count this kernel serves; ``limit``: the largest count any kernel of the caller
-# serves (one regime's kernel skips the counts of the next); ``bad``/``last_bad`` count
-# launches whose live count was outside [0, limit].
-LIVE_HEADER = ("max", "bad", "last_bad", "lookup", "rows", "num_plans", "limit")
+# serves (one regime's kernel skips the counts of the next); ``first``: the smallest count
+# this kernel serves (at least 1); ``bad``/``last_bad`` count launches whose live count was
+# outside [0, limit].
+LIVE_HEADER = ("max", "bad", "last_bad", "lookup", "rows", "num_plans", "limit", "first")
 LIVE_ROW = (
     "prog_off",
     "prog_len",

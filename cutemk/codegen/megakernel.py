@@ -62,7 +62,18 @@ from ..device.ring import init_barriers
 from ..errors import GraphError
 from ..tileop import TileOp
 from .dynamic import DynamicQueue
-from .layout import D, DEVICE_STATE, LH, LIVE_ROW, LR, P, PROF_WIDTH, PROGRAM, live_row_width
+from .layout import (
+    D,
+    DEVICE_STATE,
+    LH,
+    LIVE_HEADER_WORDS,
+    LIVE_ROW,
+    LR,
+    P,
+    PROF_WIDTH,
+    PROGRAM,
+    live_row_width,
+)
 from .lower import (
     DONE,
     EPOCH,
@@ -349,13 +360,20 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             # the live count, ``_bind_tokens``)
             nv = len(graph_tensors)
             table, count = graph_tensors[nv - 2], graph_tensors[nv - 1]
+            # the count and the header's words in one round trip (independent loads, issued
+            # before any branch): a count another regime's kernel serves is told apart by
+            # them alone, before the lookup's dependent load
             live = count[0]
+            first = table[LH["first"]]
+            top = table[LH["max"]]
+            limit = table[LH["limit"]]
+            rows = table[LH["rows"]]
             plan = Int32(-1)
-            if live >= 0:
-                if live <= table[LH["max"]]:
-                    plan = table[table[LH["lookup"]] + live]
+            if live >= first:
+                if live <= top:  # the lookup right after the header (``live.pack_live``)
+                    plan = table[LIVE_HEADER_WORDS + live]
             bad = Boolean(live < 0)
-            if live > table[LH["limit"]]:
+            if live > limit:
                 bad = Boolean(True)
             if bad:
                 if bidx == 0:
@@ -365,7 +383,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                         )
                         table[LH["last_bad"]] = live
             if plan >= 0:
-                row = table[LH["rows"]] + live_row_width(self.spec.live) * plan
+                row = rows + live_row_width(self.spec.live) * plan
                 bound = tuple(
                     self._bind_tokens(graph_tensors[i], i, table, row, live) for i in range(nv - 2)
                 )
