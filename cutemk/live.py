@@ -117,10 +117,16 @@ def pack_live(
     head[LH["max"]] = max_tokens
     head[LH["limit"]] = max_tokens if limit is None else limit
     head[LH["first"]] = max(first, 1)  # a count of 0 runs nothing in any kernel
-    head[LH["lookup"]] = LIVE_HEADER_WORDS  # the kernel takes it as that constant
+    head[LH["lookup"]] = LIVE_HEADER_WORDS
     head[LH["rows"]] = LIVE_HEADER_WORDS + lookup.size
     head[LH["num_plans"]] = len(built)
-    table = np.concatenate([head, lookup, rows.ravel()])
+    head[LH["count_rows"]] = LIVE_HEADER_WORDS + lookup.size + rows.size
+    # per count served, its plan's row: the kernel reads it straight from the count
+    served = lookup[head[LH["first"]] : max_tokens + 1]
+    if (served < 0).any():
+        raise ValueError(f"counts {list(counts)} leave counts in [{first}, {max_tokens}] unplanned")
+    by_count = rows[served]
+    table = np.concatenate([head, lookup, rows.ravel(), by_count.ravel()])
     return table, prog, dev, prog_off, dev_off
 
 

@@ -58,8 +58,16 @@ def test_pack_live_maps_each_count_to_the_smallest_plan_covering_it(scheduler):
     table, prog, dev, prog_off, dev_off = pack_live(built, counts, 129, 1000)
     assert table[LH["max"]] == 1000 and table[LH["num_plans"]] == len(counts)
     assert table[LH["first"]] == 129  # below it: another kernel's, known from the header
+    # the kernel reads each served count's own copy of its plan's row
+    width = len(LIVE_ROW) + 1
+    by_count = table[table[LH["count_rows"]] :].reshape(1000 - 129 + 1, width)
+    whole = table[table[LH["rows"]] : table[LH["count_rows"]]].reshape(len(counts), width)
+    for t in (129, 130, 255, 256, 257, 1000):
+        assert (by_count[t - 129] == whole[table[table[LH["lookup"]] + t]]).all()
     lookup = table[table[LH["lookup"]] : table[LH["lookup"]] + 1001]
-    rows = table[table[LH["rows"]] :].reshape(len(counts), len(LIVE_ROW) + 1)
+    rows = table[table[LH["rows"]] : table[LH["count_rows"]]].reshape(
+        len(counts), len(LIVE_ROW) + 1
+    )
     assert (rows[:, len(LIVE_ROW)] == counts).all()  # the one extent, the count itself
     assert (lookup[:129] == -1).all()  # served by another regime's kernel (or nothing, at 0)
     for t in range(129, 1001):
@@ -139,7 +147,7 @@ def test_live_table_carries_each_plans_slot_extents(scheduler):
     assert width == len(LIVE_ROW) + len(exprs)
     for n in (17, 18, 100, 128, 129, 640, 641, 699, 700):
         plan = table[table[LH["lookup"]] + n]
-        row = table[LH["rows"]] + width * plan
+        row = table[LH["count_rows"]] + width * (n - table[LH["first"]])
         c = table[row + LR["tokens"]]
         assert c == live.counts[plan] and c >= n
         for i, d, j in spec_live:

@@ -43,8 +43,19 @@ SLICE_WIDTH = 4  # per ring slice (``profile="slices"``): issued ns, landed ns, 
 # largest count this kernel serves; ``limit``: the largest count any kernel of the caller
 # serves (one regime's kernel skips the counts of the next); ``first``: the smallest count
 # this kernel serves (at least 1); ``bad``/``last_bad`` count launches whose live count was
-# outside [0, limit].
-LIVE_HEADER = ("max", "bad", "last_bad", "lookup", "rows", "num_plans", "limit", "first")
+# outside [0, limit]; ``count_rows``: where each count in [first, max] has a copy of its
+# plan's row, which the kernel reads (the lookup and the per-plan rows are the host's view).
+LIVE_HEADER = (
+    "max",
+    "bad",
+    "last_bad",
+    "lookup",
+    "rows",
+    "num_plans",
+    "limit",
+    "first",
+    "count_rows",
+)
 LIVE_ROW = (
     "prog_off",
     "prog_len",
@@ -57,7 +68,7 @@ LIVE_ROW = (
 )
 LH = {name: i for i, name in enumerate(LIVE_HEADER)}
 LR = {name: i for i, name in enumerate(LIVE_ROW)}
-LIVE_HEADER_WORDS = 8
+LIVE_HEADER_WORDS = 16
 
 
 def live_row_width(live) -> int:

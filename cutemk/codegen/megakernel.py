@@ -66,7 +66,6 @@ from .layout import (
     D,
     DEVICE_STATE,
     LH,
-    LIVE_HEADER_WORDS,
     LIVE_ROW,
     LR,
     P,
@@ -362,16 +361,12 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             table, count = graph_tensors[nv - 2], graph_tensors[nv - 1]
             # the count and the header's words in one round trip (independent loads, issued
             # before any branch): a count another regime's kernel serves is told apart by
-            # them alone, before the lookup's dependent load
+            # them alone; the count's own copy of its plan's row is the next round trip
             live = count[0]
             first = table[LH["first"]]
             top = table[LH["max"]]
             limit = table[LH["limit"]]
-            rows = table[LH["rows"]]
-            plan = Int32(-1)
-            if live >= first:
-                if live <= top:  # the lookup right after the header (``live.pack_live``)
-                    plan = table[LIVE_HEADER_WORDS + live]
+            count_rows = table[LH["count_rows"]]
             bad = Boolean(live < 0)
             if live > limit:
                 bad = Boolean(True)
@@ -382,8 +377,11 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
                             table.iterator + LH["bad"], Int32(1), sem="relaxed", scope="gpu"
                         )
                         table[LH["last_bad"]] = live
-            if plan >= 0:
-                row = rows + live_row_width(self.spec.live) * plan
+            mine = Boolean(live >= first)
+            if live > top:
+                mine = Boolean(False)
+            if mine:
+                row = count_rows + live_row_width(self.spec.live) * (live - first)
                 bound = tuple(
                     self._bind_tokens(graph_tensors[i], i, table, row, live) for i in range(nv - 2)
                 )
