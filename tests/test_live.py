@@ -197,6 +197,24 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def replays(graph, x, n, y, counts, seed, fill=lambda x, t: x):
+    """Replay a graph captured on ``x``, ``n`` and ``y`` at each count in random order: fresh
+    random ``x`` (``fill(x, t)`` may change its rows past the count), ``y`` poisoned first.
+    Yields each count that ran; at 0 nothing may run (``y`` stays NaN)."""
+    counts = list(counts)
+    random.Random(seed).shuffle(counts)
+    for t in counts:
+        x.copy_(fill(torch.randn(x.shape, device="cuda").to(x.dtype), t))
+        n.fill_(t)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if t == 0:
+            assert torch.isnan(y).all()  # nothing ran
+            continue
+        yield t
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_one_capture_replays_every_count_across_regimes():
@@ -224,17 +242,7 @@ def test_one_capture_replays_every_count_across_regimes():
     with torch.cuda.graph(graph):
         y = mlp(x, num_tokens=n)
     counts = [1, 37, 300, 5, 129, 16, 128, 17, 2, 255, 257, 0, 64, 299, 1]
-    rng = random.Random(5)
-    rng.shuffle(counts)
-    for t in counts:
-        x.copy_(torch.randn(max_tokens, h, device="cuda").to(BF))
-        n.fill_(t)
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        if t == 0:
-            assert torch.isnan(y).all()  # nothing ran
-            continue
+    for t in replays(graph, x, n, y, counts, seed=5):
         assert rel_err(y[:t], reference(x[:t], mlp.w_gate_up, mlp.w_down)) < 1e-2, f"T={t}"
     mlp.check_live()
     assert mk.runtime.compile_count == compiles  # no count compiled anything
@@ -311,16 +319,7 @@ def test_moe_block_captured_once_replays_every_count(scheduler):
     with torch.cuda.graph(graph):
         y = moe(x, num_tokens=n)
     counts = [1, 2, 3, 16, 17, 37, 512, 513, 600, 0, 129, 5, 300, 1]
-    random.Random(6).shuffle(counts)
-    for t in counts:
-        x.copy_(garbage_rows(torch.randn(max_tokens, h, device="cuda").to(BF), t))
-        n.fill_(t)
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        if t == 0:
-            assert torch.isnan(y).all()  # nothing ran
-            continue
+    for t in replays(graph, x, n, y, counts, seed=6, fill=garbage_rows):
         ref = moe_reference(x[:t], w_router, w_gu, w_down, k, True, router_dtype=BF)
         assert rel_err(y[:t], ref) < 1e-2, f"T={t}"
         eager = moe(x[:t].clone())
