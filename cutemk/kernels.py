@@ -15,6 +15,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 from .arch import target_arch
@@ -52,7 +53,9 @@ def _loads_before_events(node) -> bool:
     return not producers or op.independent_loads_allowed(producers)
 
 
-def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ...], tuple]:
+def live_dims(
+    graph: Graph, tokens: str, fixed: Collection[str] = ()
+) -> tuple[tuple[tuple[int, int, int], ...], tuple]:
     """What a kernel that takes the token count as device data binds per launch: ``(pairs,
     extents)``, ``extents`` the distinct token-dependent dims of ``graph``'s values (the token
     dim ``tokens`` itself first, then expressions of it such as ``T * top_k``) and ``pairs``
@@ -61,8 +64,12 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
     value only ops with it in ``TileOp.live_rows_inputs`` read has its token dim bound to the
     live count itself: index -1.
 
+    ``fixed``: other symbolic dims, bound once for all of a live graph's plans (e.g. a KV
+    cache's page count); the dims of them alone are passed as the tensors have them.
+
     Raises GraphError where the graph cannot run so: an op whose tokens are not independent
-    (``TileOp.token_local``), a value updated in place, or a dim with another symbol."""
+    (``TileOp.token_local``), a value updated in place by an op that does not confine its
+    updates to live tokens (``TileOp.live_updates``), or a dim with another symbol."""
     bad = [n.op.name for n in graph.nodes if not n.op.token_local]
     if bad:
         raise GraphError(
@@ -70,10 +77,15 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
             f"independent (a token's outputs depend on its own rows only); "
             f"{sorted(set(bad))} are not"
         )
-    updated = [v.name for v in graph.values if v.alias_of is not None]
+    updated = [
+        v.name
+        for v in graph.values
+        if v.alias_of is not None and not (v.producer is not None and v.producer.op.live_updates)
+    ]
     if updated:
         raise GraphError(
             f"{graph.name}: a live token count does not support inputs updated in place ({updated})"
+            " by ops that may write for tokens past the live count"
         )
     # values every reader of which treats the rows past its bound extent as absent
     # (``TileOp.live_rows_inputs``): bound to the live count itself (extent index -1)
@@ -84,18 +96,24 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
     at_live = {
         id(v)
         for v in graph.values
-        if v.kind == "intermediate" and v not in graph.outputs and all(readers.get(id(v), [False]))
+        if v.kind in ("intermediate", "input")
+        and v not in graph.outputs
+        and all(readers.get(id(v), [False]))
     }
     pairs, extents = [], []
     for i, v in enumerate(graph.values):
         for d, e in enumerate(v.shape):
             if isinstance(e, int):
                 continue
-            other = sorted(s.name for s in e.syms() if s.name != tokens)
-            if other or not e.syms():
+            names = {s.name for s in e.syms()}
+            if names and names <= set(fixed):
+                continue  # bound once for the live graph: the tensor's own extent
+            other = sorted(names - {tokens} - set(fixed))
+            if other or not names:
                 raise GraphError(
                     f"{graph.name}: {v.name} has the dim {e}; one capture for every token "
-                    f"count needs every symbolic dim to depend on {tokens} alone"
+                    f"count needs every symbolic dim to depend on {tokens} and the fixed dims "
+                    f"{sorted(fixed)} alone"
                 )
             if id(v) in at_live and isinstance(e, Sym):
                 pairs.append((i, d, -1))
@@ -112,6 +130,10 @@ def live_dims(graph: Graph, tokens: str) -> tuple[tuple[tuple[int, int, int], ..
     remap[-1] = -1
     extents = [extents[j] for j in order]
     return tuple((i, d, remap[j]) for i, d, j in pairs), tuple(extents)
+
+
+def _syms(d: Any) -> frozenset:
+    return frozenset() if isinstance(d, int) else d.syms()
 
 
 def kernel_spec(
@@ -152,7 +174,8 @@ def kernel_spec(
     if live is not None:
         if symmetric or is_distributed(graph):
             raise GraphError(f"{graph.name}: a distributed graph cannot take a live token count")
-        live_pairs = live_dims(graph, live)[0]
+        others = {s.name for v in graph.values for d in v.shape for s in _syms(d)} - {live}
+        live_pairs = live_dims(graph, live, others)[0]
         values += (("torch.int32", 1), ("torch.int32", 1))  # the plan table, the live count
     spec = KernelSpec(
         ops_,

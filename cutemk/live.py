@@ -30,7 +30,7 @@ route nowhere and cost next to nothing.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,23 +130,25 @@ def pack_live(
     return table, prog, dev, prog_off, dev_off
 
 
-def token_sym(graph: Any) -> Sym:
-    """The one symbolic dim of ``graph``, its token count (GraphError if it has another)."""
-    syms = free_syms(*(d for v in graph.values for d in v.shape))
+def token_sym(graph: Any, fixed: Collection[str] = ()) -> Sym:
+    """The one symbolic dim of ``graph`` besides the ``fixed`` ones, its token count
+    (GraphError if it has another)."""
+    syms = [s for s in free_syms(*(d for v in graph.values for d in v.shape)) if s.name not in fixed]
     if len(syms) != 1:
         raise GraphError(
-            f"{graph.name}: a live token count needs exactly one symbolic dim, the graph "
-            f"has {sorted(s.name for s in syms)}"
+            f"{graph.name}: a live token count needs exactly one symbolic dim besides the fixed "
+            f"ones {sorted(fixed)}, the graph has {sorted(s.name for s in syms)}"
         )
     (sym,) = syms
     assert isinstance(sym, Sym)
     return sym
 
 
-def live_spec(cg: Any):
-    """The kernel spec of ``cg``'s graph taking its token count as device data (raises
-    GraphError where the graph cannot: see :func:`cutemk.kernels.live_dims`)."""
-    name = token_sym(cg.graph).name
+def live_spec(cg: Any, fixed: Collection[str] = ()):
+    """The kernel spec of ``cg``'s graph taking its token count as device data, its ``fixed``
+    dims bound by the tensors (raises GraphError where the graph cannot: see
+    :func:`cutemk.kernels.live_dims`)."""
+    name = token_sym(cg.graph, fixed).name
     return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=name)
 
 
@@ -167,7 +169,8 @@ class LiveGraph:
     CUDA tensor of one element holding the live count: it launches without any host work that
     depends on the count, so a CUDA graph captured once replays at every count. Outputs are
     allocated at the maximum (or passed as ``out``); rows at and past the live count are not
-    defined."""
+    defined. ``fixed``: the graph's other symbolic dims, bound once for every plan (e.g. a KV
+    cache's pages); the leaves must have them."""
 
     def __init__(
         self,
@@ -175,9 +178,11 @@ class LiveGraph:
         first: int | None = None,
         counts: Sequence[int] | None = None,
         limit: int | None = None,
+        fixed: Mapping[str, int] | None = None,
     ):
         g = cg.graph
-        sym = token_sym(g)
+        self.fixed = {k: int(v) for k, v in (fixed or {}).items()}
+        sym = token_sym(g, self.fixed)
         if cg.spec.profile:
             raise CuteMKError("profile=True records one plan's tasks; compile without it")
         # the graph keeps its live graphs (CuteGraph.live): a weak reference back, so a
@@ -191,7 +196,7 @@ class LiveGraph:
                 f"first={self.first} is outside {self.tokens}'s range "
                 f"[{sym.min}, {self.max_tokens}]"
             )
-        self.spec = live_spec(cg)
+        self.spec = live_spec(cg, self.fixed)
         if counts is None:
             counts = live_counts(self.first, self.max_tokens)
         counts = sorted({int(c) for c in counts})
@@ -224,6 +229,11 @@ class LiveGraph:
                 t.record_stream(stream)  # freed only after the launches that read them
         self._fn = _compile(self.spec)  # compiled (or loaded) now, not in a capture
         self._outputs = [(k, v) for k, v in enumerate(g.values) if v in g.outputs]
+        leaf_index = {v.name: j for j, v in enumerate(g.leaves)}
+        # values updated in place: their tensor is the leaf they alias
+        self._alias_pos = [
+            (k, leaf_index[v.alias_of.name]) for k, v in enumerate(g.values) if v.alias_of is not None
+        ]
         self._checks: tuple | None = None
 
     # -- building ------------------------------------------------------------------------------
@@ -231,7 +241,7 @@ class LiveGraph:
         from .runtime import _Buffers
 
         cg, g = self.cg, self.cg.graph
-        planned = [instantiate(g, {self.tokens: c}) for c in self.counts]
+        planned = [instantiate(g, self._env(c)) for c in self.counts]
         built = [cg._plan_arrays(p) for p in planned]
         table, prog, dev, _, dev_off = pack_live(
             built, self.counts, self.first, self.max_tokens, self.limit, self._extents()
@@ -252,14 +262,17 @@ class LiveGraph:
         self._template_cache = self._template()
         return plans
 
+    def _env(self, count: int) -> dict[str, int]:
+        return {**self.fixed, self.tokens: count}
+
     def _extents(self) -> list[list[int]]:
         """Per planned count, the value of each token-dependent dim (``kernels.live_dims``);
         none may exceed its value at the maximum, where the buffers are allocated."""
-        _, exprs = live_dims(self.cg.graph, self.tokens)
-        at_max = [e.eval({self.tokens: self.max_tokens}) for e in exprs]
+        _, exprs = live_dims(self.cg.graph, self.tokens, self.fixed)
+        at_max = [e.eval(self._env(self.max_tokens)) for e in exprs]
         out = []
         for c in self.counts:
-            row = [e.eval({self.tokens: c}) for e in exprs]
+            row = [e.eval(self._env(c)) for e in exprs]
             for e, v, top in zip(exprs, row, at_max):
                 if v > top:
                     raise GraphError(
@@ -274,7 +287,7 @@ class LiveGraph:
         are views of the graph's scratch at the maximum, then the table (the count is
         appended per call)."""
         cg, g = self.cg, self.cg.graph
-        env = {self.tokens: self.max_tokens}
+        env = self._env(self.max_tokens)
         t: list = []
         for v in g.values:
             if v.kind == "intermediate" and v not in g.outputs and v.alias_of is None:
@@ -311,9 +324,14 @@ class LiveGraph:
         tensors = list(self._template_cache)
         for k, t in zip(self._leaf_pos, leaves):
             tensors[k] = t
-        env = {self.tokens: self.max_tokens}
+        for k, j in self._alias_pos:  # updated in place: the leaf itself
+            tensors[k] = leaves[j]
+        env = self._env(self.max_tokens)
         outs = []
         for j, (k, v) in enumerate(self._outputs):
+            if v.alias_of is not None:  # an input updated in place is its own output
+                outs.append(tensors[k])
+                continue
             shape = v.spec.concrete(env)
             if out is not None:
                 o = out[j]
@@ -395,6 +413,12 @@ class LiveGraph:
                 f"{g.name}: a live launch takes its tensors at {self.tokens} = "
                 f"{self.max_tokens} (the maximum), got {self.tokens} = {env.get(self.tokens)}"
             )
+        for name, value in self.fixed.items():
+            if env.get(name) != value:
+                raise LayoutError(
+                    f"{g.name}: this live graph was planned for {name} = {value}, the tensors "
+                    f"have {name} = {env.get(name)}"
+                )
         for name, t in bound.items():
             if t.data_ptr() % 16:
                 raise LayoutError(f"{name} must be 16-byte aligned")

@@ -387,17 +387,24 @@ class CuteGraph(ProfileReaders):
             self._scratch_bufs[v.name] = buf
         return buf
 
-    def live(self, first: int | None = None, counts: Any = None, limit: int | None = None):
+    def live(
+        self,
+        first: int | None = None,
+        counts: Any = None,
+        limit: int | None = None,
+        fixed: dict[str, int] | None = None,
+    ):
         """The graph taking its token count as device data, for one CUDA-graph capture that
         replays at every count (:class:`~cutemk.live.LiveGraph`; kept: a second call with the
         same arguments returns the same object). ``first``: the smallest count it serves
         (below it the kernel runs nothing: another kernel serves those); ``counts``: the
         counts to plan (default :func:`~cutemk.live.live_counts`); ``limit``: counts above it
         are errors (default: the graph's maximum; a caller whose kernels split the counts
-        between them gives its own)."""
+        between them gives its own); ``fixed``: the graph's other symbolic dims, bound once
+        for every count (e.g. ``{"pages": k_cache.shape[0]}``)."""
         from .live import LiveGraph
 
-        key = (first, None if counts is None else tuple(counts), limit)
+        key = self._live_key(first, counts, limit, fixed)
         lg = self._live.get(key)
         if lg is None:
             if torch.cuda.is_current_stream_capturing():
@@ -406,12 +413,23 @@ class CuteGraph(ProfileReaders):
                     "count when first built, which cannot happen inside a CUDA-graph capture; "
                     "call it once before capturing (or cutemk.warmup(module, live=True))"
                 )
-            lg = self._live[key] = LiveGraph(self, first, counts, limit)
+            lg = self._live[key] = LiveGraph(self, first, counts, limit, fixed)
         return lg
 
-    def live_built(self, first: int | None = None, counts: Any = None, limit: int | None = None):
+    def live_built(
+        self,
+        first: int | None = None,
+        counts: Any = None,
+        limit: int | None = None,
+        fixed: dict[str, int] | None = None,
+    ):
         """The :meth:`live` graph of these arguments if one was built, else None."""
-        return self._live.get((first, None if counts is None else tuple(counts), limit))
+        return self._live.get(self._live_key(first, counts, limit, fixed))
+
+    @staticmethod
+    def _live_key(first, counts, limit, fixed) -> tuple:
+        fixed_key = tuple(sorted((fixed or {}).items()))
+        return (first, None if counts is None else tuple(counts), limit, fixed_key)
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):

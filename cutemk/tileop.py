@@ -255,6 +255,12 @@ class TileOp:
     must tolerate the smaller extent (stores masked by it, or by a TMA descriptor at the
     maximum)."""
 
+    live_updates: ClassVar[bool] = False
+    """The op's in-place updates (``updates``) are only for tokens inside its
+    ``live_rows_inputs``' extents (e.g. a KV append skipping the rows past the live count), so
+    a graph with it can take the token count as device data: its cache is never written for
+    the plan's tokens past the live count."""
+
     # -- device contract (CuTe DSL; see the module docstring) -------------------------------
     exists_on_device: ClassVar[bool] = False
     """True if :meth:`device_exists` reads data to decide whether a tile exists."""

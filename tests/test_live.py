@@ -132,7 +132,7 @@ def test_live_table_carries_each_plans_slot_extents(scheduler):
         dynamic=scheduler == "dynamic",
     )
     live = LiveGraph.__new__(LiveGraph)
-    live.cg, live.tokens, live.max_tokens = cg, "T", 700
+    live.cg, live.tokens, live.max_tokens, live.fixed = cg, "T", 700, {}
     live.counts = live_counts(17, 700)
     _, exprs = live_dims(g, "T")
     extents = live._extents()
