@@ -133,7 +133,9 @@ def pack_live(
 def token_sym(graph: Any, fixed: Collection[str] = ()) -> Sym:
     """The one symbolic dim of ``graph`` besides the ``fixed`` ones, its token count
     (GraphError if it has another)."""
-    syms = [s for s in free_syms(*(d for v in graph.values for d in v.shape)) if s.name not in fixed]
+    syms = [
+        s for s in free_syms(*(d for v in graph.values for d in v.shape)) if s.name not in fixed
+    ]
     if len(syms) != 1:
         raise GraphError(
             f"{graph.name}: a live token count needs exactly one symbolic dim besides the fixed "
@@ -232,7 +234,9 @@ class LiveGraph:
         leaf_index = {v.name: j for j, v in enumerate(g.leaves)}
         # values updated in place: their tensor is the leaf they alias
         self._alias_pos = [
-            (k, leaf_index[v.alias_of.name]) for k, v in enumerate(g.values) if v.alias_of is not None
+            (k, leaf_index[v.alias_of.name])
+            for k, v in enumerate(g.values)
+            if v.alias_of is not None
         ]
         self._checks: tuple | None = None
 

@@ -56,6 +56,7 @@ def warmup(
     progress: bool | None = None,
     parallel: bool = True,
     live: bool = False,
+    pages: int | None = None,
 ) -> WarmupReport:
     """Prepare ``obj`` for serving.
 
@@ -67,10 +68,18 @@ def warmup(
     every kernel not yet compiled or cached, in worker processes at once, into the on-disk
     cache (``cutemk.kernels.compile_many``), so the launches load them. ``live``: also
     prepare the modules' one-capture path (``MegaMLP`` / ``MegaMoE.forward_live``): its
-    kernels compiled (in parallel with the others) and every count it serves planned."""
+    kernels compiled (in parallel with the others) and every count it serves planned; for a
+    ``MegaDecoderLayer`` (``forward_live``, planned per cache size) give ``pages``, its
+    caches' page count (its first live launch then loads the kernels: make it before a
+    capture)."""
     objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     tokens = [int(t) for t in tokens]
     for o in objs:  # before any work
+        if live and pages is None and hasattr(o, "decode_regime_starts"):
+            raise ValueError(
+                "warmup(live=True) of a MegaDecoderLayer needs pages= (its caches' page "
+                "count: its live graphs are planned per cache size)"
+            )
         top = getattr(o, "max_tokens", None)
         for t in tokens:
             if top is not None and not 1 <= t <= top:
@@ -88,7 +97,17 @@ def warmup(
             report.steps.append((f"compile {n} kernels in parallel", time.perf_counter() - t0))
     for o in objs:
         report.steps += _warm_one(o, tokens, progress).steps
-        if live and hasattr(o, "live_graphs") and o.resolved_backend() == "cute":
+        if live and hasattr(o, "decode_regime_starts") and o.resolved_backend() == "cute":
+            t0 = time.perf_counter()
+            graphs = o.live_graphs(pages)
+            counts = sum(len(live_graph.counts) for _, _, live_graph in graphs)
+            report.steps.append(
+                (
+                    f"live: {len(graphs)} kernels compiled, {counts} batches planned",
+                    time.perf_counter() - t0,
+                )
+            )
+        elif live and hasattr(o, "live_graphs") and o.resolved_backend() == "cute":
             t0 = time.perf_counter()
             graphs = o.live_graphs()
             counts = sum(len(g.counts) for _, g in graphs)
@@ -116,6 +135,9 @@ def _live_specs(obj: Any) -> list:
         return []
     from .live import live_spec
 
+    if hasattr(obj, "decode_regime_starts"):  # a decoder layer: the caches' pages fixed
+        graphs = [obj.compiled(regime) for regime, _ in obj.decode_regime_starts()]
+        return [live_spec(g, ("pages",)) for g in graphs if getattr(g, "spec", None) is not None]
     graphs = [obj.compiled(regime) for regime, _ in obj.regime_starts()]
     return [live_spec(g) for g in graphs if getattr(g, "spec", None) is not None]
 

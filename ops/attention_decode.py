@@ -104,6 +104,10 @@ class AttentionDecodeTile(TileOp):
     scale: float | None = None  # softmax scale (default 1/sqrt(D))
 
     name: ClassVar[str] = "attention_decode"
+    token_local: ClassVar[bool] = True
+    # a sequence past the lengths' or the page table's extent is absent: its tiles do not
+    # exist (a live launch binds both to the live count); the batch of the tile grid is q's
+    live_rows_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
     inputs: ClassVar[tuple[str, ...]] = ("q", "k_cache", "v_cache", "page_table", "seq_lens")
     outputs: ClassVar[tuple[str, ...]] = ("out", "part_o", "part_ml", "merges")
     data_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
@@ -185,6 +189,8 @@ class AttentionDecodeTile(TileOp):
         )
 
     def exists(self, coord, env, data):
+        if coord[0] >= min(data["seq_lens"].shape[0], data["page_table"].shape[0]):
+            return False  # an absent sequence (past the live count), as on the device
         # range 0 always exists: for a bad length it writes the sequence's NaN output
         lo, hi, _ = self._span(coord, env, int(data["seq_lens"][coord[0]]))
         return lo < hi or self._heads(coord, env)[2] == 0
@@ -304,18 +310,20 @@ class AttentionDecodeTile(TileOp):
 
     @cute.jit
     def device_task_word(self, tensors, coord0: Int32, coord1: Int32) -> Int32:
-        """The sequence's length (0 for a bad one): the tile's range follows from it."""
-        n = tensors[4][coord0]
+        """The sequence's length (0 for a bad one or an absent one, past the lengths' or the
+        page table's extent): the tile's range follows from it."""
         word = Int32(0)
-        if n >= 1 and n <= self.max_tokens:
-            word = n
+        if coord0 < tensors[4].shape[0] and coord0 < tensors[3].shape[0]:
+            n = tensors[4][coord0]
+            if n >= 1 and n <= self.max_tokens:
+                word = n
         return word
 
     @cute.jit
     def device_span(self, tensors, coord1: Int32, length: Int32):
         """(KV head, range, first token, end token) of a tile (``ops.kv_split``)."""
         return kvs.device_tile_span(
-            tensors[4].shape[0],
+            tensors[0].shape[0],  # the batch of the tile grid: q's (the plan's count)
             coord1,
             length,
             self.kv_heads,
@@ -406,7 +414,8 @@ class AttentionDecodeTile(TileOp):
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
         word = self.device_task_word(tensors, coord0, coord1)
         _, s, t0, t1, _ = self.device_span(tensors, coord1, word)
-        return t0 < t1 or s == 0
+        present = coord0 < tensors[4].shape[0] and coord0 < tensors[3].shape[0]
+        return (t0 < t1 or s == 0) and present
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):

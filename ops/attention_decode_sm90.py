@@ -273,7 +273,7 @@ def load_kv(
     may be loaded before the task's events) except the slice that holds the sequence's last
     position, which a ``kv_append`` of this launch may write: that slice comes with
     ``dependent`` True. ``tensors``: the op's inputs and outputs + ``tma_args``."""
-    h, _, t0, _, _ = tile_span(cfg, tensors[4].shape[0], coord1, word)
+    h, _, t0, _, _ = tile_span(cfg, tensors[0].shape[0], coord1, word)  # q's batch: the grid's
     base = t0 + kt * cfg.slice_tokens
     last = base + cfg.slice_tokens >= word  # the slice holds position word - 1
     go = not last
@@ -365,7 +365,7 @@ def compute(
 ) -> Int32:
     """Consumer warps: the tile's slices ``count ..``, then ``part_o`` / ``part_ml`` written;
     returns the ring count after the tile."""
-    mK, mPT, mLen = tensors[1], tensors[3], tensors[4]
+    mK, mPT = tensors[1], tensors[3]
     mOut, mPO, mPML, mCnt = (tensors[T_OUT + i] for i in range(4))
     g_n, d, rw = cfg.group, cfg.head_dim, cfg.rows_per_warp
     kind = _MMA_KIND[cfg.dtype]
@@ -376,7 +376,7 @@ def compute(
     c = lane % 4
     b = coord0
     # the sequence's length, clamped to the page table (the producer read it)
-    h, s, t0, t1, ranges = tile_span(cfg, mLen.shape[0], coord1, word)
+    h, s, t0, t1, ranges = tile_span(cfg, tensors[0].shape[0], coord1, word)  # the grid's batch
     n = slices_of(cfg, t0, t1)
     num_pages = mK.shape[0]
     # a bad page id poisons the tile: thread r < boxes reads box r's id as a slice starts

@@ -40,6 +40,8 @@ from cutemk.tileop import (
 def append_target(b: int, t) -> tuple[int, int] | None:
     """(page, slot) sequence b's new row goes to, or None for bad data; ``t``: the tensors of
     an append (``k_cache_out``, ``page_table``, ``seq_lens``)."""
+    if b >= t["seq_lens"].shape[0] or b >= t["page_table"].shape[0]:
+        return None  # an absent sequence (past the live count), as on the device
     pages, page = t["k_cache_out"].shape[0], t["k_cache_out"].shape[1]
     pos = int(t["seq_lens"][b]) - 1
     max_pages = t["page_table"].shape[1]
@@ -83,6 +85,11 @@ class KvAppendTile(TileOp):
     seq_lens: TensorSpec  # (B,) int32, counting the new token
 
     name: ClassVar[str] = "kv_append"
+    token_local: ClassVar[bool] = True
+    # a sequence past the lengths' (or page table's) extent appends nothing: a live launch
+    # binds them to the live count
+    live_rows_inputs: ClassVar[tuple[str, ...]] = ("page_table", "seq_lens")
+    live_updates: ClassVar[bool] = True
     inputs: ClassVar[tuple[str, ...]] = (
         "k_new",
         "v_new",
@@ -155,14 +162,16 @@ class KvAppendTile(TileOp):
         mKn, mVn, _, _, mPT, mLen, mKo, mVo = tensors
         page = self.k_cache.shape[1]
         kn, vn, ko, vo, vec, nv = kv_vectors(self, mKn, mVn, mKo, mVo)
-        pos = mLen[coord0] - 1
-        cap = mPT.shape[1] * page
-        if pos >= 0 and pos < cap:
-            pg = mPT[coord0, pos // page]
-            if pg >= 0 and pg < mKo.shape[0]:
-                dst = pg * page + pos % page
-                for i in range(tidx, nv, NUM_THREADS):
-                    copy_kv_vector(kn, vn, ko, vo, coord0, dst, i, vec)
+        # a sequence past the lengths' or the page table's extent is absent (``live_rows_inputs``)
+        if coord0 < mLen.shape[0] and coord0 < mPT.shape[0]:
+            pos = mLen[coord0] - 1
+            cap = mPT.shape[1] * page
+            if pos >= 0 and pos < cap:
+                pg = mPT[coord0, pos // page]
+                if pg >= 0 and pg < mKo.shape[0]:
+                    dst = pg * page + pos % page
+                    for i in range(tidx, nv, NUM_THREADS):
+                        copy_kv_vector(kn, vn, ko, vo, coord0, dst, i, vec)
 
 
 def kv_vectors(op, mKn, mVn, mKo, mVo):

@@ -98,6 +98,8 @@ class QkNormRopeTile(TileOp):
     out_dtype: torch.dtype | None = None  # the outputs' dtype (None: qkv's; split: needed)
 
     name: ClassVar[str] = "qk_norm_rope"
+    token_local: ClassVar[bool] = True
+    live_updates: ClassVar[bool] = True  # rows past the positions' (and lengths') extent skip
     uniform_cost: ClassVar[bool] = True
 
     @property
@@ -131,6 +133,11 @@ class QkNormRopeTile(TileOp):
     @property
     def data_inputs(self) -> tuple[str, ...]:
         return ("page_table", "seq_lens") if self.appends else ()
+
+    @property
+    def live_rows_inputs(self) -> tuple[str, ...]:
+        """A tile takes the rows below these inputs' extents (``TileOp.live_rows_inputs``)."""
+        return ("positions", "page_table", "seq_lens") if self.appends else ("positions",)
 
     def __post_init__(self) -> None:
         if self.split:
@@ -336,6 +343,9 @@ class QkNormRopeTile(TileOp):
 
     def reference(self, coord, env, t):
         r0, r1 = self._rows(coord, env)
+        r1 = min(r1, t["positions"].shape[0])  # rows past it absent, as on the device
+        if r1 <= r0:
+            return
         d, hq, hkv = self.head_dim, self.heads, self.kv_heads
         x = self._input_rows(t, r0, r1).view(r1 - r0, hq + 2 * hkv, d)
         pos = t["positions"][r0:r1].long()
@@ -457,7 +467,13 @@ class QkNormRopeTile(TileOp):
         d, hq, hkv = self.head_dim, self.heads, self.kv_heads
         per = d // WARP
         half = d // 2
+        # rows past the positions' extent (and with the append the page table's and lengths')
+        # are absent: a live launch binds them to the live count (``live_rows_inputs``)
         tokens = mPos.shape[0]
+        if cutlass.const_expr(self.appends):
+            tokens = cute.min(
+                tokens, cute.min(tensors[n_in - 2].shape[0], tensors[n_in - 1].shape[0])
+            )
         max_pos = mCS.shape[0]
         t0 = coord0 * self.block_m
         t1 = cute.min(t0 + self.block_m, tokens)

@@ -722,3 +722,84 @@ def test_mega_moe_decoder_layer_on_the_gpu(scheduler):
         inputs, want = _step_case(layer, rotary, cfg, lens, gen)
         err = _gpu_step_err(mega, inputs, want)
         assert err < 3e-2, (lens, err)
+
+
+# -- a decode step's batch as device data (one capture for every batch) --------------------
+def _padded(inputs, rows: int, gen):
+    """``inputs`` of a decode step padded to ``rows`` sequences with garbage that would do
+    harm if used: the extra rows' page tables point at the first live sequence's pages, their
+    lengths and positions at its last slot."""
+    b = inputs["x"].shape[0]
+    extra = rows - b
+    out = dict(inputs)
+    out["x"] = torch.cat(
+        [inputs["x"], 1e3 * torch.randn(extra, inputs["x"].shape[1], generator=gen)]
+    )
+    out["positions"] = torch.cat([inputs["positions"], inputs["positions"][:1].repeat(extra)])
+    out["page_table"] = torch.cat([inputs["page_table"], inputs["page_table"][:1].repeat(extra, 1)])
+    out["seq_lens"] = torch.cat([inputs["seq_lens"], inputs["seq_lens"][:1].repeat(extra)])
+    return out
+
+
+def test_forward_live_steps_the_live_sequences_and_leaves_the_rest_alone():
+    """``MegaDecoderLayer.forward(..., num_tokens=n)`` on the interpreter: inputs at
+    max_batch rows, the first n sequences stepped as a step of those n alone (output and
+    caches), the rows past n absent although their page tables point at a live sequence's
+    pages; shapes past max_batch, counts out of range and prefill steps refused."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = _hf(CFG)
+    kw = dict(page_size=CFG.page_size, max_pages=CFG.max_pages, max_positions=256)
+    mega = MegaDecoderLayer.from_hf(layer, **kw, max_batch=5, backend="interpret")
+    gen = torch.Generator().manual_seed(8)
+    inputs, want = _step_case(layer, rotary, CFG, [3, 40, 17], gen)
+    padded = _padded(inputs, 5, gen)
+    n = torch.tensor([3], dtype=torch.int32)
+    k0, v0 = padded["k_cache"].clone(), padded["v_cache"].clone()
+    y = mega(**padded, num_tokens=n)
+    assert y.shape == (5, CFG.hidden)
+    torch.testing.assert_close(y[:3], want, rtol=1e-4, atol=1e-4)
+    alone = {**inputs, "k_cache": k0, "v_cache": v0}
+    torch.testing.assert_close(y[:3], mega(**alone), rtol=0, atol=0)
+    assert torch.equal(padded["k_cache"], k0) and torch.equal(padded["v_cache"], v0)
+    with pytest.raises(mk.errors.ShapeError, match="max_batch=5"):
+        mega(**inputs, num_tokens=n)
+    with pytest.raises(mk.CuteMKError, match="outside"):
+        mega(**padded, num_tokens=torch.tensor([6], dtype=torch.int32))
+    with pytest.raises(mk.CuteMKError, match="prefill"):
+        mega(**padded, cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), num_tokens=n)
+    with pytest.raises(ValueError, match="pages="):
+        mk.warmup(mega, live=True, progress=False)
+
+
+def test_decode_graphs_bind_the_sequences_to_the_live_batch():
+    """Each decode regime's graph of a Qwen3-8B layer takes its batch as device data: the
+    positions, page table and lengths bound to the live count (every reader treats rows past
+    their extent as absent), the caches updated in place only by ops that skip those rows,
+    the caches' page count fixed per live graph; the live kernel compiles for sm_90a."""
+    from cutemk.kernels import live_dims
+    from cutemk.nn import MegaDecoderLayer
+
+    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
+    torch.nn.Module.__init__(mega)
+    mega.cfg, mega.moe, mega.max_batch, mega.max_prefill_tokens = _QWEN3_8B_DECODE, None, 64, 0
+    mega.prefill_tiles = None
+    for regime, _ in mega.decode_regime_starts():
+        g = mega.regime_graph(regime, torch.bfloat16)
+        pairs, extents = live_dims(g, "B", ("pages",))
+        at_live = {g.values[i].name for i, _, j in pairs if j < 0}
+        assert at_live == {"positions", "page_table", "seq_lens"}, (regime, at_live)
+        assert all("pages" not in str(e) for e in extents)
+        with pytest.raises(mk.errors.GraphError, match="pages"):
+            live_dims(g, "B")  # the page count must be fixed
+
+
+def test_live_decode_layer_compiles_for_hopper(tmp_path, spill_stores):
+    g = decoder_layer_graph(
+        mk.sym("B", max=8), replace(_QWEN3_8B_DECODE, fused_qkv_tail=True), torch.bfloat16
+    )
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}", live="B")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert "wgmma.mma_async" in ptx_file.read_text()
+    assert spill_stores(ptx_file) == 0

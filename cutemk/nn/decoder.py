@@ -199,28 +199,32 @@ class MegaDecoderLayer(_KeyedModule):
         leaves None."""
 
         def build(dtype, device, backend):
-            from ..layers import decoder_layer_graph, decoder_prefill_graph
-
-            if regime == "prefill":
-                cfg, moe = self.cfg, self.moe
-                if self.prefill_tiles is not None:
-                    cfg = replace(cfg, block_m=self.prefill_tiles[0], block_n=self.prefill_tiles[1])
-                if moe is not None:  # the sparse block: MegaMoE's prefill tiles and routing
-                    moe = replace(moe, **MOE_TILES[(backend, "prefill")])
-                tokens = sym("T", max=self.max_prefill_tokens)
-                return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
-            limit = self.regime_limits[regime]
-            limit = self.max_batch if limit is None else min(self.max_batch, limit)
-            moe, cfg = self.moe, self.cfg
-            if regime == "slots":  # the sparse block without a routing step
-                moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
-            chosen = DECODER_REGIME_CONFIG.get(regime, {})
-            cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
-            if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
-                cfg = replace(cfg, fused_reduce=True)
-            return decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
+            return self.regime_graph(regime, dtype, backend)
 
         return self._graph(regime, like, build)
+
+    def regime_graph(self, regime: str, dtype: torch.dtype, backend: str = "cute") -> Any:
+        """The graph :meth:`compiled` compiles for ``regime`` (no weights needed)."""
+        from ..layers import decoder_layer_graph, decoder_prefill_graph
+
+        if regime == "prefill":
+            cfg, moe = self.cfg, self.moe
+            if self.prefill_tiles is not None:
+                cfg = replace(cfg, block_m=self.prefill_tiles[0], block_n=self.prefill_tiles[1])
+            if moe is not None:  # the sparse block: MegaMoE's prefill tiles and routing
+                moe = replace(moe, **MOE_TILES[(backend, "prefill")])
+            tokens = sym("T", max=self.max_prefill_tokens)
+            return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
+        limit = self.regime_limits[regime]
+        limit = self.max_batch if limit is None else min(self.max_batch, limit)
+        moe, cfg = self.moe, self.cfg
+        if regime == "slots":  # the sparse block without a routing step
+            moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
+        chosen = DECODER_REGIME_CONFIG.get(regime, {})
+        cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
+        if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
+            cfg = replace(cfg, fused_reduce=True)
+        return decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
 
     def warm_inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
         """A decode step of ``batch`` sequences for :func:`cutemk.warmup`: one token each, at
@@ -253,9 +257,24 @@ class MegaDecoderLayer(_KeyedModule):
         return decode + ("prefill",) if self.max_prefill_tokens else decode
 
     def forward(
-        self, x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens=None
+        self,
+        x,
+        positions,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        cu_seqlens=None,
+        num_tokens=None,
     ) -> torch.Tensor:
-        """A decode step, or with ``cu_seqlens`` a prefill step (:meth:`prefill`)."""
+        """A decode step, or with ``cu_seqlens`` a prefill step (:meth:`prefill`); with
+        ``num_tokens`` a decode step whose batch is device data (:meth:`forward_live`)."""
+        if num_tokens is not None:
+            if cu_seqlens is not None:
+                raise CuteMKError("num_tokens is for decode steps; a prefill step has cu_seqlens")
+            return self.forward_live(
+                x, positions, k_cache, v_cache, page_table, seq_lens, num_tokens
+            )
         if cu_seqlens is not None:
             return self.prefill(x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens)
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
@@ -270,6 +289,117 @@ class MegaDecoderLayer(_KeyedModule):
         return torch.ops.cutemk.mega_decoder_layer(
             x, positions, k_cache, v_cache, page_table, seq_lens, weights, key
         )
+
+    def decode_regime_starts(self) -> list[tuple[str, int]]:
+        """(regime, its smallest batch) of each decode regime this module runs."""
+        return [(r, first) for r, first in self.regime_starts() if r != "prefill"]
+
+    def forward_live(
+        self, x, positions, k_cache, v_cache, page_table, seq_lens, num_tokens, out=None
+    ) -> torch.Tensor:
+        """A decode step of the first ``num_tokens`` sequences, the count read on the GPU: no
+        host work depends on it, so a CUDA graph captured once replays at every batch up to
+        ``max_batch``. ``x`` (max_batch, H), ``positions`` / ``seq_lens`` (max_batch,) and
+        ``page_table`` (max_batch, max_pages) hold the live sequences in their first rows;
+        rows past the count are absent whatever they hold: no append into the caches, no
+        attention (``TileOp.live_rows_inputs``), their output rows undefined. Launches every
+        decode regime's kernel (:meth:`CuteGraph.live <cutemk.runtime.CuteGraph.live>`, the
+        caches' page count fixed per live graph); the one whose range holds the count runs.
+        A count outside [0, max_batch] runs nothing and is raised by :meth:`check_live`. On
+        the interpreter the count is read on the host."""
+        b, hidden = self.max_batch, self.cfg.hidden
+        shapes = {
+            "x": (x, (b, hidden)),
+            "positions": (positions, (b,)),
+            "page_table": (page_table, (b, self.cfg.max_pages)),
+            "seq_lens": (seq_lens, (b,)),
+        }
+        for name, (t, want) in shapes.items():
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ShapeError(
+                    f"forward_live takes {name} at max_batch={b} rows: {want}, got {got}"
+                )
+        if not torch_ops.direct(x):
+            raise CuteMKError("MegaDecoderLayer.forward_live runs eagerly or under a CUDA graph")
+        if self.resolved_backend() != "cute":
+            return self._live_reference(
+                x, positions, k_cache, v_cache, page_table, seq_lens, num_tokens, out
+            )
+        named = {n: getattr(self, n) for n in self._names}
+        named.update(
+            x=x.detach(),
+            positions=positions,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            page_table=page_table,
+            seq_lens=seq_lens,
+        )
+        y = torch.empty_like(x) if out is None else out
+        rows_of = {"x", "positions", "page_table", "seq_lens"}
+        with torch.no_grad():
+            for rows, graph, live in self.live_graphs(k_cache.shape[0]):
+                leaves = [
+                    named[v.name][:rows] if v.name in rows_of else named[v.name]
+                    for v in graph.graph.leaves
+                ]
+                live(*leaves, num_tokens=num_tokens, out=(y[:rows],))
+        return y
+
+    def live_graphs(self, pages: int, build: bool = True) -> list[tuple[int, Any, Any]]:
+        """(rows, compiled graph, :class:`~cutemk.live.LiveGraph`) of each decode regime for
+        caches of ``pages`` pages: built on first use (compiling the live kernels, planning
+        every batch); with ``build=False`` only those built so far."""
+        if self.resolved_backend() != "cute":
+            raise CuteMKError("a live batch needs the cute backend (a CUDA GPU)")
+        out = []
+        fixed = {"pages": int(pages)}
+        for regime, first in self.decode_regime_starts():
+            rows = min(self.regime_limits[regime] or self.max_batch, self.max_batch)
+            graph = self.compiled(regime)
+            if build:
+                live = graph.live(first=first, limit=self.max_batch, fixed=fixed)
+            else:
+                live = graph.live_built(first=first, limit=self.max_batch, fixed=fixed)
+            if live is not None:
+                out.append((rows, graph, live))
+        return out
+
+    def check_live(self, pages: int) -> None:
+        """Raise CuteMKError if a :meth:`forward_live` on caches of ``pages`` pages since the
+        last check got a count outside [0, max_batch] (it ran nothing); waits for them."""
+        if self.resolved_backend() != "cute":
+            return
+        tallies = [live.take_errors() for _, _, live in self.live_graphs(pages, build=False)]
+        bad, last = max(tallies, default=(0, 0))
+        if bad:
+            raise CuteMKError(
+                f"MegaDecoderLayer: {bad} forward_live call(s) got a batch outside "
+                f"[0, {self.max_batch}] (the last: {last}) and computed nothing"
+            )
+
+    def _live_reference(
+        self, x, positions, k_cache, v_cache, page_table, seq_lens, num_tokens, out
+    ):
+        """:meth:`forward_live` on the interpreter: the count read on the host, the first
+        ``n`` sequences stepped (the rest absent: nothing appended for them)."""
+        if not (
+            isinstance(num_tokens, torch.Tensor)
+            and num_tokens.dtype == torch.int32
+            and num_tokens.numel() == 1
+        ):
+            raise TypeError("num_tokens must be an int32 tensor of one element (the live batch)")
+        n = int(num_tokens.reshape(()))
+        if not 0 <= n <= self.max_batch:
+            raise CuteMKError(
+                f"MegaDecoderLayer: forward_live got a batch of {n}, outside [0, {self.max_batch}]"
+            )
+        y = torch.empty_like(x) if out is None else out
+        if n:
+            y[:n] = self.forward(
+                x[:n], positions[:n], k_cache, v_cache, page_table[:n], seq_lens[:n]
+            )
+        return y
 
     def _launch(self, x, positions, k_cache, v_cache, page_table, seq_lens, weights):
         """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
