@@ -803,3 +803,66 @@ def test_live_decode_layer_compiles_for_hopper(tmp_path, spill_stores):
     (ptx_file,) = tmp_path.glob("*.ptx")
     assert "wgmma.mma_async" in ptx_file.read_text()
     assert spill_stores(ptx_file) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_decoder_layer_captured_once_replays_every_batch(scheduler):
+    """One CUDA graph of ``MegaDecoderLayer.forward(..., num_tokens=n)`` over 20 sequences'
+    buffers (all three decode regimes), replayed at batches in random order: the first n
+    sequences match HF's layer and their caches a step of those n alone; the rows past n are
+    garbage whose page tables point at sequence 0's pages and must append nothing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    import random
+
+    from cutemk.nn import MegaDecoderLayer
+
+    cfg, rows = _GPU_CFG, 20
+    layer, rotary = _hf(cfg)
+    gen = torch.Generator().manual_seed(9)
+    lens = [int(v) for v in torch.randint(1, 300, (rows,), generator=gen)]
+    inputs, want = _step_case(layer, rotary, cfg, lens, gen)
+    mega = MegaDecoderLayer.from_hf(
+        layer.to(torch.bfloat16),
+        page_size=cfg.page_size,
+        max_pages=cfg.max_pages,
+        max_positions=cfg.max_positions,
+        max_batch=rows,
+        scheduler=scheduler,
+    ).cuda()
+    case = {k: v.cuda() for k, v in inputs.items()}
+    for k in ("x", "k_cache", "v_cache"):
+        case[k] = case[k].bfloat16()
+    static = {k: v.clone() for k, v in case.items()}
+    n = torch.full((1,), rows, dtype=torch.int32, device="cuda")
+    mega(**static, num_tokens=n)  # outside the capture: live graphs built, kernels loaded
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mega(**static, num_tokens=n)
+    counts = [1, 20, 3, 8, 9, 0, 16, 17, 5, 12, 1]
+    random.Random(2).shuffle(counts)
+    for t in counts:
+        for k in ("k_cache", "v_cache"):
+            static[k].copy_(case[k])
+        for k in ("x", "positions", "page_table", "seq_lens"):
+            static[k][:t] = case[k][:t]
+            static[k][t:] = case[k][:1]  # garbage aimed at sequence 0's new slot
+        static["x"][t:] *= 1000
+        n.fill_(t)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if t == 0:
+            assert torch.isnan(y).all()
+            assert torch.equal(static["k_cache"], case["k_cache"])
+            continue
+        err = ((y[:t].float().cpu() - want[:t]).norm() / want[:t].norm()).item()
+        assert err < 3e-2, (t, err)
+        alone = {k: v[:t] for k, v in case.items() if k not in ("k_cache", "v_cache")}
+        k2, v2 = case["k_cache"].clone(), case["v_cache"].clone()
+        mega(**alone, k_cache=k2, v_cache=v2)
+        torch.testing.assert_close(static["k_cache"], k2, rtol=0, atol=2e-2)
+        torch.testing.assert_close(static["v_cache"], v2, rtol=0, atol=2e-2)
+    mega.check_live(case["k_cache"].shape[0])
