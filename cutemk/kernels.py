@@ -100,6 +100,18 @@ def live_dims(
         and v not in graph.outputs
         and all(readers.get(id(v), [False]))
     }
+    # an in-place update is safe only where what steers it is bound to the live count
+    for v in graph.values:
+        if v.alias_of is None or v.producer is None:
+            continue
+        node = v.producer
+        loose = [a for a in node.op.live_rows_inputs if id(node.args[a]) not in at_live]
+        if loose:
+            raise GraphError(
+                f"{graph.name}: {node.op.name} updates {v.alias_of.name} in place for the rows "
+                f"of {loose}, which another op reads without treating rows past the live count "
+                "as absent: they would stay bound to the plan's count"
+            )
     pairs, extents = [], []
     for i, v in enumerate(graph.values):
         for d, e in enumerate(v.shape):

@@ -344,6 +344,8 @@ class QkNormRopeTile(TileOp):
     def reference(self, coord, env, t):
         r0, r1 = self._rows(coord, env)
         r1 = min(r1, t["positions"].shape[0])  # rows past it absent, as on the device
+        if self.appends:
+            r1 = min(r1, t["page_table"].shape[0], t["seq_lens"].shape[0])
         if r1 <= r0:
             return
         d, hq, hkv = self.head_dim, self.heads, self.kv_heads

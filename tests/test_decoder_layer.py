@@ -793,11 +793,20 @@ def test_decode_graphs_bind_the_sequences_to_the_live_batch():
         assert all("pages" not in str(e) for e in extents)
         with pytest.raises(mk.errors.GraphError, match="pages"):
             live_dims(g, "B")  # the page count must be fixed
+    # a reader of the page table that does not treat rows past the live count as absent
+    # leaves it bound to the plan's count: the append steered by it is refused
+    g = mega.regime_graph("gemv", torch.bfloat16)
+    attention = next(n for n in g.nodes if n.op.name == "attention_decode")
+    object.__setattr__(attention.op, "live_rows_inputs", ())
+    with pytest.raises(mk.errors.GraphError, match="in place"):
+        live_dims(g, "B", ("pages",))
 
 
-def test_live_decode_layer_compiles_for_hopper(tmp_path, spill_stores):
+@pytest.mark.parametrize("fused_tail", [True, False])
+def test_live_decode_layer_compiles_for_hopper(tmp_path, spill_stores, fused_tail):
+    """The live kernels of both q/k/v tails: the append fused into qk_norm_rope, or kv_append."""
     g = decoder_layer_graph(
-        mk.sym("B", max=8), replace(_QWEN3_8B_DECODE, fused_qkv_tail=True), torch.bfloat16
+        mk.sym("B", max=16), replace(_QWEN3_8B_DECODE, fused_qkv_tail=fused_tail), torch.bfloat16
     )
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}", live="B")
     (ptx_file,) = tmp_path.glob("*.ptx")
@@ -843,20 +852,27 @@ def test_decoder_layer_captured_once_replays_every_batch(scheduler):
         y = mega(**static, num_tokens=n)
     counts = [1, 20, 3, 8, 9, 0, 16, 17, 5, 12, 1]
     random.Random(2).shuffle(counts)
+    # the one page no sequence owns: the garbage rows aim their appends at it
+    page = cfg.page_size
+    owned = {int(case["page_table"][b, i]) for b in range(rows) for i in range(-(-lens[b] // page))}
+    (spare,) = set(range(case["k_cache"].shape[0])) - owned
     for t in counts:
         for k in ("k_cache", "v_cache"):
             static[k].copy_(case[k])
         for k in ("x", "positions", "page_table", "seq_lens"):
             static[k][:t] = case[k][:t]
-            static[k][t:] = case[k][:1]  # garbage aimed at sequence 0's new slot
-        static["x"][t:] *= 1000
+        static["x"][t:] = 1000 * torch.randn_like(static["x"][t:])
+        static["positions"][t:] = 4
+        static["seq_lens"][t:] = 5
+        static["page_table"][t:] = spare
         n.fill_(t)
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+        for k in ("k_cache", "v_cache"):  # no absent row appended
+            assert torch.equal(static[k][spare], case[k][spare]), (t, k)
         if t == 0:
             assert torch.isnan(y).all()
-            assert torch.equal(static["k_cache"], case["k_cache"])
             continue
         err = ((y[:t].float().cpu() - want[:t]).norm() / want[:t].norm()).item()
         assert err < 3e-2, (t, err)
@@ -866,3 +882,34 @@ def test_decoder_layer_captured_once_replays_every_batch(scheduler):
         torch.testing.assert_close(static["k_cache"], k2, rtol=0, atol=2e-2)
         torch.testing.assert_close(static["v_cache"], v2, rtol=0, atol=2e-2)
     mega.check_live(case["k_cache"].shape[0])
+
+
+def test_op_references_treat_rows_past_the_live_extents_as_absent():
+    """The interpreter's references do what the device tiles do when the positions, page
+    table and lengths are bound to a live count below the grid's batch: no append and no
+    attention tile for the rows past it (the live rows unchanged)."""
+    g = decoder_layer_graph(mk.sym("B", max=4), replace(CFG, fused_qkv_tail=False), torch.float32)
+    env = {"B": 4, "pages": 6}
+    nodes = {n.op.name: n.op for n in g.nodes}
+    gen = torch.Generator().manual_seed(1)
+    hkv, d, page = CFG.kv_heads, CFG.head_dim, CFG.page_size
+    live = 2  # the grid covers 4 sequences, the bound extents 2
+    t = {
+        "k_new": torch.randn(4, hkv, d, generator=gen),
+        "v_new": torch.randn(4, hkv, d, generator=gen),
+        "k_cache_out": torch.zeros(6, page, hkv, d),
+        "v_cache_out": torch.zeros(6, page, hkv, d),
+        "page_table": torch.arange(live * CFG.max_pages, dtype=torch.int32).view(live, -1) % 6,
+        "seq_lens": torch.full((live,), 3, dtype=torch.int32),
+    }
+    t["k_cache"], t["v_cache"] = t["k_cache_out"], t["v_cache_out"]
+    append = nodes["kv_append"]
+    for b in range(4):
+        append.reference((b,), env, t)
+    written = t["k_cache_out"].abs().sum(dim=(2, 3)).nonzero().tolist()
+    assert len(written) == live  # one slot a live sequence, none for the absent ones
+    assert append.writes((3,), env, t) == {"k_cache_out": [], "v_cache_out": []}
+    attention = nodes["attention_decode"]
+    data = {"seq_lens": t["seq_lens"], "page_table": t["page_table"]}
+    assert attention.exists((1, 0), env, data)
+    assert not attention.exists((2, 0), env, data) and not attention.exists((3, 0), env, data)
