@@ -356,6 +356,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--attention-align", type=int, default=None, help="tokens per attention slice (64, 128)"
     )
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="also time the static module with its batch as device data (forward_live: inputs "
+        "at the largest --batch, the rows past the batch garbage aimed at sequence 0's pages)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -455,6 +461,18 @@ def main(argv=None) -> int:
             name: (lambda m=m: m(x, pos, k_pages, v_pages, table, lens))
             for name, m in megas.items()
         }
+        if args.live:  # one module's inputs at its max batch, the live batch as device data
+            top = kw["max_batch"]
+
+            def rows(t):
+                return torch.cat([t, t[:1].expand(top - b, *t.shape[1:])]).contiguous()
+
+            xm, pm, tm, lm = rows(x), rows(pos), rows(table), rows(lens)
+            nb = torch.full((1,), b, dtype=torch.int32, device="cuda")
+            live_mod = megas["mk_static"]
+            impls["mk_static_live"] = lambda: live_mod(
+                xm, pm, k_pages, v_pages, tm, lm, num_tokens=nb
+            )[:b]
         if profiled is not None:
             records = profile_launch(
                 res,
