@@ -814,13 +814,32 @@ def test_live_decode_layer_compiles_for_hopper(tmp_path, spill_stores, fused_tai
     assert spill_stores(ptx_file) == 0
 
 
+def test_live_moe_decode_layer_compiles_for_hopper(tmp_path):
+    """Qwen3-30B-A3B's decode layer with its batch as device data: the sparse block's top-k
+    bound to the live count too (the absent rows route nowhere), besides the sequences."""
+    from cutemk.kernels import live_dims
+    from cutemk.layers import MoeConfig
+    from cutemk.nn import MOE_TILES
+
+    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
+    g = decoder_layer_graph(mk.sym("B", max=64), _QWEN3_30B_DECODE, torch.bfloat16, moe=moe)
+    pairs, _ = live_dims(g, "B", ("pages",))
+    at_live = {g.values[i].name for i, _, j in pairs if j < 0}
+    assert {"positions", "page_table", "seq_lens"} < at_live and len(at_live) == 4
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}", live="B")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert "wgmma.mma_async" in ptx_file.read_text()
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", ["dense", "moe"])
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_decoder_layer_captured_once_replays_every_batch(scheduler):
+def test_decoder_layer_captured_once_replays_every_batch(scheduler, block):
     """One CUDA graph of ``MegaDecoderLayer.forward(..., num_tokens=n)`` over 20 sequences'
-    buffers (all three decode regimes), replayed at batches in random order: the first n
-    sequences match HF's layer and their caches a step of those n alone; the rows past n are
-    garbage whose page tables point at sequence 0's pages and must append nothing."""
+    buffers (every decode regime; a dense and a MoE layer), replayed at batches in random
+    order: the first n sequences match HF's layer and their caches a step of those n alone;
+    the rows past n are garbage whose appends would land in the one page no sequence owns,
+    which must come back unchanged."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("transformers")
@@ -828,8 +847,13 @@ def test_decoder_layer_captured_once_replays_every_batch(scheduler):
 
     from cutemk.nn import MegaDecoderLayer
 
-    cfg, rows = _GPU_CFG, 20
-    layer, rotary = _hf(cfg)
+    rows = 20
+    if block == "dense":
+        cfg = _GPU_CFG
+        layer, rotary = _hf(cfg)
+    else:  # the sparse block's top-k is bound to the live count too: absent rows route nowhere
+        cfg = replace(_GPU_CFG, intermediate=256)
+        layer, rotary = _hf_moe(cfg, 8, 2, 256)
     gen = torch.Generator().manual_seed(9)
     lens = [int(v) for v in torch.randint(1, 300, (rows,), generator=gen)]
     inputs, want = _step_case(layer, rotary, cfg, lens, gen)
