@@ -1,0 +1,196 @@
+"""The decoder layer's megakernels compiled for sm_90a on the CPU: Qwen3-8B and Qwen3-30B-A3B
+decode layers for MegaDecoderLayer's batch ranges (no register spills where the house keeps
+none), the measuring switches, profiling, the fused tails, the prefill step."""
+
+import os
+from dataclasses import replace
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+import torch
+from decoder_cases import (
+    QWEN3_8B_DECODE,
+    QWEN3_30B_DECODE,
+)
+
+import cutemk as mk
+from cutemk.layers import DecoderConfig, decoder_layer_graph, decoder_prefill_graph
+from cutemk.runtime import compile_offline
+
+
+@pytest.mark.parametrize(
+    "which,scheduler,max_batch",
+    [
+        ("qwen3_8b", "static", 16),
+        ("qwen3_8b", "static", 64),
+        ("qwen3_8b", "dynamic", 64),
+        ("qwen3_30b_a3b", "static", 64),
+    ],
+)
+def test_decode_layer_compiles_for_hopper(
+    tmp_path, which, scheduler, max_batch, spill_stores, wgmma_serialized
+):
+    """Qwen3-8B (dense) and Qwen3-30B-A3B (MoE, MegaMoE's decode tiles) layers, bf16, for
+    MegaDecoderLayer's two batch ranges. The static dense layer has no register spills (a
+    reduce tile holding more partials once spilled 760 bytes and slowed every tile); the
+    dynamic worker and the MoE layer still spill a little (tens / hundreds of bytes)."""
+    from cutemk.layers import MoeConfig
+    from cutemk.nn import MOE_TILES
+
+    moe = None
+    if which == "qwen3_8b":
+        cfg = QWEN3_8B_DECODE
+    else:
+        cfg = QWEN3_30B_DECODE
+        moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "decode")])
+    g = decoder_layer_graph(mk.sym("B", max=max_batch), cfg, torch.bfloat16, moe=moe)
+    compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert "wgmma.mma_async" in ptx  # the projections on the Hopper GEMM
+    if which == "qwen3_8b" and scheduler == "static":
+        assert spill_stores(ptx_file) == 0
+        assert not wgmma_serialized(ptx_file)
+
+
+@pytest.mark.parametrize(
+    "switch", ["CUTEMK_EARLY_HANDOVER", "CUTEMK_EPI_MBARRIER", "CUTEMK_QUEUE_HEAD"]
+)
+def test_decode_layer_with_a_measuring_switch_off_compiles_for_hopper(
+    tmp_path, monkeypatch, spill_stores, switch
+):
+    """A measuring switch off (``CUTEMK_EARLY_HANDOVER=0``: every task handed over after its
+    early loads; ``CUTEMK_EPI_MBARRIER=0``: the staging buffer released by a named barrier;
+    ``CUTEMK_QUEUE_HEAD=0``: the queue's range and first records read through the header):
+    the Qwen3-8B decode layer, static, still without register spills."""
+    monkeypatch.setenv(switch, "0")
+    g = decoder_layer_graph(mk.sym("B", max=16), QWEN3_8B_DECODE, torch.bfloat16)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_profiled_decode_layer_stamps_each_task_phase(tmp_path, scheduler):
+    """``profile=True``: the kernel stamps, besides a task's start and end and each CTA's
+    entry, roles done and exit, when the producer took the task up, armed its early loads and
+    found its events met, when each ring node's first slice landed (in its compute's slot
+    waits) and when a ring tile was staged (``cutemk.trace.PHASES``): 10 stamps plus one a
+    ring node. ``profile="slices"`` stamps each ring slice's issue and landing as well: more.
+    The production kernel has none."""
+    g = decoder_layer_graph(mk.sym("B", max=16), QWEN3_8B_DECODE, torch.bfloat16)
+    ring_nodes = sum(n.op.ring_tile() is not None for n in g.nodes)
+    assert ring_nodes >= 4
+    stamps = {}
+    for profile in (False, True, "slices"):
+        d = tmp_path / str(profile)
+        d.mkdir()
+        compile_offline(g, scheduler, profile=profile, options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        stamps[profile] = ptx_file.read_text().count("%globaltimer")
+    assert stamps[False] == 0
+    assert stamps[True] >= 10 + ring_nodes
+    assert stamps["slices"] >= stamps[True] + 3  # the producer's 3 issue sites, at least
+
+
+def test_decode_layer_with_o_proj_prefetching_into_l2_compiles_for_hopper(tmp_path, spill_stores):
+    """``DecoderConfig.o_proj_l2_prefetch``: the output projection's tiles TMA-prefetch their
+    weight slices into L2 before their events (one prefetch loop in the producer, issued by
+    one elected lane: a TMA load elects its lane itself, a prefetch does not), the other
+    projections do not; static, no spills. Off, the kernel has no prefetch."""
+    import re
+
+    counts = {}
+    for on in (False, True):
+        cfg = replace(QWEN3_8B_DECODE, o_proj_l2_prefetch=on)
+        g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+        assert [n.name for n in g.nodes if n.op.ring_tile() and n.op.prefetches_l2] == (
+            ["o_proj"] if on else []
+        )
+        d = tmp_path / str(on)
+        d.mkdir()
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        ptx = ptx_file.read_text()
+        counts[on] = len(re.findall(r"cp\.async\.bulk\.prefetch\.tensor", ptx))
+        if on:
+            assert spill_stores(ptx_file) == 0
+            before = ptx[: ptx.index("cp.async.bulk.prefetch.tensor")].splitlines()[-40:]
+            assert any("elect.sync" in line for line in before), "the prefetch is not elected"
+    assert counts == {False: 0, True: 1}
+
+
+@pytest.mark.parametrize("fused", ["fused_qkv_tail", "fused_append"])
+def test_decode_layer_with_the_fused_tail_compiles_for_hopper(tmp_path, spill_stores, fused):
+    """``DecoderConfig.fused_qkv_tail`` (the split QKV projection's partials into
+    qk_norm_rope, which appends k and v) and ``fused_append`` (the reduce a phase of its own,
+    qk_norm_rope appending): the Qwen3-8B decode layer, static, no spills."""
+    cfg = replace(QWEN3_8B_DECODE, **{fused: True})
+    g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+    first = [n.op.name for n in g.nodes[:4]]
+    assert "kv_append" not in first, first
+    assert ("gemm_split_reduce" in first) == (fused == "fused_append"), first
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
+def test_decode_layer_with_the_down_reduce_in_its_tiles_compiles_for_hopper(tmp_path, spill_stores):
+    """``DecoderConfig.fused_reduce`` (MegaDecoderLayer's graph of up to 16 sequences): o_proj
+    (+ residual, the sums of squares gate/up's norm takes) and the down projection (+
+    residual) are gemm_split nodes, their last partial tiles adding the ranges; the Qwen3-8B
+    decode layer, static, no spills."""
+    cfg = replace(QWEN3_8B_DECODE, fused_reduce=True)
+    g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+    nodes = {n.name: n for n in g.nodes}
+    assert "o_proj_sum" not in nodes and "down_sum" not in nodes, list(nodes)
+    o, down, gu = nodes["o_proj"], nodes["down"], nodes["gate_up"]
+    assert o.op.name == down.op.name == "gemm_split"
+    assert o.op.sm90().reduce == down.op.sm90().reduce == "residual"
+    assert o.op.sm90().reduce_sumsq and not down.op.sm90().reduce_sumsq
+    assert gu.op.norm_ss is not None and gu.op.norm_width == cfg.hidden
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+
+
+def test_prefill_layer_compiles_for_hopper(tmp_path):
+    """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
+    projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
+    (Register spills of this kernel: see benchmarks/NOTES.md.)"""
+    cfg = DecoderConfig(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        max_pages=1025,
+        max_positions=16385,
+        block_m=128,
+        block_n=128,
+        fold_norms=True,
+    )
+    g = decoder_prefill_graph(mk.sym("T", max=8192), mk.sym("B", max=64), cfg, torch.bfloat16)
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert "wgmma.mma_async" in ptx
+    # the attention's S = q K^T (the projections' tiles are 128 wide)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert "mma.sync" not in ptx
+
+
+def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
+    """MegaDecoderLayer's 'slots' regime of a Qwen3-30B-A3B layer (one or two sequences): the
+    sparse block on MegaMoE's 'slots' tiles, bf16, static, for sm_90a."""
+    from cutemk.layers import MoeConfig
+    from cutemk.nn import MOE_TILES
+
+    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "slots")])
+    g = decoder_layer_graph(mk.sym("B", max=2), QWEN3_30B_DECODE, torch.bfloat16, moe=moe)
+    assert "moe_route" not in {n.op.name for n in g.nodes}
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert "wgmma.mma_async" in ptx_file.read_text()
