@@ -11,6 +11,7 @@ from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS
+from cutemk.device.vectors import row_vectors, vec16
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -26,6 +27,8 @@ from cutemk.tileop import (
     register_op,
     span,
 )
+
+ADD_BATCH = 8  # 16-byte vectors of each input a thread loads before it stores
 
 
 @register_op
@@ -81,18 +84,63 @@ class AddTile(TileOp):
         (r0, r1), _ = self._box(coord, env)
         t["out"][r0:r1] = (t["a"][r0:r1].float() + t["b"][r0:r1].float()).to(t["out"].dtype)
 
+    @property
+    def _vec(self) -> int:
+        """Elements a thread moves at once: a 16-byte vector where the width is a static
+        multiple of one, else 1."""
+        return vec16(self.a.dtype.itemsize, self.a.shape[1])
+
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
-        """Rows of block ``coord0``; ``tensors`` = (mA, mB, mOut), one flat range of elements,
-        consecutive threads on consecutive columns."""
+        """Rows of block ``coord0``; ``tensors`` = (mA, mB, mOut). At a static width the tile
+        is one flat run of 16-byte vectors, consecutive threads on consecutive vectors: a
+        thread issues the loads of ``ADD_BATCH`` vectors of each input before it adds and
+        stores them (a load may not pass an earlier store to memory that could alias it), so
+        a tile costs a round trip to memory a batch, not one a vector. A width known only at
+        run time goes element by element."""
         mA, mB, mOut = tensors
-        rows, cols = mA.shape[0], mA.shape[1]
+        rows = mA.shape[0]
         r0 = coord0 * self.block_m
-        n = (cute.min(r0 + self.block_m, rows) - r0) * cols
-        for i in cutlass.range(tidx, n, NUM_THREADS, unroll=4):
-            r = r0 + i // cols
-            c = i % cols
-            mOut[r, c] = (mA[r, c].to(Float32) + mB[r, c].to(Float32)).to(mOut.element_type)
+        vec = self._vec
+        if cutlass.const_expr(vec > 1):
+            cols = self.a.shape[1]
+            nv = cols // vec
+            a3 = row_vectors(mA, rows, cols, vec)
+            b3 = row_vectors(mB, rows, cols, vec)
+            o3 = row_vectors(mOut, rows, cols, vec)
+            total = self.block_m * nv
+            per = -(-total // NUM_THREADS)
+            for j0 in cutlass.range_constexpr(0, per, ADD_BATCH):
+                batch = range(j0, min(per, j0 + ADD_BATCH))
+                avs, bvs = [], []
+                for j in cutlass.range_constexpr(batch.start, batch.stop):
+                    idx = tidx + j * NUM_THREADS
+                    r = r0 + idx // nv
+                    av = cute.make_rmem_tensor((vec,), mA.element_type)
+                    bv = cute.make_rmem_tensor((vec,), mB.element_type)
+                    if idx < total and r < rows:
+                        cute.autovec_copy(a3[r, idx % nv, None], av)
+                        cute.autovec_copy(b3[r, idx % nv, None], bv)
+                    avs.append(av)
+                    bvs.append(bv)
+                for j in cutlass.range_constexpr(batch.start, batch.stop):
+                    idx = tidx + j * NUM_THREADS
+                    r = r0 + idx // nv
+                    if idx < total and r < rows:
+                        ov = cute.make_rmem_tensor((vec,), mOut.element_type)
+                        av, bv = avs[j - j0], bvs[j - j0]
+                        for e in cutlass.range_constexpr(vec):
+                            s = av[e].to(Float32) + bv[e].to(Float32)
+                            ov[e] = s.to(mOut.element_type)
+                        cute.autovec_copy(ov, o3[r, idx % nv, None])
+        else:
+            cols = mA.shape[1]
+            n = (cute.min(r0 + self.block_m, rows) - r0) * cols
+            for i in cutlass.range(tidx, n, NUM_THREADS, unroll=4):
+                r = r0 + i // cols
+                c = i % cols
+                s = mA[r, c].to(Float32) + mB[r, c].to(Float32)
+                mOut[r, c] = s.to(mOut.element_type)
 
 
 def add(a: TensorSpec, b: TensorSpec, *, block_m: int = 4) -> AddTile:

@@ -1,4 +1,4 @@
-"""Device functions of the gemm, silu_mul and rmsnorm tile ops, run through the tile harness.
+"""Device functions of the gemm, silu_mul, rmsnorm and add tile ops, run through the tile harness.
 
 CPU tests compile the harness kernel (one CTA per tile) for sm_90a from fake tensors with
 dynamic shapes and inspect the PTX. GPU tests run it on ragged shapes against each op's torch
@@ -15,7 +15,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass
 import pytest
 import torch
-from cutemk.ops import GemmTile, RmsNormTile, SiluMulTile
+from cutemk.ops import AddTile, GemmTile, RmsNormTile, SiluMulTile
 from cutlass import cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -141,6 +141,30 @@ def test_rmsnorm_device_tile_compiles(dtype):
     assert "bar.sync" not in ptx
 
 
+def add_op(dtype, block_m, width=None) -> AddTile:
+    """A residual add over ``width`` columns (static), or the symbolic width H."""
+    spec = TensorSpec((T, H if width is None else width), dtype)
+    return AddTile(spec, spec, block_m)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_add_device_tile_moves_16_byte_vectors(dtype):
+    """At a static width the add loads and stores 16-byte vectors, the loads of a batch ahead
+    of its stores; at a width known only at run time it goes element by element."""
+    ptx, _ = compile_ptx(add_op(dtype, 4, 2048))
+    check_entry(ptx)
+    body = ptx[ptx.index(".entry") :]
+    loads = [m.start() for m in re.finditer(r"ld\.global\S*\.v4\.(?:b32|u32|f32)", body)]
+    stores = [m.start() for m in re.finditer(r"st\.global\S*\.v4\.(?:b32|u32|f32)", body)]
+    # 4 rows x 2048 columns over 128 threads: 8 (bf16) or 16 (fp32) vectors of each input a
+    # thread, in batches of 8: all of a batch's 16 loads come before its first store
+    assert len(loads) == (16 if dtype == torch.bfloat16 else 32), len(loads)
+    assert len(stores) == len(loads) // 2
+    assert max(loads[:16]) < min(stores)
+    ptx, _ = compile_ptx(add_op(dtype, 4))
+    assert not re.search(r"\.v4\.", ptx[ptx.index(".entry") :])
+
+
 # -- GPU: run against the torch reference ------------------------------------------------------
 _COMPILED: dict = {}
 
@@ -244,3 +268,19 @@ def test_rmsnorm_device_tile_matches_reference(dtype, block_m):
             x = (torch.randn(rows, hidden, device="cuda") * 3).to(dtype)
             w = torch.randn(hidden, device="cuda").to(dtype)
             run_and_check(op, env, {"x": x, "weight": w}, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("width", [2048, 40, None], ids=["w2048", "w40", "dynamic"])
+@pytest.mark.parametrize("block_m", [4, 3])
+def test_add_device_tile_matches_reference(dtype, width, block_m):
+    torch.manual_seed(0)
+    op = add_op(dtype, block_m, width)
+    for rows in (1, 5, 13):
+        for hidden in (width,) if width else (8, 1000):
+            env = {"T": rows} if width else {"T": rows, "H": hidden}
+            a = torch.randn(rows, hidden, device="cuda").to(dtype)
+            b = (torch.randn(rows, hidden, device="cuda") * 4).to(dtype)
+            run_and_check(op, env, {"a": a, "b": b}, dtype)
