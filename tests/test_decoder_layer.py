@@ -182,6 +182,35 @@ def test_regime_switches_keep_what_the_config_sets(tail):
         assert ("qkv_proj_sum" not in names) == (fused if tail is None else tail), names
 
 
+def test_moe_layer_decodes_on_megamoe_tiles():
+    """A MoE layer's sparse block runs, in each decode regime, the tiles MegaMoE runs for the
+    regime's largest batch (the router split over K, the down projection 128 columns wide),
+    whatever tiles its MoeConfig carries (``from_hf`` gives the dense GEMMs' 64 x 64)."""
+    from decoder_cases import QWEN3_30B_DECODE
+
+    from cutemk.layers import MoeConfig
+    from cutemk.nn import MOE_REGIME_LIMITS, MegaDecoderLayer
+    from cutemk.regimes import DECODER_MOE_REGIME_LIMITS, moe_tiles, regime_of
+
+    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
+    torch.nn.Module.__init__(mega)
+    mega.cfg, mega.max_batch, mega.max_prefill_tokens = QWEN3_30B_DECODE, 64, 0
+    mega.moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+    mega.prefill_tiles, mega.regime_limits = None, DECODER_MOE_REGIME_LIMITS
+    seen = []
+    for regime, _ in mega.decode_regime_starts():
+        limit = min(mega.max_batch, DECODER_MOE_REGIME_LIMITS[regime] or mega.max_batch)
+        block = regime_of(MOE_REGIME_LIMITS, limit)
+        want = moe_tiles(block, 2048, "cute", torch.bfloat16)
+        nodes = {n.name: n.op for n in mega.regime_graph(regime, torch.bfloat16).nodes}
+        assert nodes["router"].split_k == want["router_split"] > 1, regime
+        assert nodes["router"].block_n == want["router_block_n"], regime
+        assert nodes["experts_down"].block_n == want["down_block_n"] == 128, regime
+        assert ("moe_route0" in nodes) == (not want.get("slots")), regime
+        seen.append(block)
+    assert seen == ["slots", "gemv", "decode"]
+
+
 def test_mega_decoder_layer_prefill_from_hf():
     """``MegaDecoderLayer.forward(..., cu_seqlens=)``: a prefill step matches HF's layer; a
     module built without ``max_prefill_tokens`` refuses it, and so does a step past it."""
@@ -189,7 +218,7 @@ def test_mega_decoder_layer_prefill_from_hf():
     from cutemk.nn import MegaDecoderLayer
 
     layer, rotary = hf_layer(CFG)
-    kw = dict(page_size=CFG.page_size, max_pages=CFG.max_pages, max_positions=256)
+    kw = {"page_size": CFG.page_size, "max_pages": CFG.max_pages, "max_positions": 256}
     mega = MegaDecoderLayer.from_hf(
         layer, **kw, max_batch=4, max_prefill_tokens=64, backend="interpret"
     )

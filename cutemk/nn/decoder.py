@@ -15,9 +15,11 @@ from ..regimes import (
     DECODER_MOE_REGIME_LIMITS,
     DECODER_REGIME_CONFIG,
     DECODER_REGIME_LIMITS,
+    MOE_REGIME_LIMITS,
     MOE_TILES,
-    split_reduce_in_tiles,
     moe_tiles,
+    regime_of,
+    split_reduce_in_tiles,
 )
 from ..symbolic import sym
 from ..tileop import expect_positive_int
@@ -38,7 +40,10 @@ class MegaDecoderLayer(_KeyedModule):
     Three regimes (:data:`DECODER_REGIME_LIMITS`), one graph each, compiled on first use: up
     to 8 sequences with the q/k/v tail as one phase, up to 16 with it in three, then larger
     tiles; a MoE layer has instead one for one or two sequences, then the last two
-    (:data:`DECODER_MOE_REGIME_LIMITS`: the sparse block on MegaMoE's 'slots' tiles).
+    (:data:`DECODER_MOE_REGIME_LIMITS`), its sparse block on the tiles MegaMoE runs for the
+    regime's largest batch (:data:`cutemk.regimes.MOE_TILES`: 'slots' for one or two
+    sequences, 'gemv' up to 16, 'decode' past that; the block's own tile fields are not used
+    in decode steps).
     With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
     :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
     dense GEMMs' tiles (default: the decode ones); a MoE layer's sparse block takes
@@ -218,8 +223,9 @@ class MegaDecoderLayer(_KeyedModule):
         limit = self.regime_limits[regime]
         limit = self.max_batch if limit is None else min(self.max_batch, limit)
         moe, cfg = self.moe, self.cfg
-        if regime == "slots":  # the sparse block without a routing step
-            moe = replace(moe, **moe_tiles("slots", moe.hidden, backend, dtype))
+        if moe is not None:  # MegaMoE's tiles for the largest count the graph serves
+            block_regime = regime_of(MOE_REGIME_LIMITS, limit)
+            moe = replace(moe, **moe_tiles(block_regime, moe.hidden, backend, dtype))
         chosen = DECODER_REGIME_CONFIG.get(regime, {})
         cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
         if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
