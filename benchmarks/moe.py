@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         from cutemk.layers import MoeConfig, moe_graph
         from cutemk.regimes import moe_tiles
 
-        tiles = {**moe_tiles("slots", H, dtype=dt), "fused_combine": False}
+        tiles = moe_tiles("slots", H, dtype=dt, intermediate=I, top_k=TOP_K)
+        tiles["fused_combine"] = False
         cfg = MoeConfig(H, I, E, TOP_K, True, router_dtype=None, **tiles)
         limit = MOE_REGIME_LIMITS["slots"]
         step = moe_graph(sym("T", max=limit), cfg, dt).compile("cute", scheduler="static")

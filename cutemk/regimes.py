@@ -19,6 +19,7 @@ import os
 import torch
 
 from .arch import pin_arch
+from .costmodel import H200
 from .graph import Graph
 from .layers import MoeConfig, mlp_graph, moe_graph
 from .ops import DECODE_GATE_UP_WIDTHS, wave_fit_width  # noqa: F401 (re-exported)
@@ -264,14 +265,33 @@ def split_reduce_in_tiles(default: bool | None) -> bool:
     return {"tiles": True, "step": False}.get(mode, default)
 
 
+SLOT_GATE_UP_WIDTHS = (48, 64, 96, 128)
+"""Gate/up tile widths the 'slots' regime picks from (:func:`moe_tiles`): one token's top-k
+experts are ``top_k * intermediate / width`` tiles, so Qwen3-30B-A3B's 8 x 768 columns are 96
+tiles of 64 (36 of 132 SMs idle while the weights stream) or 128 of 48."""
+
+
 def moe_tiles(
-    regime: str, hidden: int, backend: str = "cute", dtype: torch.dtype | None = None
+    regime: str,
+    hidden: int,
+    backend: str = "cute",
+    dtype: torch.dtype | None = None,
+    *,
+    intermediate: int | None = None,
+    top_k: int | None = None,
+    num_sms: int | None = None,
 ) -> dict:
     """:data:`MOE_TILES` of a regime for a block of ``hidden`` columns: the router's K split
     halved until it divides the hidden size into whole slices. The combine stays a step of its
     own (``fused_combine`` off) where the kernel would not run the Hopper tile (``dtype`` not
-    bf16 / fp16, or another arch than sm_90a): only that tile has the fused combine."""
+    bf16 / fp16, or another arch than sm_90a): only that tile has the fused combine. Given the
+    block's ``intermediate`` size and ``top_k``, the 'slots' regime's gate/up width is the one
+    of :data:`SLOT_GATE_UP_WIDTHS` that fits one token's tiles best in waves over ``num_sms``
+    (default: the H200's 132; :func:`wave_fit_width`)."""
     tiles = dict(MOE_TILES[(backend, regime)])
+    if regime == "slots" and backend == "cute" and intermediate and top_k:
+        sms = num_sms or H200.num_sms
+        tiles["block_n"] = wave_fit_width(intermediate, top_k, sms, SLOT_GATE_UP_WIDTHS)
     split = tiles.get("router_split", 1)
     while split > 1 and hidden % (split * SPLIT_SLICE):  # whole k-slices a range
         split //= 2
@@ -297,7 +317,7 @@ def moe_regime_graph(
     routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
-    tiles = moe_tiles(regime, hidden, backend, dtype)
+    tiles = moe_tiles(regime, hidden, backend, dtype, intermediate=intermediate, top_k=top_k)
     cfg = MoeConfig(
         hidden,
         intermediate,

@@ -186,11 +186,15 @@ def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
     """MegaDecoderLayer's 'slots' regime of a Qwen3-30B-A3B layer (one or two sequences): the
     sparse block on MegaMoE's 'slots' tiles, bf16, static, for sm_90a."""
     from cutemk.layers import MoeConfig
-    from cutemk.nn import MOE_TILES
+    from cutemk.regimes import moe_tiles
 
-    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "slots")])
+    tiles = moe_tiles("slots", 2048, "cute", torch.bfloat16, intermediate=768, top_k=8)
+    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **tiles)
     g = decoder_layer_graph(mk.sym("B", max=2), QWEN3_30B_DECODE, torch.bfloat16, moe=moe)
     assert "moe_route" not in {n.op.name for n in g.nodes}
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
-    assert "wgmma.mma_async" in ptx_file.read_text()
+    ptx = ptx_file.read_text()
+    assert "wgmma.mma_async" in ptx
+    # the gate/up tiles 48 columns wide: a warpgroup's half of them is one n24 wgmma
+    assert "wgmma.mma_async.sync.aligned.m64n24k16" in ptx

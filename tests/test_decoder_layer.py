@@ -197,18 +197,22 @@ def test_moe_layer_decodes_on_megamoe_tiles():
     mega.cfg, mega.max_batch, mega.max_prefill_tokens = QWEN3_30B_DECODE, 64, 0
     mega.moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
     mega.prefill_tiles, mega.regime_limits = None, DECODER_MOE_REGIME_LIMITS
+    mega.num_sms = None
     seen = []
     for regime, _ in mega.decode_regime_starts():
         limit = min(mega.max_batch, DECODER_MOE_REGIME_LIMITS[regime] or mega.max_batch)
         block = regime_of(MOE_REGIME_LIMITS, limit)
-        want = moe_tiles(block, 2048, "cute", torch.bfloat16)
+        want = moe_tiles(block, 2048, "cute", torch.bfloat16, intermediate=768, top_k=8)
         nodes = {n.name: n.op for n in mega.regime_graph(regime, torch.bfloat16).nodes}
         assert nodes["router"].split_k == want["router_split"] > 1, regime
         assert nodes["router"].block_n == want["router_block_n"], regime
         assert nodes["experts_down"].block_n == want["down_block_n"] == 128, regime
+        assert nodes["experts_gate_up"].block_n == want["block_n"], regime
         assert ("moe_route0" in nodes) == (not want.get("slots")), regime
         seen.append(block)
     assert seen == ["slots", "gemv", "decode"]
+    # one token's 8 experts x 768 columns: 128 gate/up tiles of 48 for the 132 SMs
+    assert moe_tiles("slots", 2048, intermediate=768, top_k=8)["block_n"] == 48
 
 
 def test_mega_decoder_layer_prefill_from_hf():

@@ -19,6 +19,7 @@ import torch
 import cutemk as mk
 from cutemk.layers import MoeConfig, moe_graph, moe_reference
 from cutemk.nn import MOE_TILES
+from cutemk.regimes import moe_tiles
 from cutemk.runtime import compile_offline
 
 SMALL = MoeConfig(512, 256, 16, 4, block_m=64, block_n=64, down_block_n=128)
@@ -213,7 +214,15 @@ def test_moe_with_512_experts_compiles_without_spills_and_matches_torch(tmp_path
         assert ((y - ref).norm() / ref.norm()).item() < 1e-5
 
 
-SLOTS = MoeConfig(2048, 768, 128, 8, router_dtype=None, **MOE_TILES[("cute", "slots")])
+# MegaMoE's 'slots' tiles at Qwen3-30B-A3B's size (gate/up 48 columns wide: 128 tiles a token)
+SLOTS = MoeConfig(
+    2048,
+    768,
+    128,
+    8,
+    router_dtype=None,
+    **moe_tiles("slots", 2048, "cute", torch.bfloat16, intermediate=768, top_k=8),
+)
 
 
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])

@@ -225,7 +225,8 @@ class MegaDecoderLayer(_KeyedModule):
         moe, cfg = self.moe, self.cfg
         if moe is not None:  # MegaMoE's tiles for the largest count the graph serves
             block_regime = regime_of(MOE_REGIME_LIMITS, limit)
-            moe = replace(moe, **moe_tiles(block_regime, moe.hidden, backend, dtype))
+            sizes = {"intermediate": moe.intermediate, "top_k": moe.top_k, "num_sms": self.num_sms}
+            moe = replace(moe, **moe_tiles(block_regime, moe.hidden, backend, dtype, **sizes))
         chosen = DECODER_REGIME_CONFIG.get(regime, {})
         cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
         if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
