@@ -200,18 +200,28 @@ class TopkSoftmaxTile(TileOp):
         for row in range(row0 + tidx // WARP, row_end, warps):
             vals = cute.make_rmem_tensor((per_lane,), Float32)
             taken = cute.make_rmem_tensor((per_lane,), Int32)
+            for q in cutlass.range_constexpr(per_lane):
+                vals[q] = Float32(-float("inf"))
+                taken[q] = Int32(1)  # lanes past E hold nothing to pick
+                if lane + q * WARP < num_experts:
+                    vals[q] = Float32(float("nan"))  # an absent row's: nothing is picked
+                    taken[q] = Int32(0)
+            if row < logit_rows:
+                # every logit of the lane (all split partials) loaded before any is used: one
+                # round trip to memory, not one a register (ids past E read expert E - 1)
+                got = [
+                    self._logit(mLogits, row, cute.min(lane + q * WARP, num_experts - 1))
+                    for q in range(per_lane)
+                ]
+                for q in cutlass.range_constexpr(per_lane):
+                    if cutlass.const_expr(num_experts % WARP == 0):
+                        vals[q] = got[q]
+                    else:
+                        if lane + q * WARP < num_experts:
+                            vals[q] = got[q]
             vmax = Float32(-float("inf"))
             for q in cutlass.range_constexpr(per_lane):
-                e = lane + q * WARP
-                v = Float32(-float("inf"))
-                taken[q] = Int32(1)  # lanes past E hold nothing to pick
-                if e < num_experts:
-                    v = Float32(float("nan"))
-                    if row < logit_rows:
-                        v = self._logit(mLogits, row, e)
-                    taken[q] = Int32(0)
-                vals[q] = v
-                vmax = cute.arch.fmax(vmax, v)
+                vmax = cute.arch.fmax(vmax, vals[q])
             for i in cutlass.range_constexpr(5):
                 vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, 1 << i))
             denom = Float32(0.0)

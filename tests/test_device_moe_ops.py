@@ -133,6 +133,20 @@ def test_topk_softmax_over_partials_compiles(tmp_path):
     assert _count(r"\bbar\.sync\b", ptx) == 0
 
 
+@pytest.mark.parametrize("experts", [128, 40])
+def test_topk_softmax_loads_a_row_in_one_round_trip(tmp_path, experts):
+    """A lane's logits, every split partial of each, are loaded with no branch between them
+    (one round trip to memory a row: they were four at 128 experts, a branch a register)."""
+    splits, per_lane = 8, -(-experts // 32)
+    spec = TensorSpec((splits, _sym_t(), experts), torch.float32)
+    op = ops.topk_softmax(spec, k=TOP_K, block_m=BM, logits_dtype=torch.bfloat16)
+    body = _compile_ptx(op, tmp_path)
+    body = body[body.index(".entry") :]
+    loads = [m.start() for m in re.finditer(r"\bld\.global\.", body)]
+    assert len(loads) == splits * per_lane
+    assert not re.search(r"\bbra\b", body[loads[0] : loads[-1]])
+
+
 def test_moe_route_compiles(tmp_path):
     ptx = _compile_ptx(_route(), tmp_path)
     # count -> scan over chunks -> scan over experts -> placement: three CTA barriers
