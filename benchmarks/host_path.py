@@ -239,12 +239,18 @@ def first_call_section(res: Results, tokens: int = MAX_TOKENS, seed: int = 0) ->
 
 
 def capture_section(
-    res: Results, tokens: list[int], models: list[str] = ("mlp", "moe"), seed: int = 0
+    res: Results,
+    tokens: list[int],
+    models: list[str] = ("mlp", "moe"),
+    seed: int = 0,
+    pdl: bool = False,
 ) -> None:
     """One CUDA graph of a module taking its token count as device data (``forward_live``:
     the Qwen3-8B MegaMLP, the Qwen3-30B-A3B MegaMoE), captured once and replayed at each
     count in random order, against a graph captured for that count (the module's ordinary
-    call)."""
+    call). ``pdl``: also the same module with its live kernels launched with programmatic
+    dependent launch (``CUTEMK_LIVE_PDL=1``), captured once beside it."""
+    import os
     import random
 
     from cutemk.bench import graphed, time_us
@@ -260,12 +266,19 @@ def capture_section(
         if model == "mlp":
             h, i = MLP["hidden"], MLP["intermediate"]
             label = "MegaMLP 8B"
-            mod = MegaMLP(rnd(i, h), rnd(i, h), rnd(h, i), max_tokens=MAX_TOKENS)
+            weights = (rnd(i, h), rnd(i, h), rnd(h, i))
+
+            def build(weights=weights):
+                return MegaMLP(*weights, max_tokens=MAX_TOKENS)
         else:
             e, h, i = MOE["num_experts"], MOE["hidden"], MOE["intermediate"]
             label = "MegaMoE 30B-A3B"
             weights = (rnd(e, h), rnd(e, 2 * i, h), rnd(e, h, i))
-            mod = MegaMoE(*weights, top_k=MOE["top_k"], max_tokens=MAX_TOKENS)
+
+            def build(weights=weights):
+                return MegaMoE(*weights, top_k=MOE["top_k"], max_tokens=MAX_TOKENS)
+
+        mod = build()
         x = torch.randn(MAX_TOKENS, h, device="cuda").to(dt)
         n = torch.full((1,), MAX_TOKENS, dtype=torch.int32, device="cuda")
         t0 = time.perf_counter()
@@ -276,6 +289,18 @@ def capture_section(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = mod(x, num_tokens=n)
+        graph_p = None
+        if pdl:  # the same weights; its live kernels compile with the switch on
+            mod_p = build()
+            os.environ["CUTEMK_LIVE_PDL"] = "1"
+            try:
+                mod_p(x, num_tokens=n)
+                torch.cuda.synchronize()
+            finally:
+                del os.environ["CUTEMK_LIVE_PDL"]
+            graph_p = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph_p):
+                y_p = mod_p(x, num_tokens=n)
         order = list(tokens)
         random.Random(seed).shuffle(order)
         for t in order:
@@ -301,12 +326,27 @@ def capture_section(
                 plan_count=mod.live_plan_count(t),
             )
             res.add(case, "cutemk_planned_replay", planned_us)
+            if graph_p is not None:
+                pdl_us = time_us(graph_p.replay)
+                graph_p.replay()
+                same = bool(torch.equal(y_p[:t], y[:t]))
+                res.add(
+                    case,
+                    "cutemk_live_pdl_replay",
+                    pdl_us,
+                    ratio=round(pdl_us / planned_us, 3),
+                    target_ratio=1.10,
+                    same_result=same,
+                )
+                print(f"    with programmatic dependent launch: {pdl_us:.1f} us, same: {same}")
             print(
                 f"capture-once {label} T={t} (plan {mod.live_plan_count(t)}): {live_us:.1f} us "
                 f"replay vs {planned_us:.1f} us planned for T ({ratio:.3f}x), max |diff| {diff:.3g}"
             )
         print(f"capture-once {label} prepare: {prepare_s:.1f} s ({counts} counts planned)")
         del mod, graph, y
+        if graph_p is not None:
+            del mod_p, graph_p, y_p
         torch.cuda.empty_cache()
 
 
@@ -393,6 +433,11 @@ def main(argv=None) -> int:
         help="token counts the capture-once graph replays at",
     )
     p.add_argument(
+        "--live-pdl",
+        action="store_true",
+        help="capture: also the live kernels with programmatic dependent launch",
+    )
+    p.add_argument(
         "--capture-models",
         nargs="+",
         choices=["mlp", "moe"],
@@ -418,7 +463,7 @@ def main(argv=None) -> int:
     if "eager" in args.sections:
         eager_section(res, 200 if args.quick else 2000)
     if "capture" in args.sections:
-        capture_section(res, args.capture_tokens, args.capture_models)
+        capture_section(res, args.capture_tokens, args.capture_models, pdl=args.live_pdl)
     if "warmup" in args.sections:
         warmup_section(res, args.warm_tokens)
     res.finish()

@@ -206,6 +206,7 @@ def kernel_spec(
         os.environ.get("CUTEMK_EPI_MBARRIER", "1") != "0",
         profile == "slices",
         os.environ.get("CUTEMK_QUEUE_HEAD", "1") != "0",
+        live is not None and os.environ.get("CUTEMK_LIVE_PDL", "0") == "1",
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

@@ -184,6 +184,27 @@ def test_live_kernel_compiles_for_sm90a(layer, regime, scheduler, spill_stores):
     assert spills == 0
 
 
+def test_live_kernel_with_programmatic_dependent_launch(monkeypatch):
+    """``CUTEMK_LIVE_PDL=1``: a live kernel waits for the kernel ahead of it on the stream
+    (``griddepcontrol.wait``) before its first read of memory (the count), then lets the next
+    one launch; the switch is part of the spec (a cache key of its own) and only a live kernel
+    takes it."""
+    g = mlp_regime_graph(1024, 1536, "gemv1", BF, 1000)
+    monkeypatch.setenv("CUTEMK_LIVE_PDL", "1")
+    assert kernel_spec(g, False, live="T").live_pdl
+    assert not kernel_spec(g, False).live_pdl
+    with tempfile.TemporaryDirectory() as d:
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}", live="T")
+        (path,) = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")]
+        ptx = Path(path).read_text()
+    body = ptx[ptx.index(".entry") :]
+    wait = body.index("griddepcontrol.wait")
+    assert body.index("griddepcontrol.launch_dependents") > wait
+    assert not re.search(r"\bld\.global", body[:wait])
+    monkeypatch.delenv("CUTEMK_LIVE_PDL")
+    assert not kernel_spec(g, False, live="T").live_pdl
+
+
 # -- GPU ------------------------------------------------------------------------------------
 def reference(x, w_gate_up, w_down):
     xf, wgu, wd = x.float(), w_gate_up.float(), w_down.float()
@@ -330,3 +351,34 @@ def test_moe_block_captured_once_replays_every_count(scheduler):
     graph.replay()
     with pytest.raises(CuteMKError, match=f"the last: {max_tokens + 1}"):
         moe.check_live()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_live_pdl_capture_replays_every_count(monkeypatch):
+    """The live kernels launched with programmatic dependent launch (``CUTEMK_LIVE_PDL=1``):
+    one capture of an MLP over its regimes replays at counts in random order, each right
+    against the fp32 reference and identical to the same module without the switch."""
+    torch.manual_seed(13)
+    h, inter, max_tokens = 1024, 1536, 300
+    wg = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
+    wu = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
+    wd = (torch.randn(h, inter, device="cuda") / inter**0.5).to(BF)
+    plain = mk.nn.MegaMLP(wg, wu, wd, max_tokens=max_tokens)
+    mk.warmup(plain, live=True, progress=False)
+    monkeypatch.setenv("CUTEMK_LIVE_PDL", "1")
+    mlp = mk.nn.MegaMLP(wg, wu, wd, max_tokens=max_tokens)
+    mk.warmup(mlp, live=True, progress=False)
+    monkeypatch.delenv("CUTEMK_LIVE_PDL")
+    assert all(live.spec.live_pdl for _, live in mlp.live_graphs(build=False))
+    x = torch.randn(max_tokens, h, device="cuda").to(BF)
+    n = torch.full((1,), max_tokens, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mlp(x, num_tokens=n)
+    counts = [1, 300, 37, 2, 129, 16, 0, 255, 1]
+    for t in replays(graph, x, n, y, counts, seed=8):
+        assert rel_err(y[:t], reference(x[:t], mlp.w_gate_up, mlp.w_down)) < 1e-2, f"T={t}"
+        want = plain(x, num_tokens=n)
+        assert torch.equal(y[:t], want[:t]), f"T={t}: not the launch without the switch"
+    mlp.check_live()

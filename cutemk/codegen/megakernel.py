@@ -178,6 +178,12 @@ class KernelSpec:
     # ``queue_head`` beside the epoch (``lower.QHEAD_WIDTH``); off (``CUTEMK_QUEUE_HEAD=0``)
     # only to measure it: then through the header, ``queue_ptr`` and ``queue_rec``
     queue_head: bool = True
+    # a live kernel launched with programmatic dependent launch: the regime kernels of one
+    # live call follow each other on the stream and all but one exit at once, so each one's
+    # launch may overlap the end of the kernel before it; it waits for that kernel
+    # (``griddepcontrol.wait``, its memory flushed) before it reads the count, and lets the
+    # next one launch at once. Opt-in (``CUTEMK_LIVE_PDL=1``) until timed on the GPU
+    live_pdl: bool = False
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -198,6 +204,7 @@ class KernelSpec:
             "epi_mbarrier": self.epi_mbarrier,
             "profile_slices": self.profile_slices,
             "queue_head": self.queue_head,
+            "live_pdl": self.live_pdl,
         }
 
 
@@ -359,6 +366,11 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             # the live count, ``_bind_tokens``)
             nv = len(graph_tensors)
             table, count = graph_tensors[nv - 2], graph_tensors[nv - 1]
+            if cutlass.const_expr(self.spec.live_pdl):
+                # launched before the kernel ahead of it finished: nothing is read before it
+                # has (the count may be its output); then the next kernel may launch
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             # the count and the header's words in one round trip (independent loads, issued
             # before any branch): a count another regime's kernel serves is told apart by
             # them alone; the count's own copy of its plan's row is the next round trip
@@ -583,6 +595,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             stream=stream,
             cooperative=self.spec.cooperative,
             min_blocks_per_mp=1,
+            use_pdl=self.spec.live_pdl,
         )
 
 
