@@ -169,7 +169,10 @@ DECODER_REGIME_LIMITS: dict[str, int | None] = {
 tiles up to ``GEMV_MAX_BATCH`` sequences, with the decode step's q/k/v tail as one phase
 (:data:`DECODER_REGIME_CONFIG`) up to ``FUSED_TAIL_MAX_BATCH``."""
 
-DECODER_REGIME_CONFIG: dict[str, dict[str, bool]] = {"gemv_tail": {"fused_qkv_tail": True}}
+DECODER_REGIME_CONFIG: dict[str, dict[str, bool]] = {
+    "gemv_tail": {"fused_qkv_tail": True},
+    "slots": {"fused_qkv_tail": True},
+}
 """Regime -> the :class:`cutemk.layers.DecoderConfig` switches its graph sets where the
 module's config leaves them None (a value the caller set is kept; None elsewhere is off). The
 fused q/k/v tail (the split QKV projection's reduce, ``qk_norm_rope`` and the KV append in one
@@ -178,7 +181,8 @@ phase) measured on the H200 (Qwen3-8B, KV 4096, one process, three rounds of rot
 3``), three phases / fused tail / qk_norm_rope appending only, us: B=1 148.2 / 142.4 / 146.1,
 B=4 168.6 / 162.3 / 166.5, B=8 180.6 / 176.9 / 179.8, B=16 204.6 / 219.8 / 207.9. At 16
 sequences the fused tile's longer items delay the attention tiles queued behind them, so the
-batches past 8 keep three phases in a graph of their own."""
+batches past 8 keep three phases in a graph of their own. A MoE layer's 'slots' regime (one or
+two sequences) takes the fused tail too; its 'gemv' regime (3 to 16) keeps three phases."""
 
 DECODER_FUSED_REDUCE: dict[tuple[str, str], bool] = {
     ("cute", "gemv_tail"): False,

@@ -183,15 +183,22 @@ def test_prefill_layer_compiles_for_hopper(tmp_path):
 
 
 def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
-    """MegaDecoderLayer's 'slots' regime of a Qwen3-30B-A3B layer (one or two sequences): the
-    sparse block on MegaMoE's 'slots' tiles, bf16, static, for sm_90a."""
+    """MegaDecoderLayer's 'slots' regime of a Qwen3-30B-A3B layer (one or two sequences), the
+    graph the module builds: the sparse block on MegaMoE's 'slots' tiles, the q/k/v tail one
+    phase, bf16, static, for sm_90a."""
     from cutemk.layers import MoeConfig
-    from cutemk.regimes import moe_tiles
+    from cutemk.nn import MegaDecoderLayer
+    from cutemk.regimes import DECODER_MOE_REGIME_LIMITS
 
-    tiles = moe_tiles("slots", 2048, "cute", torch.bfloat16, intermediate=768, top_k=8)
-    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, **tiles)
-    g = decoder_layer_graph(mk.sym("B", max=2), QWEN3_30B_DECODE, torch.bfloat16, moe=moe)
-    assert "moe_route" not in {n.op.name for n in g.nodes}
+    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
+    torch.nn.Module.__init__(mega)
+    mega.cfg, mega.max_batch, mega.max_prefill_tokens = QWEN3_30B_DECODE, 64, 0
+    mega.moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+    mega.prefill_tiles, mega.regime_limits = None, DECODER_MOE_REGIME_LIMITS
+    mega.num_sms = None
+    g = mega.regime_graph("slots", torch.bfloat16)
+    names = {n.op.name for n in g.nodes}
+    assert "moe_route" not in names and "kv_append" not in names, names
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()

@@ -328,6 +328,8 @@ def test_moe_decode_step_matches_hf_layer():
         torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
     names = {n.op.name for n in mega.compiled("slots").graph.nodes}
     assert "moe_grouped_gemm" in names and "moe_route" not in names, names
+    assert "kv_append" not in names, names  # the q/k/v tail one phase (DECODER_REGIME_CONFIG)
+    assert "kv_append" in {n.op.name for n in mega.compiled("gemv").graph.nodes}
     # a prefill step of the same module: MegaMoE's prefill routing (chunks over SMs)
     inputs, want = case_inputs(layer, rotary, CFG, [(40, 40), (50, 21), (3, 1)], gen)
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
