@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     from cutemk.layers import moe_reference
 
     warmup, rep = (3, 10) if args.quick else (10, 50)
-    from cutemk.nn import MOE_DECODE_MAX_TOKENS, MOE_REGIME_LIMITS, MOE_TILES, MegaMoE
+    from cutemk.nn import MOE_DECODE_MAX_TOKENS, MOE_REGIME_LIMITS, MegaMoE
+    from cutemk.regimes import moe_tiles
 
     res = Results(
         "moe",
@@ -179,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             "top_k": TOP_K,
             "max_tokens": MAX_TOKENS,
             "decode_max_tokens": MOE_DECODE_MAX_TOKENS,
-            "tiles": {r: MOE_TILES[("cute", r)] for r in MOE_REGIME_LIMITS},
+            "tiles": {
+                r: moe_tiles(r, H, dtype=torch.bfloat16, intermediate=I, top_k=TOP_K)
+                for r in MOE_REGIME_LIMITS
+            },
             "routing": "on bf16 router logits (as HF); rel_err against an fp32 reference that "
             "rounds the logits to bf16 the same way",
             "rep": rep,
@@ -213,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(t <= MOE_REGIME_LIMITS["slots"] for t in args.tokens):
         from cutemk import sym
         from cutemk.layers import MoeConfig, moe_graph
-        from cutemk.regimes import moe_tiles
 
         tiles = moe_tiles("slots", H, dtype=dt, intermediate=I, top_k=TOP_K)
         tiles["fused_combine"] = False

@@ -14,6 +14,7 @@ tools such as ``benchmarks/host_path.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -130,7 +131,7 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # in ~100 us).
     ("cute", "slots"): dict(
         block_m=64,
-        block_n=64,
+        block_n=None,  # fitted to the SMs (``moe_tiles``; 64 where the sizes are not given)
         down_block_n=128,
         router_block_n=16,
         router_split=8,
@@ -269,6 +270,16 @@ def split_reduce_in_tiles(default: bool | None) -> bool:
     return {"tiles": True, "step": False}.get(mode, default)
 
 
+MOE_TILE_DEFAULTS: dict = {
+    f.name: f.default
+    for f in dataclasses.fields(MoeConfig)
+    if f.name
+    not in ("hidden", "intermediate", "num_experts", "top_k", "norm_topk_prob", "router_dtype")
+}
+"""The tile fields of :class:`MoeConfig` (all but the block's sizes and its router's dtype)
+and their defaults: :func:`moe_tiles` gives every one, so a config built on another's keeps
+none of its tiles."""
+
 SLOT_GATE_UP_WIDTHS = (48, 64, 96, 128)
 """Gate/up tile widths the 'slots' regime picks from (:func:`moe_tiles`): one token's top-k
 experts are ``top_k * intermediate / width`` tiles, so Qwen3-30B-A3B's 8 x 768 columns are 96
@@ -285,17 +296,22 @@ def moe_tiles(
     top_k: int | None = None,
     num_sms: int | None = None,
 ) -> dict:
-    """:data:`MOE_TILES` of a regime for a block of ``hidden`` columns: the router's K split
-    halved until it divides the hidden size into whole slices. The combine stays a step of its
-    own (``fused_combine`` off) where the kernel would not run the Hopper tile (``dtype`` not
-    bf16 / fp16, or another arch than sm_90a): only that tile has the fused combine. Given the
-    block's ``intermediate`` size and ``top_k``, the 'slots' regime's gate/up width is the one
-    of :data:`SLOT_GATE_UP_WIDTHS` that fits one token's tiles best in waves over ``num_sms``
-    (default: the H200's 132; :func:`wave_fit_width`)."""
-    tiles = dict(MOE_TILES[(backend, regime)])
-    if regime == "slots" and backend == "cute" and intermediate and top_k:
-        sms = num_sms or H200.num_sms
-        tiles["block_n"] = wave_fit_width(intermediate, top_k, sms, SLOT_GATE_UP_WIDTHS)
+    """Every tile field of :class:`MoeConfig` for a regime's block of ``hidden`` columns:
+    :data:`MOE_TILES`' entry over the fields' defaults, the router's K split halved until it
+    divides the hidden size into whole slices. The combine stays a step of its own
+    (``fused_combine`` off) where the kernel would not run the Hopper tile (``dtype`` not
+    bf16 / fp16, or another arch than sm_90a): only that tile has the fused combine. A gate/up
+    width of None in the table is fitted: given the block's ``intermediate`` size and
+    ``top_k``, the one of :data:`SLOT_GATE_UP_WIDTHS` that fits one token's tiles best in waves
+    over ``num_sms`` (default: the H200's 132; :func:`wave_fit_width`); 64 without them. One
+    token, not two: at two, 48 columns (256 tiles, two waves) stream as many columns an SM as
+    96 (128 tiles, one wave)."""
+    tiles = {**MOE_TILE_DEFAULTS, **MOE_TILES[(backend, regime)]}
+    if tiles["block_n"] is None:
+        tiles["block_n"] = 64
+        if intermediate and top_k:
+            sms = num_sms or H200.num_sms
+            tiles["block_n"] = wave_fit_width(intermediate, top_k, sms, SLOT_GATE_UP_WIDTHS)
     split = tiles.get("router_split", 1)
     while split > 1 and hidden % (split * SPLIT_SLICE):  # whole k-slices a range
         split //= 2
@@ -316,12 +332,15 @@ def moe_regime_graph(
     dtype: torch.dtype,
     max_tokens: int,
     backend: str = "cute",
+    num_sms: int | None = None,
 ) -> Graph:
-    """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :data:`MOE_TILES`,
-    routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no weights needed."""
+    """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :func:`moe_tiles` for
+    ``num_sms`` SMs, routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no
+    weights needed."""
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
-    tiles = moe_tiles(regime, hidden, backend, dtype, intermediate=intermediate, top_k=top_k)
+    sizes = {"intermediate": intermediate, "top_k": top_k, "num_sms": num_sms}
+    tiles = moe_tiles(regime, hidden, backend, dtype, **sizes)
     cfg = MoeConfig(
         hidden,
         intermediate,

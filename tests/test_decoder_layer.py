@@ -195,7 +195,10 @@ def test_moe_layer_decodes_on_megamoe_tiles():
     mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
     torch.nn.Module.__init__(mega)
     mega.cfg, mega.max_batch, mega.max_prefill_tokens = QWEN3_30B_DECODE, 64, 0
-    mega.moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+    # a hand-built block's own tile fields (the slot layout even) are not what decodes
+    mega.moe = MoeConfig(
+        2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64, slots=True, route_chunk=8
+    )
     mega.prefill_tiles, mega.regime_limits = None, DECODER_MOE_REGIME_LIMITS
     mega.num_sms = None
     seen = []
@@ -208,11 +211,18 @@ def test_moe_layer_decodes_on_megamoe_tiles():
         assert nodes["router"].block_n == want["router_block_n"], regime
         assert nodes["experts_down"].block_n == want["down_block_n"] == 128, regime
         assert nodes["experts_gate_up"].block_n == want["block_n"], regime
-        assert ("moe_route0" in nodes) == (not want.get("slots")), regime
+        assert ("moe_route0" in nodes) == (not want["slots"]), regime
+        assert "moe_route_count0" not in nodes, regime  # no routing over SMs below 512
         seen.append(block)
     assert seen == ["slots", "gemv", "decode"]
-    # one token's 8 experts x 768 columns: 128 gate/up tiles of 48 for the 132 SMs
-    assert moe_tiles("slots", 2048, intermediate=768, top_k=8)["block_n"] == 48
+    # one token's 8 experts x 768 columns: 128 gate/up tiles of 48 for the 132 SMs; on 66
+    # SMs 64 tiles of 96 (one wave) stream as many columns an SM as two waves of 48
+    fit = {"intermediate": 768, "top_k": 8}
+    assert moe_tiles("slots", 2048, **fit)["block_n"] == 48
+    assert moe_tiles("slots", 2048, **fit, num_sms=66)["block_n"] == 96
+    assert moe_tiles("slots", 2048)["block_n"] == 64  # sizes not given
+    g = mega.regime_graph("slots", torch.bfloat16, num_sms=66)
+    assert next(n.op for n in g.nodes if n.name == "experts_gate_up").block_n == 96
 
 
 def test_mega_decoder_layer_prefill_from_hf():

@@ -16,14 +16,13 @@ from ..regimes import (
     DECODER_REGIME_CONFIG,
     DECODER_REGIME_LIMITS,
     MOE_REGIME_LIMITS,
-    MOE_TILES,
     moe_tiles,
     regime_of,
     split_reduce_in_tiles,
 )
 from ..symbolic import sym
 from ..tileop import expect_positive_int
-from .base import _KeyedModule
+from .base import _KeyedModule, _sm_count
 from .moe import MegaMoE
 
 
@@ -41,13 +40,13 @@ class MegaDecoderLayer(_KeyedModule):
     to 8 sequences with the q/k/v tail as one phase, up to 16 with it in three, then larger
     tiles; a MoE layer has instead one for one or two sequences, then the last two
     (:data:`DECODER_MOE_REGIME_LIMITS`), its sparse block on the tiles MegaMoE runs for the
-    regime's largest batch (:data:`cutemk.regimes.MOE_TILES`: 'slots' for one or two
-    sequences, 'gemv' up to 16, 'decode' past that; the block's own tile fields are not used
-    in decode steps).
+    regime's largest batch (:func:`cutemk.regimes.moe_tiles`: 'slots' for one or two
+    sequences, 'gemv' up to 16, 'decode' past that; the block's own tile fields are not used,
+    in decode steps or prefill).
     With ``max_prefill_tokens`` it also takes prefill steps (:meth:`prefill`, a third graph:
     :func:`cutemk.layers.decoder_prefill_graph`); ``prefill_tiles`` (block_m, block_n) are its
     dense GEMMs' tiles (default: the decode ones); a MoE layer's sparse block takes
-    :data:`cutemk.regimes.MOE_TILES`' prefill tiles and routing there.
+    MegaMoE's prefill tiles and routing there.
     """
 
     regime_limits = DECODER_REGIME_LIMITS
@@ -204,12 +203,15 @@ class MegaDecoderLayer(_KeyedModule):
         leaves None."""
 
         def build(dtype, device, backend):
-            return self.regime_graph(regime, dtype, backend)
+            return self.regime_graph(regime, dtype, backend, self.num_sms or _sm_count(device))
 
         return self._graph(regime, like, build)
 
-    def regime_graph(self, regime: str, dtype: torch.dtype, backend: str = "cute") -> Any:
-        """The graph :meth:`compiled` compiles for ``regime`` (no weights needed)."""
+    def regime_graph(
+        self, regime: str, dtype: torch.dtype, backend: str = "cute", num_sms: int | None = None
+    ) -> Any:
+        """The graph :meth:`compiled` compiles for ``regime`` (no weights needed), its tiles
+        fitted to ``num_sms`` SMs (default: the module's, else the H200's)."""
         from ..layers import decoder_layer_graph, decoder_prefill_graph
 
         if regime == "prefill":
@@ -217,7 +219,7 @@ class MegaDecoderLayer(_KeyedModule):
             if self.prefill_tiles is not None:
                 cfg = replace(cfg, block_m=self.prefill_tiles[0], block_n=self.prefill_tiles[1])
             if moe is not None:  # the sparse block: MegaMoE's prefill tiles and routing
-                moe = replace(moe, **MOE_TILES[(backend, "prefill")])
+                moe = replace(moe, **moe_tiles("prefill", moe.hidden, backend, dtype))
             tokens = sym("T", max=self.max_prefill_tokens)
             return decoder_prefill_graph(tokens, sym("B", max=self.max_batch), cfg, dtype, moe)
         limit = self.regime_limits[regime]
@@ -225,7 +227,8 @@ class MegaDecoderLayer(_KeyedModule):
         moe, cfg = self.moe, self.cfg
         if moe is not None:  # MegaMoE's tiles for the largest count the graph serves
             block_regime = regime_of(MOE_REGIME_LIMITS, limit)
-            sizes = {"intermediate": moe.intermediate, "top_k": moe.top_k, "num_sms": self.num_sms}
+            sms = num_sms or self.num_sms
+            sizes = {"intermediate": moe.intermediate, "top_k": moe.top_k, "num_sms": sms}
             moe = replace(moe, **moe_tiles(block_regime, moe.hidden, backend, dtype, **sizes))
         chosen = DECODER_REGIME_CONFIG.get(regime, {})
         cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})

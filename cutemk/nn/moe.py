@@ -10,7 +10,7 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
-from .base import _check_options, _check_silu, _LiveModule
+from .base import _check_options, _check_silu, _LiveModule, _sm_count
 
 
 class MegaMoE(_LiveModule):
@@ -120,6 +120,7 @@ class MegaMoE(_LiveModule):
                 dtype,
                 self.max_tokens,
                 backend,
+                self.num_sms or _sm_count(device),
             )
 
         return self._graph(regime, like, build)
