@@ -240,6 +240,14 @@ def replays(graph, x, n, y, counts, seed, fill=lambda x, t: x):
         yield t
 
 
+def mlp_weights(h: int, inter: int) -> tuple[torch.Tensor, ...]:
+    """Random bf16 gate, up and down weights of a gated MLP on the GPU, scaled by fan-in."""
+    wg = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
+    wu = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
+    wd = (torch.randn(h, inter, device="cuda") / inter**0.5).to(BF)
+    return wg, wu, wd
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_one_capture_replays_every_count_across_regimes():
@@ -247,9 +255,7 @@ def test_one_capture_replays_every_count_across_regimes():
     # Qwen3-8B's sizes: the regimes split their GEMMs along K here, so the split reduces read
     # partial buffers allocated for more rows than the plan binds
     h, inter, max_tokens = 4096, 12288, 300
-    wg = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
-    wu = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
-    wd = (torch.randn(h, inter, device="cuda") / inter**0.5).to(BF)
+    wg, wu, wd = mlp_weights(h, inter)
     mlp = mk.nn.MegaMLP(wg, wu, wd, max_tokens=max_tokens)
     x = torch.randn(max_tokens, h, device="cuda").to(BF)
     n = torch.full((1,), max_tokens, dtype=torch.int32, device="cuda")
@@ -365,9 +371,7 @@ def test_live_pdl_capture_replays_every_count(monkeypatch):
     against the fp32 reference and identical to the same module without the switch."""
     torch.manual_seed(13)
     h, inter, max_tokens = 1024, 1536, 300
-    wg = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
-    wu = (torch.randn(inter, h, device="cuda") / h**0.5).to(BF)
-    wd = (torch.randn(h, inter, device="cuda") / inter**0.5).to(BF)
+    wg, wu, wd = mlp_weights(h, inter)
     plain = mk.nn.MegaMLP(wg, wu, wd, max_tokens=max_tokens)
     mk.warmup(plain, live=True, progress=False)
     monkeypatch.setenv("CUTEMK_LIVE_PDL", "1")
