@@ -146,11 +146,13 @@ class RmsNormTile(TileOp):
 
         mX: (rows, hidden), mW: (hidden,), mY: (rows, hidden). Warp w normalises rows w,
         w + NUM_WARPS, ...; a butterfly shuffle sums the squares (no shared memory, no CTA
-        barrier). Rows of a static width move in 16-byte vectors. Where the row fits (see ``_row_vectors``) every
-        lane issues all its loads of x at once and keeps them in registers: one round trip to
-        memory a row, and one per batch of the weight (``W_BATCH``). Otherwise the row streams twice (the second pass mostly
-        hits L1/L2), four vectors a lane in flight; a width known only at run time goes
-        element by element.
+        barrier). Rows of a static width move in 16-byte vectors. Where the row fits (see
+        ``_row_vectors``) every lane issues all its loads of x at once and keeps them in
+        registers: one round trip to memory a row, and one per batch of the weight
+        (``W_BATCH``), or none where the weight is one batch: then it is loaded once, before
+        the rows. Otherwise the row streams twice
+        (the second pass mostly hits L1/L2), four vectors a lane in flight; a width known only
+        at run time goes element by element.
         """
         mX, mY = tensors[0], tensors[len(tensors) - 1]
         mW = tensors[1]  # without a weight this is y: never read then
@@ -169,6 +171,15 @@ class RmsNormTile(TileOp):
         row0 = coord0 * self.block_m
         inv_cols = Float32(1.0) / Float32(cols)
         n = self._row_vectors
+        # a weight that fits in one batch is loaded once, before the rows, so its round trip
+        # overlaps the first row's (one round trip a row where there were two)
+        w_first = has_w and 0 < n <= W_BATCH
+        ws0 = []
+        if cutlass.const_expr(w_first):
+            for i in cutlass.range_constexpr(n):
+                w_vec = cute.make_rmem_tensor((vec,), mW.element_type)
+                cute.autovec_copy(w2[lane + i * WARP_SIZE, None], w_vec)
+                ws0.append(w_vec)
         for r in range(warp, self.block_m, NUM_WARPS):
             row = row0 + r
             if row < rows:
@@ -188,12 +199,13 @@ class RmsNormTile(TileOp):
                     # the weight in batches loaded before their stores (a load after a store
                     # may not pass it: one round trip a batch, not a vector)
                     for i0 in cutlass.range_constexpr(0, n, W_BATCH):
-                        ws = []
-                        for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
-                            wv = cute.make_rmem_tensor((vec,), mW.element_type)
-                            if cutlass.const_expr(has_w):
-                                cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
-                            ws.append(wv)
+                        ws = ws0[i0:]
+                        if cutlass.const_expr(not w_first):
+                            for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
+                                wv = cute.make_rmem_tensor((vec,), mW.element_type)
+                                if cutlass.const_expr(has_w):
+                                    cute.autovec_copy(w2[lane + i * WARP_SIZE, None], wv)
+                                ws.append(wv)
                         for i in cutlass.range_constexpr(i0, min(n, i0 + W_BATCH)):
                             yv = cute.make_rmem_tensor((vec,), mY.element_type)
                             for e in cutlass.range_constexpr(vec):

@@ -141,6 +141,22 @@ def test_rmsnorm_device_tile_compiles(dtype):
     assert "bar.sync" not in ptx
 
 
+@pytest.mark.parametrize("hidden,before", [(2048, 16), (4096, 16)])
+def test_rmsnorm_loads_x_and_a_one_batch_weight_together(hidden, before):
+    """At 2048 bf16 columns (8 vectors a lane) the weight's loads go out with x's, before the
+    row's reduction: one round trip a row, not two. At 4096 (16 vectors a lane, two batches of
+    the weight) the weight still comes in batches after the reduction."""
+    op = RmsNormTile(
+        TensorSpec((T, hidden), torch.bfloat16), TensorSpec((hidden,), torch.bfloat16), 1e-6, 4
+    )
+    ptx, _ = compile_ptx(op)
+    body = ptx[ptx.index(".entry") :]
+    first_shuffle = body.index("shfl.sync.bfly")
+    loads = re.findall(r"ld\.global\S*\.v4", body)
+    assert len(re.findall(r"ld\.global\S*\.v4", body[:first_shuffle])) == before
+    assert len(loads) == 2 * hidden // 256
+
+
 def add_op(dtype, block_m, width=None) -> AddTile:
     """A residual add over ``width`` columns (static), or the symbolic width H."""
     spec = TensorSpec((T, H if width is None else width), dtype)
