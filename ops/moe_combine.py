@@ -224,15 +224,20 @@ class MoeCombineTile(TileOp):
         else:
             total = (t_end - t0) * width
             for base in range(0, total, NUM_THREADS * UNROLL):
-                accs = []
+                got = []  # every load of the batch before any sum (see _combine_words)
                 for u in cutlass.range_constexpr(UNROLL):
                     idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
                     tok = t0 + idx // width
                     c = c0 + idx % width
-                    acc = Float32(0.0)
                     for j in cutlass.range_constexpr(k):
                         r = sRow[tok - t0, j]
-                        v = mRows[cute.max(r, 0), c].to(Float32) * sW[tok - t0, j]
+                        got.append((r, tok, mRows[cute.max(r, 0), c]))
+                accs = []
+                for u in cutlass.range_constexpr(UNROLL):
+                    acc = Float32(0.0)
+                    for j in cutlass.range_constexpr(k):
+                        r, tok, x = got[u * k + j]
+                        v = x.to(Float32) * sW[tok - t0, j]
                         if r >= 0:
                             acc = acc + v
                         else:
@@ -273,18 +278,25 @@ class MoeCombineTile(TileOp):
         words = width // 4
         total = (t_end - t0) * words
         for base in range(0, total, NUM_THREADS * UNROLL):
-            accs = []
+            # every load of the batch first (the slot rows from shared memory, then the
+            # words), the sums after: no branch between two loads, so all are in flight
+            got = []
             for u in cutlass.range_constexpr(UNROLL):
                 idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
                 tok = t0 + idx // words
                 cw = w0 + idx % words
+                for j in cutlass.range_constexpr(k):
+                    r = sRow[tok - t0, j]
+                    vals = cute.make_rmem_tensor((4,), mRows.element_type)
+                    cute.autovec_copy(rows4[cute.max(r, 0), cw, None], vals)
+                    got.append((r, tok, vals))
+            accs = []
+            for u in cutlass.range_constexpr(UNROLL):
                 acc = cute.make_rmem_tensor((4,), Float32)
                 acc.fill(0.0)
                 for j in cutlass.range_constexpr(k):
-                    r = sRow[tok - t0, j]
+                    r, tok, vals = got[u * k + j]
                     wt = sW[tok - t0, j]
-                    vals = cute.make_rmem_tensor((4,), mRows.element_type)
-                    cute.autovec_copy(rows4[cute.max(r, 0), cw, None], vals)
                     if r >= 0:
                         for q in cutlass.range_constexpr(4):
                             acc[q] = acc[q] + vals[q].to(Float32) * wt

@@ -182,6 +182,22 @@ def test_moe_combine_compiles(tmp_path, dtype):
         assert re.search(r"\bcvt\.rn\.bf16x2\.f32\b", ptx)
 
 
+@FLOATS
+def test_moe_combine_issues_a_batch_of_gathers_at_once(tmp_path, dtype):
+    """A thread's gathers of a batch (UNROLL outputs x top-k rows) go out with no branch
+    between them, the sums after: they were a branch apiece (the NaN for a slot with no row
+    tested after each load), one round trip each."""
+    from cutemk.ops.moe_combine import UNROLL
+
+    body = _compile_ptx(_combine(dtype), tmp_path)
+    body = body[body.index(".entry") :]
+    longest = run = 0
+    for m in re.finditer(r"\bld\.global\.|\bbra\b", body):
+        run = run + 1 if m.group().startswith("ld") else 0
+        longest = max(longest, run)
+    assert longest >= UNROLL * TOP_K - 1, longest
+
+
 class _ExistsHarness:
     """flags[i] = op.device_exists(tensors, i, 0): one CTA, one thread per row tile."""
 
