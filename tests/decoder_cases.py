@@ -22,20 +22,24 @@ CFG = DecoderConfig(
 )
 
 
+def _hf_attention(cfg: DecoderConfig) -> dict:
+    """transformers' config fields of a decoder layer's sizes, norms and rotary settings."""
+    return {
+        "hidden_size": cfg.hidden,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.eps,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": cfg.max_positions,
+    }
+
+
 def hf_layer(cfg: DecoderConfig):
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-    hf_cfg = Qwen3Config(
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.intermediate,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.eps,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=cfg.max_positions,
-    )
+    hf_cfg = Qwen3Config(intermediate_size=cfg.intermediate, **_hf_attention(cfg))
     return randomized(Qwen3DecoderLayer, hf_cfg, 0), Qwen3RotaryEmbedding(hf_cfg)
 
 
@@ -160,19 +164,13 @@ def hf_moe_layer(cfg: DecoderConfig, experts: int, top_k: int, inter: int):
     )
 
     hf_cfg = Qwen3MoeConfig(
-        hidden_size=cfg.hidden,
         moe_intermediate_size=inter,
         num_experts=experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.eps,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=cfg.max_positions,
+        **_hf_attention(cfg),
     )
     return randomized(Qwen3MoeDecoderLayer, hf_cfg, 4), Qwen3MoeRotaryEmbedding(hf_cfg)
 
@@ -202,3 +200,18 @@ QWEN3_30B_DECODE = DecoderConfig(
     block_m=64,
     block_n=64,
 )
+
+
+def bare_decoder(cfg: DecoderConfig, moe=None, max_batch: int = 64):
+    """A ``MegaDecoderLayer`` without weights (its graphs need none), decode steps only, its
+    SM count left to the default."""
+    from cutemk.nn import MegaDecoderLayer
+    from cutemk.regimes import DECODER_MOE_REGIME_LIMITS
+
+    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)
+    torch.nn.Module.__init__(mega)
+    mega.cfg, mega.moe, mega.max_batch, mega.max_prefill_tokens = cfg, moe, max_batch, 0
+    mega.prefill_tiles, mega.num_sms = None, None
+    if moe is not None:
+        mega.regime_limits = DECODER_MOE_REGIME_LIMITS
+    return mega

@@ -12,6 +12,7 @@ import torch
 from decoder_cases import (
     QWEN3_8B_DECODE,
     QWEN3_30B_DECODE,
+    bare_decoder,
 )
 
 import cutemk as mk
@@ -187,15 +188,9 @@ def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
     graph the module builds: the sparse block on MegaMoE's 'slots' tiles, the q/k/v tail one
     phase, bf16, static, for sm_90a."""
     from cutemk.layers import MoeConfig
-    from cutemk.nn import MegaDecoderLayer
-    from cutemk.regimes import DECODER_MOE_REGIME_LIMITS
 
-    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
-    torch.nn.Module.__init__(mega)
-    mega.cfg, mega.max_batch, mega.max_prefill_tokens = QWEN3_30B_DECODE, 64, 0
-    mega.moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
-    mega.prefill_tiles, mega.regime_limits = None, DECODER_MOE_REGIME_LIMITS
-    mega.num_sms = None
+    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+    mega = bare_decoder(QWEN3_30B_DECODE, moe)
     g = mega.regime_graph("slots", torch.bfloat16)
     names = {n.op.name for n in g.nodes}
     assert "moe_route" not in names and "kv_append" not in names, names

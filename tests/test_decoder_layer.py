@@ -186,21 +186,17 @@ def test_moe_layer_decodes_on_megamoe_tiles():
     """A MoE layer's sparse block runs, in each decode regime, the tiles MegaMoE runs for the
     regime's largest batch (the router split over K, the down projection 128 columns wide),
     whatever tiles its MoeConfig carries (``from_hf`` gives the dense GEMMs' 64 x 64)."""
-    from decoder_cases import QWEN3_30B_DECODE
+    from decoder_cases import QWEN3_30B_DECODE, bare_decoder
 
     from cutemk.layers import MoeConfig
-    from cutemk.nn import MOE_REGIME_LIMITS, MegaDecoderLayer
+    from cutemk.nn import MOE_REGIME_LIMITS
     from cutemk.regimes import DECODER_MOE_REGIME_LIMITS, moe_tiles, regime_of
 
-    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
-    torch.nn.Module.__init__(mega)
-    mega.cfg, mega.max_batch, mega.max_prefill_tokens = QWEN3_30B_DECODE, 64, 0
     # a hand-built block's own tile fields (the slot layout even) are not what decodes
-    mega.moe = MoeConfig(
+    moe = MoeConfig(
         2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64, slots=True, route_chunk=8
     )
-    mega.prefill_tiles, mega.regime_limits = None, DECODER_MOE_REGIME_LIMITS
-    mega.num_sms = None
+    mega = bare_decoder(QWEN3_30B_DECODE, moe)
     seen = []
     for regime, _ in mega.decode_regime_starts():
         limit = min(mega.max_batch, DECODER_MOE_REGIME_LIMITS[regime] or mega.max_batch)

@@ -16,6 +16,7 @@ from decoder_cases import (
     GPU_CFG,
     QWEN3_8B_DECODE,
     QWEN3_30B_DECODE,
+    bare_decoder,
     hf_layer,
     hf_moe_layer,
     step_case,
@@ -80,12 +81,8 @@ def test_decode_graphs_bind_the_sequences_to_the_live_batch():
     their extent as absent), the caches updated in place only by ops that skip those rows,
     the caches' page count fixed per live graph; the live kernel compiles for sm_90a."""
     from cutemk.kernels import live_dims
-    from cutemk.nn import MegaDecoderLayer
 
-    mega = MegaDecoderLayer.__new__(MegaDecoderLayer)  # its graphs need no weights
-    torch.nn.Module.__init__(mega)
-    mega.cfg, mega.moe, mega.max_batch, mega.max_prefill_tokens = QWEN3_8B_DECODE, None, 64, 0
-    mega.prefill_tiles = None
+    mega = bare_decoder(QWEN3_8B_DECODE)
     for regime, _ in mega.decode_regime_starts():
         g = mega.regime_graph(regime, torch.bfloat16)
         pairs, extents = live_dims(g, "B", ("pages",))
