@@ -292,15 +292,16 @@ def capture_section(
         graph_p = None
         if pdl:  # the same weights; its live kernels compile with the switch on
             mod_p = build()
-            os.environ["CUTEMK_LIVE_PDL"] = "1"
+            os.environ["CUTEMK_LIVE_PDL"] = "1"  # live graphs are looked up by the switch
             try:
                 mod_p(x, num_tokens=n)
                 torch.cuda.synchronize()
+                graph_p = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph_p):
+                    y_p = mod_p(x, num_tokens=n)
+                assert all(live.spec.live_pdl for _, live in mod_p.live_graphs(build=False))
             finally:
                 del os.environ["CUTEMK_LIVE_PDL"]
-            graph_p = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph_p):
-                y_p = mod_p(x, num_tokens=n)
         order = list(tokens)
         random.Random(seed).shuffle(order)
         for t in order:

@@ -148,6 +148,13 @@ def _syms(d: Any) -> frozenset:
     return frozenset() if isinstance(d, int) else d.syms()
 
 
+def live_pdl() -> bool:
+    """Whether live kernels built now launch with programmatic dependent launch
+    (``CUTEMK_LIVE_PDL=1``; see ``KernelSpec.live_pdl``). Read when a live graph is built or
+    looked up, so a switch flipped between calls gets (and keeps) live graphs of its own."""
+    return os.environ.get("CUTEMK_LIVE_PDL", "0") == "1"
+
+
 def kernel_spec(
     graph: Graph,
     dynamic: bool,
@@ -206,7 +213,7 @@ def kernel_spec(
         os.environ.get("CUTEMK_EPI_MBARRIER", "1") != "0",
         profile == "slices",
         os.environ.get("CUTEMK_QUEUE_HEAD", "1") != "0",
-        live is not None and os.environ.get("CUTEMK_LIVE_PDL", "0") == "1",
+        live is not None and live_pdl(),
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec

@@ -42,6 +42,7 @@ from .kernels import (  # noqa: F401 (re-exported: the backend's compile entry p
     compile_offline,
     kernel_cache_dir,
     kernel_spec,
+    live_pdl,
 )
 from .plan import Plan, dump_stage, instantiate, no_gc
 from .profiles import ProfileReaders
@@ -429,7 +430,8 @@ class CuteGraph(ProfileReaders):
     @staticmethod
     def _live_key(first, counts, limit, fixed) -> tuple:
         fixed_key = tuple(sorted((fixed or {}).items()))
-        return (first, None if counts is None else tuple(counts), limit, fixed_key)
+        # the PDL switch makes another kernel: each setting keeps its own live graph
+        return (first, None if counts is None else tuple(counts), limit, fixed_key, live_pdl())
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):

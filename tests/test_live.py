@@ -374,19 +374,35 @@ def test_live_pdl_capture_replays_every_count(monkeypatch):
     wg, wu, wd = mlp_weights(h, inter)
     plain = mk.nn.MegaMLP(wg, wu, wd, max_tokens=max_tokens)
     mk.warmup(plain, live=True, progress=False)
+    # the same key as ``plain``: one set of compiled graphs; the switch gets live graphs of its
+    # own while it is on (they are looked up by it), the capture takes them
     monkeypatch.setenv("CUTEMK_LIVE_PDL", "1")
     mlp = mk.nn.MegaMLP(wg, wu, wd, max_tokens=max_tokens)
     mk.warmup(mlp, live=True, progress=False)
-    monkeypatch.delenv("CUTEMK_LIVE_PDL")
-    assert all(live.spec.live_pdl for _, live in mlp.live_graphs(build=False))
+    lives = mlp.live_graphs(build=False)
+    assert lives and all(live.spec.live_pdl for _, live in lives)
     x = torch.randn(max_tokens, h, device="cuda").to(BF)
     n = torch.full((1,), max_tokens, dtype=torch.int32, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = mlp(x, num_tokens=n)
+    monkeypatch.delenv("CUTEMK_LIVE_PDL")
+    assert not any(live.spec.live_pdl for _, live in plain.live_graphs(build=False))
     counts = [1, 300, 37, 2, 129, 16, 0, 255, 1]
     for t in replays(graph, x, n, y, counts, seed=8):
         assert rel_err(y[:t], reference(x[:t], mlp.w_gate_up, mlp.w_down)) < 1e-2, f"T={t}"
         want = plain(x, num_tokens=n)
         assert torch.equal(y[:t], want[:t]), f"T={t}: not the launch without the switch"
     mlp.check_live()
+
+
+def test_live_graphs_are_kept_per_pdl_switch(monkeypatch):
+    """A compiled graph keeps one live graph per setting of ``CUTEMK_LIVE_PDL`` (another
+    kernel): a module sharing the compiled graphs of one built with the switch off gets live
+    kernels with it when it is on, not the kept ones."""
+    monkeypatch.delenv("CUTEMK_LIVE_PDL", raising=False)
+    off = CuteGraph._live_key(1, None, 300, None)
+    monkeypatch.setenv("CUTEMK_LIVE_PDL", "1")
+    assert CuteGraph._live_key(1, None, 300, None) != off
+    monkeypatch.setenv("CUTEMK_LIVE_PDL", "0")
+    assert CuteGraph._live_key(1, None, 300, None) == off
