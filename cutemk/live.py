@@ -146,12 +146,12 @@ def token_sym(graph: Any, fixed: Collection[str] = ()) -> Sym:
     return sym
 
 
-def live_spec(cg: Any, fixed: Collection[str] = ()):
+def live_spec(cg: Any, fixed: Collection[str] = (), chained: bool = False):
     """The kernel spec of ``cg``'s graph taking its token count as device data, its ``fixed``
     dims bound by the tensors (raises GraphError where the graph cannot: see
-    :func:`cutemk.kernels.live_dims`)."""
+    :func:`cutemk.kernels.live_dims`); ``chained``: see :class:`LiveGraph`."""
     name = token_sym(cg.graph, fixed).name
-    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=name)
+    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=name, chained=chained)
 
 
 @dataclass
@@ -181,6 +181,7 @@ class LiveGraph:
         counts: Sequence[int] | None = None,
         limit: int | None = None,
         fixed: Mapping[str, int] | None = None,
+        chained: bool = False,
     ):
         g = cg.graph
         self.fixed = {k: int(v) for k, v in (fixed or {}).items()}
@@ -198,7 +199,7 @@ class LiveGraph:
                 f"first={self.first} is outside {self.tokens}'s range "
                 f"[{sym.min}, {self.max_tokens}]"
             )
-        self.spec = live_spec(cg, self.fixed)
+        self.spec = live_spec(cg, self.fixed, chained)
         if counts is None:
             counts = live_counts(self.first, self.max_tokens)
         counts = sorted({int(c) for c in counts})
