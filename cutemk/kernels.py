@@ -161,13 +161,10 @@ def kernel_spec(
     watchdog: bool = False,
     profile: bool | str = False,
     live: str | None = None,
-    chained: bool = False,
 ) -> KernelSpec:
     """The compile-cache key of ``graph``'s megakernel. ``profile``: False, True (per-task
     and per-CTA stamps) or ``"slices"`` (each ring slice's too). ``live``: the name of the
-    token dim when the kernel takes the token count as device data (``CuteGraph.live``);
-    ``chained``: such a kernel always follows another live kernel of the same call
-    (``KernelSpec.live_chained``, used with programmatic dependent launch)."""
+    token dim when the kernel takes the token count as device data (``CuteGraph.live``)."""
     if profile not in (False, True, "slices"):
         raise ValueError(f"profile must be False, True or 'slices', got {profile!r}")
     index = {id(v): i for i, v in enumerate(graph.values)}
@@ -217,7 +214,6 @@ def kernel_spec(
         profile == "slices",
         os.environ.get("CUTEMK_QUEUE_HEAD", "1") != "0",
         live is not None and live_pdl(),
-        live is not None and live_pdl() and bool(chained),
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
     return spec
@@ -230,18 +226,15 @@ def compile_offline(
     profile: bool | str = False,
     options: str = "",
     live: str | None = None,
-    chained: bool = False,
 ):
     """Compile ``graph``'s megakernel as the runtime does, no GPU needed (CI compile checks).
 
     ``options`` goes to ``cute.compile`` (``"--keep-ptx"`` fills the result's ``__ptx__``);
-    ``live``: the token dim, for the kernel that takes the token count as device data;
-    ``chained``: see :func:`kernel_spec`.
+    ``live``: the token dim, for the kernel that takes the token count as device data.
     """
     graph.validate()
     dynamic = resolve_scheduler(scheduler).mode is SchedulingMode.DYNAMIC
-    spec = kernel_spec(graph, dynamic, watchdog, profile, live, chained)
-    return _compile_now(spec, options)
+    return _compile_now(kernel_spec(graph, dynamic, watchdog, profile, live), options)
 
 
 cache_loads = 0

@@ -146,12 +146,12 @@ def token_sym(graph: Any, fixed: Collection[str] = ()) -> Sym:
     return sym
 
 
-def live_spec(cg: Any, fixed: Collection[str] = (), chained: bool = False):
+def live_spec(cg: Any, fixed: Collection[str] = ()):
     """The kernel spec of ``cg``'s graph taking its token count as device data, its ``fixed``
     dims bound by the tensors (raises GraphError where the graph cannot: see
-    :func:`cutemk.kernels.live_dims`); ``chained``: see :class:`LiveGraph`."""
+    :func:`cutemk.kernels.live_dims`)."""
     name = token_sym(cg.graph, fixed).name
-    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=name, chained=chained)
+    return kernel_spec(cg.graph, cg.dynamic, cg.spec.watchdog, False, live=name)
 
 
 @dataclass
@@ -181,7 +181,6 @@ class LiveGraph:
         counts: Sequence[int] | None = None,
         limit: int | None = None,
         fixed: Mapping[str, int] | None = None,
-        chained: bool = False,
     ):
         g = cg.graph
         self.fixed = {k: int(v) for k, v in (fixed or {}).items()}
@@ -199,7 +198,7 @@ class LiveGraph:
                 f"first={self.first} is outside {self.tokens}'s range "
                 f"[{sym.min}, {self.max_tokens}]"
             )
-        self.spec = live_spec(cg, self.fixed, chained)
+        self.spec = live_spec(cg, self.fixed)
         if counts is None:
             counts = live_counts(self.first, self.max_tokens)
         counts = sorted({int(c) for c in counts})

@@ -394,7 +394,6 @@ class CuteGraph(ProfileReaders):
         counts: Any = None,
         limit: int | None = None,
         fixed: dict[str, int] | None = None,
-        chained: bool = False,
     ):
         """The graph taking its token count as device data, for one CUDA-graph capture that
         replays at every count (:class:`~cutemk.live.LiveGraph`; kept: a second call with the
@@ -403,13 +402,10 @@ class CuteGraph(ProfileReaders):
         counts to plan (default :func:`~cutemk.live.live_counts`); ``limit``: counts above it
         are errors (default: the graph's maximum; a caller whose kernels split the counts
         between them gives its own); ``fixed``: the graph's other symbolic dims, bound once
-        for every count (e.g. ``{"pages": k_cache.shape[0]}``); ``chained``: the caller
-        launches it right after another live kernel of the same call, never first (with
-        ``CUTEMK_LIVE_PDL=1`` it then reads the count before its wait:
-        ``KernelSpec.live_chained``)."""
+        for every count (e.g. ``{"pages": k_cache.shape[0]}``)."""
         from .live import LiveGraph
 
-        key = self._live_key(first, counts, limit, fixed, chained)
+        key = self._live_key(first, counts, limit, fixed)
         lg = self._live.get(key)
         if lg is None:
             if torch.cuda.is_current_stream_capturing():
@@ -418,7 +414,7 @@ class CuteGraph(ProfileReaders):
                     "count when first built, which cannot happen inside a CUDA-graph capture; "
                     "call it once before capturing (or cutemk.warmup(module, live=True))"
                 )
-            lg = self._live[key] = LiveGraph(self, first, counts, limit, fixed, chained)
+            lg = self._live[key] = LiveGraph(self, first, counts, limit, fixed)
         return lg
 
     def live_built(
@@ -427,18 +423,15 @@ class CuteGraph(ProfileReaders):
         counts: Any = None,
         limit: int | None = None,
         fixed: dict[str, int] | None = None,
-        chained: bool = False,
     ):
         """The :meth:`live` graph of these arguments if one was built, else None."""
-        return self._live.get(self._live_key(first, counts, limit, fixed, chained))
+        return self._live.get(self._live_key(first, counts, limit, fixed))
 
     @staticmethod
-    def _live_key(first, counts, limit, fixed, chained=False) -> tuple:
+    def _live_key(first, counts, limit, fixed) -> tuple:
         fixed_key = tuple(sorted((fixed or {}).items()))
         # the PDL switch makes another kernel: each setting keeps its own live graph
-        pdl = live_pdl()
-        counts = None if counts is None else tuple(counts)
-        return (first, counts, limit, fixed_key, pdl, pdl and bool(chained))
+        return (first, None if counts is None else tuple(counts), limit, fixed_key, live_pdl())
 
     # -- launching --------------------------------------------------------------------------------
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor):

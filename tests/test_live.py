@@ -209,30 +209,6 @@ def test_live_kernel_with_programmatic_dependent_launch(monkeypatch):
     assert not kernel_spec(g, False, live="T").live_pdl
 
 
-def test_chained_live_kernel_loads_the_count_before_its_wait(monkeypatch):
-    """A live kernel that always follows another of the same call (``chained``) with
-    ``CUTEMK_LIVE_PDL=1``: the count and the table's header words are loaded (gpu-scope
-    relaxed loads, nothing else touches memory) before ``griddepcontrol.wait``, so an exiting
-    kernel has them when the one ahead ends; without PDL ``chained`` changes nothing."""
-    g = mlp_regime_graph(1024, 1536, "gemv1", BF, 1000)
-    assert not kernel_spec(g, False, live="T", chained=True).live_chained
-    monkeypatch.setenv("CUTEMK_LIVE_PDL", "1")
-    assert kernel_spec(g, False, live="T", chained=True).live_chained
-    assert not kernel_spec(g, False, live="T").live_chained
-    with tempfile.TemporaryDirectory() as d:
-        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}", live="T", chained=True)
-        (path,) = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".ptx")]
-        ptx = Path(path).read_text()
-    body = ptx[ptx.index(".entry") :]
-    wait = body.index("griddepcontrol.wait")
-    assert body.index("griddepcontrol.launch_dependents") > wait
-    before = body[:wait]
-    loads = re.findall(r"\bld\.[\w.]*global[\w.]*", before)
-    assert len(loads) == 5 and all(".relaxed.gpu" in ld for ld in loads), loads
-    assert not re.search(r"\b(st\.global|(atom|red)\.\S*global|cp\.async|prefetch)", before)
-    assert ".nc." not in body
-
-
 # -- GPU ------------------------------------------------------------------------------------
 def reference(x, w_gate_up, w_down):
     xf, wgu, wd = x.float(), w_gate_up.float(), w_down.float()

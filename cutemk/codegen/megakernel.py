@@ -184,12 +184,6 @@ class KernelSpec:
     # (``griddepcontrol.wait``, its memory flushed) before it reads the count, and lets the
     # next one launch at once. Opt-in (``CUTEMK_LIVE_PDL=1``) until timed on the GPU
     live_pdl: bool = False
-    # with ``live_pdl``: the kernel ahead of this one on the stream is a live kernel of the
-    # same call (``CuteGraph.live(chained=True)``), which writes no count and triggered this
-    # launch only after its own wait. The count and the table's header are then final when
-    # this kernel starts, so it loads them (gpu-scope relaxed loads, past any stale L1 line)
-    # before its wait: an exiting kernel has them by the time the one ahead ends
-    live_chained: bool = False
 
     def describe(self) -> dict:
         """The spec as JSON-able data (the kernel stage of ``CUTEMK_DUMP``)."""
@@ -211,7 +205,6 @@ class KernelSpec:
             "profile_slices": self.profile_slices,
             "queue_head": self.queue_head,
             "live_pdl": self.live_pdl,
-            "live_chained": self.live_chained,
         }
 
 
@@ -373,30 +366,19 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             # the live count, ``_bind_tokens``)
             nv = len(graph_tensors)
             table, count = graph_tensors[nv - 2], graph_tensors[nv - 1]
+            if cutlass.const_expr(self.spec.live_pdl):
+                # launched before the kernel ahead of it finished: nothing is read before it
+                # has (the count may be its output); then the next kernel may launch
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             # the count and the header's words in one round trip (independent loads, issued
             # before any branch): a count another regime's kernel serves is told apart by
             # them alone; the count's own copy of its plan's row is the next round trip
-            if cutlass.const_expr(self.spec.live_pdl and self.spec.live_chained):
-                # the kernel ahead is a live kernel of this call (KernelSpec.live_chained):
-                # the words are final, load them first, then wait for it to end
-                live = _load_gpu(count.iterator)
-                first = _load_gpu(table.iterator + LH["first"])
-                top = _load_gpu(table.iterator + LH["max"])
-                limit = _load_gpu(table.iterator + LH["limit"])
-                count_rows = _load_gpu(table.iterator + LH["count_rows"])
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            else:
-                if cutlass.const_expr(self.spec.live_pdl):
-                    # launched before the kernel ahead of it finished: nothing is read before
-                    # it has (the count may be its output); then the next kernel may launch
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
-                live = count[0]
-                first = table[LH["first"]]
-                top = table[LH["max"]]
-                limit = table[LH["limit"]]
-                count_rows = table[LH["count_rows"]]
+            live = count[0]
+            first = table[LH["first"]]
+            top = table[LH["max"]]
+            limit = table[LH["limit"]]
+            count_rows = table[LH["count_rows"]]
             bad = Boolean(live < 0)
             if live > limit:
                 bad = Boolean(True)
@@ -615,13 +597,6 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             min_blocks_per_mp=1,
             use_pdl=self.spec.live_pdl,
         )
-
-
-@cute.jit
-def _load_gpu(ptr: cute.Pointer) -> Int32:
-    """An int32 loaded with a gpu-scope relaxed load (``ld.relaxed.gpu``: from L2, never a
-    stale L1 line; not hoisted as a non-coherent load may be)."""
-    return cute.arch.load(ptr, Int32, sem="relaxed", scope="gpu")
 
 
 # CuTe DSL prefixes generated symbols with "cutlass_"; name the kernel after cutemk instead.

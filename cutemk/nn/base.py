@@ -297,14 +297,12 @@ class _LiveModule(_KeyedModule):
         if self.resolved_backend() != "cute":
             raise CuteMKError("a live token count needs the cute backend (a CUDA GPU)")
         out = []
-        for i, (regime, first) in enumerate(self.regime_starts()):
+        for regime, first in self.regime_starts():
             rows = min(self.regime_limits[regime] or self.max_tokens, self.max_tokens)
             graph = self.compiled(regime, like=like)
-            # launched in this order, each but the first right after another of the call
-            kw = {"first": first, "limit": self.max_tokens, "chained": i > 0}
             if build:
-                out.append((rows, graph.live(**kw)))
-            elif (live := graph.live_built(**kw)) is not None:
+                out.append((rows, graph.live(first=first, limit=self.max_tokens)))
+            elif (live := graph.live_built(first=first, limit=self.max_tokens)) is not None:
                 out.append((rows, live))
         return out
 

@@ -364,15 +364,13 @@ class MegaDecoderLayer(_KeyedModule):
             raise CuteMKError("a live batch needs the cute backend (a CUDA GPU)")
         out = []
         fixed = {"pages": int(pages)}
-        for i, (regime, first) in enumerate(self.decode_regime_starts()):
+        for regime, first in self.decode_regime_starts():
             rows = min(self.regime_limits[regime] or self.max_batch, self.max_batch)
             graph = self.compiled(regime)
-            # launched in this order, each but the first right after another of the call
-            kw = {"first": first, "limit": self.max_batch, "fixed": fixed, "chained": i > 0}
             if build:
-                live = graph.live(**kw)
+                live = graph.live(first=first, limit=self.max_batch, fixed=fixed)
             else:
-                live = graph.live_built(**kw)
+                live = graph.live_built(first=first, limit=self.max_batch, fixed=fixed)
             if live is not None:
                 out.append((rows, graph, live))
         return out
