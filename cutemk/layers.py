@@ -534,6 +534,10 @@ class DecoderConfig:
     # (sequence, KV head), each a multiple of ``attention_align`` tokens
     attention_splits: int = kv_split.SPLITS
     attention_align: int = kv_split.ALIGN
+    # decode attention's last range merges the ranges in two steps (the factors once per
+    # range through shared memory, then a batch of partials at once; same result bit for bit):
+    # off until timed against the one-pass merge on the GPU
+    attention_merge_batched: bool = False
     # K ranges of the projections (see ``linear``): None picks them per GEMM, 1 never splits
     split_k: int | None = None
     # the RMSNorm weights are folded into the projections after them (``fold_norm``): the
@@ -707,6 +711,7 @@ def _decoder_layer(
             seq_lens,
             splits=cfg.attention_splits,
             align=cfg.attention_align,
+            merge_batched=cfg.attention_merge_batched,
         )[0]
     # + residual; folded, its split reduce also hands the MLP's norm h1's sums of squares
     fuse_reduce = cfg.fused_reduce and not prefill

@@ -102,6 +102,8 @@ class AttentionDecodeTile(TileOp):
     target_tiles: int = kvs.TARGET_TILES
     align: int = kvs.ALIGN  # tokens a range is a multiple of
     scale: float | None = None  # softmax scale (default 1/sqrt(D))
+    # the Hopper tile's last range merges in two steps (``Sm90DecodeConfig.merge_batched``)
+    merge_batched: bool = False
 
     name: ClassVar[str] = "attention_decode"
     token_local: ClassVar[bool] = True
@@ -291,6 +293,7 @@ class AttentionDecodeTile(TileOp):
             self.align,
             self.max_tokens,
             self.softmax_scale,
+            self.merge_batched,
         )
 
     def ring_tile(self) -> RingTile | None:
@@ -530,11 +533,21 @@ def attention_decode(
     target_tiles: int = kvs.TARGET_TILES,
     align: int = kvs.ALIGN,
     scale: float | None = None,
+    merge_batched: bool = False,
 ) -> AttentionDecodeTile:
     """Split-KV decode attention (see the module doc and ``ops.kv_split``); ``g.call`` gives
     ``(out, part_o, part_ml, merges)``: use ``out``."""
     return AttentionDecodeTile(
-        q, k_cache, v_cache, page_table, seq_lens, splits, target_tiles, align, scale
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        splits,
+        target_tiles,
+        align,
+        scale,
+        merge_batched,
     )
 
 

@@ -97,6 +97,9 @@ class Sm90DecodeConfig:
     max_tokens: int
     scale_log2: float  # softmax scale * log2(e)
     dtype: torch.dtype
+    # the last range merges in two steps (``ops.kv_split.merge_ranges_batched``): to measure
+    # against ``merge_ranges``, which took ~13 us at G = 8 in a B=1 trace
+    merge_batched: bool = False
 
     @property
     def es(self) -> int:
@@ -181,6 +184,7 @@ def sm90_decode_config(
     align: int,
     max_tokens: int,
     scale,
+    merge_batched: bool = False,
 ) -> Sm90DecodeConfig | None:
     """The Hopper tile's config, or None where its shapes do not fit it (the portable tile
     runs): a 16-bit cache, head dim a multiple of 64 up to 256, a power-of-two page of 8 to 256
@@ -203,6 +207,7 @@ def sm90_decode_config(
         max_tokens,
         scale * math.log2(math.e),
         dtype,
+        merge_batched and kvs.batched_merge_fits(group, head_dim, splits, CONSUMER_THREADS),
     )
     if align % cfg.slice_tokens or cfg.boxes > WARP_SIZE:
         return None
@@ -540,9 +545,32 @@ def compute(
             cute.recast_ptr(epi + cfg.off_last, dtype=Int32), cute.make_layout(1)
         )
         if kvs.claim_merge(mCnt, b, h, cfg.kv_heads, ranges, ctid, _consumer_sync, sLast):
-            kvs.merge_ranges(
-                mPO, mPML, mOut, b, h, g_n, d, cfg.splits, ranges, ctid, CONSUMER_THREADS
-            )
+            if cutlass.const_expr(cfg.merge_batched):
+                # the per-range factors in the partial outputs' buffer: every consumer has
+                # read it (claim_merge's barrier)
+                gs = g_n * cfg.splits
+                sF = cute.make_tensor(epi + cfg.off_o, cute.make_layout(gs))
+                sL = cute.make_tensor(epi + cfg.off_o + gs, cute.make_layout(gs))
+                kvs.merge_ranges_batched(
+                    mPO,
+                    mPML,
+                    mOut,
+                    b,
+                    h,
+                    g_n,
+                    d,
+                    cfg.splits,
+                    ranges,
+                    ctid,
+                    CONSUMER_THREADS,
+                    sF,
+                    sL,
+                    _consumer_sync,
+                )
+            else:
+                kvs.merge_ranges(
+                    mPO, mPML, mOut, b, h, g_n, d, cfg.splits, ranges, ctid, CONSUMER_THREADS
+                )
     return count + n
 
 

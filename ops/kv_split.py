@@ -174,3 +174,104 @@ def merge_ranges(
                 acc = acc + os[s] * f
                 tot = tot + ls[s] * f
             mOut[b, hq * head_dim + dim] = (acc / tot).to(mOut.element_type)
+
+
+MERGE_CHUNK = 8
+"""Ranges whose partials :func:`merge_ranges_batched` has in flight at once (4 registers a
+range: 8 keep a decoder layer's kernel at its spills without the merge)."""
+
+
+def batched_merge_fits(group: int, head_dim: int, splits: int, nthreads: int) -> bool:
+    """Whether :func:`merge_ranges_batched` takes these shapes: ``splits`` a power of two of at
+    most a warp (a head's ranges reduce over aligned lanes by shuffles), whole 16-byte vectors
+    of a partial row."""
+    ok = 1 <= splits <= 32 and splits & (splits - 1) == 0 and nthreads % 32 == 0
+    ok = ok and splits % min(splits, MERGE_CHUNK) == 0
+    return ok and head_dim % 4 == 0
+
+
+@cute.jit
+def merge_ranges_batched(
+    mPO,
+    mPML,
+    mOut,
+    b: Int32,
+    h: Int32,
+    group: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    splits: cutlass.Constexpr,
+    ranges: Int32,
+    tid,
+    nthreads: cutlass.Constexpr,
+    sF,
+    sL,
+    sync,
+):
+    """:func:`merge_ranges` with fewer and wider loads (the same result for finite partials). The one-pass merge takes one round trip per ``nthreads`` outputs, each thread
+    loading every range's (m, l) again with each output's 4-byte partials (48 loads an output
+    at 16 ranges); here (1) lane ``(g, s)`` loads range s's (m, l) of query head g once, the G
+    heads' maxima reduce over aligned lanes, and each range's factor ``exp2(m - max)`` (0 past
+    ``ranges``) and l go to shared memory ``sF`` / ``sL`` (``group * splits`` fp32 each);
+    ``sync`` (a barrier of the ``nthreads`` calling); (2) each thread loads four consecutive
+    dims of ``MERGE_CHUNK`` ranges at a time as 16-byte vectors (a range past the sequence's
+    clamped to its last, its factor 0: a finite partial adds a zero) and sums them in range
+    order."""
+    gs = group * splits
+    for k in cutlass.range_constexpr(-(-gs // nthreads)):
+        i = tid + k * nthreads
+        g = cute.min(i, gs - 1) // splits
+        s = i % splits
+        hq = h * group + g
+        m = Float32(-math.inf)
+        ml = mPML[b, hq, cute.min(s, ranges - 1), 0]
+        ll = mPML[b, hq, cute.min(s, ranges - 1), 1]
+        lv = Float32(0.0)
+        if s < ranges:
+            m = ml
+            lv = ll
+        mm = m
+        for j in cutlass.range_constexpr(int(math.log2(splits))):
+            mm = cute.arch.fmax(mm, cute.arch.shuffle_sync_bfly(mm, 1 << j))
+        if i < gs:
+            sF[i] = cute.math.exp2(m - mm, fastmath=True)  # 0 past the ranges
+            sL[i] = lv
+    sync()
+    nv = head_dim // 4  # 16-byte vectors of a partial row (the caller checks head_dim % 4)
+    vecs = group * nv
+    # part_o is contiguous (B, Hq, splits, D): static strides make every vector provably
+    # 16-byte aligned (the base is)
+    hq_all = mPO.shape[1]
+    po = cute.make_tensor(
+        mPO.iterator,
+        cute.make_layout(
+            (mPO.shape[0], hq_all, splits, nv, 4),
+            stride=(hq_all * splits * head_dim, splits * head_dim, head_dim, 4, 1),
+        ),
+    )
+    # runtime loops: a chunk of one output vector's partials in flight at a time (vector
+    # loads from one base), never more (the registers of a decoder layer's kernel)
+    chunk = min(splits, MERGE_CHUNK)
+    for k in cutlass.range(-(-vecs // nthreads), unroll=1):
+        v = tid + k * nthreads
+        vc = cute.min(v, vecs - 1)
+        g = vc // nv
+        hq = h * group + g
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        for c in cutlass.range(splits // chunk, unroll=1):
+            parts = []
+            for j in cutlass.range_constexpr(chunk):
+                pv = cute.make_rmem_tensor((4,), Float32)
+                s = cute.min(c * chunk + j, ranges - 1)
+                cute.autovec_copy(po[b, hq, s, vc % nv, None], pv)
+                parts.append(pv)
+            for j in cutlass.range_constexpr(chunk):
+                f = sF[g * splits + c * chunk + j]
+                for e in cutlass.range_constexpr(4):  # past the ranges: f = 0
+                    acc[e] = acc[e] + parts[j][e] * f
+        if v < vecs:
+            tot = Float32(0.0)
+            for s in cutlass.range_constexpr(splits):
+                tot = tot + sL[g * splits + s] * sF[g * splits + s]
+            for e in cutlass.range_constexpr(4):
+                mOut[b, hq * head_dim + (vc % nv) * 4 + e] = (acc[e] / tot).to(mOut.element_type)

@@ -6,6 +6,7 @@ checker on) and a compile of the kernel for sm_90a. GPU (``gpu``): the megakerne
 schedulers, NaN-poisoned outputs, bit-identical reruns."""
 
 import os
+import re
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -18,7 +19,7 @@ from cutemk.runtime import compile_offline
 from cutemk.ops.attention_decode import decode_attention_reference
 
 
-def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264):
+def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264, merge=False):
     g = mk.Graph("decode_attention")
     B = mk.sym("B", min=1, max=max_b)
     q = g.input("q", (B, hq, d), dtype)
@@ -26,7 +27,17 @@ def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264)
     v = g.input("v_cache", (k.spec.shape[0], page, hkv, d), dtype)
     pt = g.input("page_table", (B, max_pages), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
-    out = g.call(ops.attention_decode, q, k, v, pt, lens, target_tiles=target_tiles, align=align)[0]
+    out = g.call(
+        ops.attention_decode,
+        q,
+        k,
+        v,
+        pt,
+        lens,
+        target_tiles=target_tiles,
+        align=align,
+        merge_batched=merge,
+    )[0]
     g.output(out, "out")
     return g
 
@@ -136,6 +147,43 @@ def test_decode_attention_compiles_for_hopper(tmp_path):
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (32, 8), (16, 1)])
+def test_batched_merge_loads_a_batch_of_partials_at_once(tmp_path, hq, hkv):
+    """``merge_batched``: the last range reads each range's (m, l) once (a load per lane,
+    reduced by shuffles) and an output vector's partials of every range as 16-byte loads with
+    no branch between them (a chunk of ranges at a time), where the one-pass merge loads 4-byte
+    words, a range's (m, l) again for each output."""
+    from cutemk.ops.attention_decode_sm90 import CONSUMER_THREADS
+    from cutemk.ops.kv_split import MERGE_CHUNK
+
+    def v4_runs(graph, d):
+        compile_offline(graph, "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        body = ptx_file.read_text()
+        assert ".local" not in body
+        runs, run = [], 0
+        for line in body.splitlines():
+            line = line.strip()
+            if re.match(r"ld\.global\S*\.v4\.", line):
+                run += 1
+            elif line.startswith("@") or line.startswith("bra"):
+                runs.append(run)
+                run = 0
+        return max(runs + [run])
+
+    g = _graph(hq, hkv, 128, 16, 2048, 64, torch.bfloat16, max_b=64, merge=True)
+    cfg = g.nodes[0].op.sm90()
+    assert cfg is not None and cfg.merge_batched
+    (tmp_path / "batched").mkdir()
+    assert v4_runs(g, tmp_path / "batched") >= min(cfg.splits, MERGE_CHUNK)
+    # without the switch the op and its kernel are what they were
+    plain = _graph(hq, hkv, 128, 16, 2048, 64, torch.bfloat16, max_b=64)
+    assert not plain.nodes[0].op.sm90().merge_batched
+    (tmp_path / "plain").mkdir()
+    assert v4_runs(plain, tmp_path / "plain") < min(cfg.splits, MERGE_CHUNK)
+    assert CONSUMER_THREADS % 32 == 0
+
+
 @pytest.mark.parametrize(
     "hq,hkv,page,align,d",
     [(32, 4, 8, 64, 128), (16, 16, 64, 512, 128), (8, 1, 256, 256, 128), (32, 2, 16, 64, 128)]
@@ -215,6 +263,34 @@ def test_decode_attention_on_the_gpu(scheduler, align, early, epi, monkeypatch):
     + [(16, 4, 256, 32, 128), (12, 4, 128, 16, 64)],
 )
 def test_decode_attention_tile_shapes_on_the_gpu(hq, hkv, d, page, align):
+    _tile_shapes_on_the_gpu(hq, hkv, d, page, align)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (32, 8), (16, 1), (12, 4)])
+def test_batched_merge_on_the_gpu(hq, hkv):
+    """``merge_batched``: every case right against the fp32 reference and bit-identical to the
+    one-pass merge (same factors, same order of the sums)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    d, page, max_pages = 128, 16, 2048
+    one, two = (
+        _graph(hq, hkv, d, page, max_pages, 64, torch.bfloat16, max_b=16, merge=m).compile(
+            "cute", scheduler="static", watchdog=True, poison_outputs=True
+        )
+        for m in (False, True)
+    )
+    gen = torch.Generator().manual_seed(4)
+    for lens in ([1], [4096], [7, 129, 4097], [8192], [32768], [2000] * 16):
+        a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
+        out = two(**a)
+        ref = decode_attention_reference(**a)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (lens, err)
+        assert torch.equal(out, one(**a)), lens
+
+
+def _tile_shapes_on_the_gpu(hq, hkv, d, page, align):
     """The tensor-core tile's other shapes: G = 8, 16, 1 and 3 query heads a KV head, head
     dims 64 and 256, pages of 8 to 256 tokens, 128-token slices."""
     if not torch.cuda.is_available():

@@ -200,3 +200,32 @@ def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
     assert "wgmma.mma_async" in ptx
     # the gate/up tiles 48 columns wide: a warpgroup's half of them is one n24 wgmma
     assert "wgmma.mma_async.sync.aligned.m64n24k16" in ptx
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3-8b", "qwen3-30b-a3b"])
+def test_decode_layer_with_the_batched_merge_compiles_for_hopper(tmp_path, spill_stores, moe):
+    """``DecoderConfig.attention_merge_batched`` (decode attention's last range merging in two
+    steps): the Qwen3-8B layer (no spills) and the Qwen3-30B-A3B layer's 'slots' regime (no
+    more spill stores than the same kernel with the one-pass merge: it has some), static."""
+    from cutemk.layers import MoeConfig
+
+    def spills(merge: bool) -> int:
+        if moe:
+            cfg = replace(QWEN3_30B_DECODE, attention_merge_batched=merge)
+            block = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+            g = bare_decoder(cfg, block).regime_graph("slots", torch.bfloat16)
+        else:
+            cfg = replace(QWEN3_8B_DECODE, attention_merge_batched=merge)
+            g = decoder_layer_graph(mk.sym("B", max=16), cfg, torch.bfloat16)
+        (att,) = [n.op for n in g.nodes if n.op.name == "attention_decode"]
+        assert att.merge_batched == att.sm90().merge_batched == merge
+        d = tmp_path / str(merge)
+        d.mkdir()
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        return spill_stores(ptx_file)
+
+    if moe:
+        assert spills(True) <= spills(False)
+    else:
+        assert spills(True) == 0
