@@ -535,7 +535,8 @@ class DecoderConfig:
     attention_splits: int = kv_split.SPLITS
     attention_align: int = kv_split.ALIGN
     # decode attention's last range merges the ranges in two steps (the factors once per
-    # range through shared memory, then a batch of partials at once; same result bit for bit):
+    # range through shared memory, then a chunk of partials at once; the same result for
+    # finite partials, up to the sign of a zero; the split count a power of two up to 32):
     # off until timed against the one-pass merge on the GPU
     attention_merge_batched: bool = False
     # K ranges of the projections (see ``linear``): None picks them per GEMM, 1 never splits

@@ -186,7 +186,6 @@ def batched_merge_fits(group: int, head_dim: int, splits: int, nthreads: int) ->
     most a warp (a head's ranges reduce over aligned lanes by shuffles), whole 16-byte vectors
     of a partial row."""
     ok = 1 <= splits <= 32 and splits & (splits - 1) == 0 and nthreads % 32 == 0
-    ok = ok and splits % min(splits, MERGE_CHUNK) == 0
     return ok and head_dim % 4 == 0
 
 
@@ -238,8 +237,8 @@ def merge_ranges_batched(
     sync()
     nv = head_dim // 4  # 16-byte vectors of a partial row (the caller checks head_dim % 4)
     vecs = group * nv
-    # part_o is contiguous (B, Hq, splits, D): static strides make every vector provably
-    # 16-byte aligned (the base is)
+    # part_o is contiguous (B, Hq, splits, D) (live launches keep the allocated strides):
+    # strides that are multiples of head_dim make every vector provably 16-byte aligned
     hq_all = mPO.shape[1]
     po = cute.make_tensor(
         mPO.iterator,
@@ -249,29 +248,29 @@ def merge_ranges_batched(
         ),
     )
     # runtime loops: a chunk of one output vector's partials in flight at a time (vector
-    # loads from one base), never more (the registers of a decoder layer's kernel)
+    # loads from one base), never more (the registers of a decoder layer's kernel); only the
+    # chunks the sequence's ranges reach (a range past them, clamped to its last, adds f = 0)
     chunk = min(splits, MERGE_CHUNK)
     for k in cutlass.range(-(-vecs // nthreads), unroll=1):
         v = tid + k * nthreads
-        vc = cute.min(v, vecs - 1)
-        g = vc // nv
-        hq = h * group + g
-        acc = cute.make_rmem_tensor((4,), Float32)
-        acc.fill(0.0)
-        for c in cutlass.range(splits // chunk, unroll=1):
-            parts = []
-            for j in cutlass.range_constexpr(chunk):
-                pv = cute.make_rmem_tensor((4,), Float32)
-                s = cute.min(c * chunk + j, ranges - 1)
-                cute.autovec_copy(po[b, hq, s, vc % nv, None], pv)
-                parts.append(pv)
-            for j in cutlass.range_constexpr(chunk):
-                f = sF[g * splits + c * chunk + j]
-                for e in cutlass.range_constexpr(4):  # past the ranges: f = 0
-                    acc[e] = acc[e] + parts[j][e] * f
         if v < vecs:
+            g = v // nv
+            hq = h * group + g
+            acc = cute.make_rmem_tensor((4,), Float32)
+            acc.fill(0.0)
+            for c in cutlass.range((ranges + chunk - 1) // chunk, unroll=1):
+                parts = []
+                for j in cutlass.range_constexpr(chunk):
+                    pv = cute.make_rmem_tensor((4,), Float32)
+                    s = cute.min(c * chunk + j, ranges - 1)
+                    cute.autovec_copy(po[b, hq, s, v % nv, None], pv)
+                    parts.append(pv)
+                for j in cutlass.range_constexpr(chunk):
+                    f = sF[g * splits + c * chunk + j]
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = acc[e] + parts[j][e] * f
             tot = Float32(0.0)
             for s in cutlass.range_constexpr(splits):
                 tot = tot + sL[g * splits + s] * sF[g * splits + s]
             for e in cutlass.range_constexpr(4):
-                mOut[b, hq * head_dim + (vc % nv) * 4 + e] = (acc[e] / tot).to(mOut.element_type)
+                mOut[b, hq * head_dim + (v % nv) * 4 + e] = (acc[e] / tot).to(mOut.element_type)

@@ -153,7 +153,6 @@ def test_batched_merge_loads_a_batch_of_partials_at_once(tmp_path, hq, hkv):
     reduced by shuffles) and an output vector's partials of every range as 16-byte loads with
     no branch between them (a chunk of ranges at a time), where the one-pass merge loads 4-byte
     words, a range's (m, l) again for each output."""
-    from cutemk.ops.attention_decode_sm90 import CONSUMER_THREADS
     from cutemk.ops.kv_split import MERGE_CHUNK
 
     def v4_runs(graph, d):
@@ -166,7 +165,7 @@ def test_batched_merge_loads_a_batch_of_partials_at_once(tmp_path, hq, hkv):
             line = line.strip()
             if re.match(r"ld\.global\S*\.v4\.", line):
                 run += 1
-            elif line.startswith("@") or line.startswith("bra"):
+            elif re.match(r"(@\S+\s+)?bra\b", line):
                 runs.append(run)
                 run = 0
         return max(runs + [run])
@@ -181,7 +180,6 @@ def test_batched_merge_loads_a_batch_of_partials_at_once(tmp_path, hq, hkv):
     assert not plain.nodes[0].op.sm90().merge_batched
     (tmp_path / "plain").mkdir()
     assert v4_runs(plain, tmp_path / "plain") < min(cfg.splits, MERGE_CHUNK)
-    assert CONSUMER_THREADS % 32 == 0
 
 
 @pytest.mark.parametrize(
@@ -195,6 +193,17 @@ def test_decode_attention_hopper_tile_shapes_compile(tmp_path, hq, hkv, page, al
     g = _graph(hq, hkv, d, page, 4096 // page, align, torch.bfloat16)
     assert g.nodes[0].op.ring_tile() is not None
     compile_offline(g, "dynamic", options=f"--keep-ptx --dump-dir={tmp_path}")
+
+
+def test_batched_merge_refuses_splits_it_cannot_reduce():
+    """``merge_batched`` with a split count that is not a power of two is refused when the op
+    is built (the merge would otherwise fall back to the one-pass one unseen)."""
+    from dataclasses import replace
+
+    op = _graph(32, 4, 128, 16, 2048, 64, torch.bfloat16).nodes[0].op
+    replace(op, splits=12)  # a split count the one-pass merge takes
+    with pytest.raises(ValueError, match="merge_batched needs splits a power of two"):
+        replace(op, splits=12, merge_batched=True)
 
 
 def test_hopper_tile_config():
@@ -280,6 +289,7 @@ def test_batched_merge_on_the_gpu(hq, hkv):
         )
         for m in (False, True)
     )
+    assert two.graph.nodes[0].op.sm90().merge_batched  # not the one-pass merge twice
     gen = torch.Generator().manual_seed(4)
     for lens in ([1], [4096], [7, 129, 4097], [8192], [32768], [2000] * 16):
         a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
