@@ -175,8 +175,8 @@ def timeline_png(records: Sequence[dict[str, Any]], path: str | Path, title: str
 
 def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per node, in order of first start: tasks run, SMs used, first start and last end (us
-    since the launch's first task) and the median task duration (us): where a launch's time
-    goes, read off one profiled run. With the phases: the first and last time one of its
+    since the launch's first task), the median task duration and the longest task (us, and
+    its label): where a launch's time goes, read off one profiled run. With the phases: the first and last time one of its
     tasks was ready (events met), the median of each of a task's ``GAPS``, and the task that
     ended last (``last_task``, its SM and its gaps: what the node's tail is made of)."""
     t0 = min((r["start_ns"] for r in records), default=0)
@@ -194,6 +194,10 @@ def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "last_end_us": round((max(r["end_ns"] for r in rs) - t0) / 1e3, 2),
             "median_task_us": round(durs[len(durs) // 2] / 1e3, 2),
         }
+        # a straggler shows beside the median (e.g. the attention range that merges the others)
+        longest = max(rs, key=lambda r: r["end_ns"] - r["start_ns"])
+        row["longest_task_us"] = round((longest["end_ns"] - longest["start_ns"]) / 1e3, 2)
+        row["longest_task"] = longest["label"]
         ready = [r["ready_ns"] for r in rs if r.get("ready_ns") is not None]
         if ready:  # the phases (records of a kernel that stamps them)
             row["first_ready_us"] = round((min(ready) - t0) / 1e3, 2)

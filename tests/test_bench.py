@@ -212,6 +212,8 @@ def test_node_summary_splits_a_task_into_its_phases(tmp_path):
     assert (g["median_first_slice_us"], g["median_stream_us"]) == (2.0, 6.0)
     assert "median_stream_us" not in rows["s"] and rows["s"]["median_wait_us"] == 1.0
     assert (g["last_task"], g["last_task_sm"]) == ("g[2]", 2)  # c ends last, at 13 us
+    # the longest task beside the median: a ends at 11 after starting at 2 (c runs 7)
+    assert (g["median_task_us"], g["longest_task_us"], g["longest_task"]) == (7.0, 9.0, "g[0]")
     assert g["last_task_gaps_us"] == {
         "slots_us": 0.0,
         "wait_us": 1.0,
