@@ -176,9 +176,10 @@ def timeline_png(records: Sequence[dict[str, Any]], path: str | Path, title: str
 def node_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per node, in order of first start: tasks run, SMs used, first start and last end (us
     since the launch's first task), the median task duration and the longest task (us, and
-    its label): where a launch's time goes, read off one profiled run. With the phases: the first and last time one of its
-    tasks was ready (events met), the median of each of a task's ``GAPS``, and the task that
-    ended last (``last_task``, its SM and its gaps: what the node's tail is made of)."""
+    its label): where a launch's time goes, read off one profiled run. With the phases: the
+    first and last time one of its tasks was ready (events met), the median of each of a
+    task's ``GAPS``, and the task that ended last (``last_task``, its SM and its gaps: what
+    the node's tail is made of)."""
     t0 = min((r["start_ns"] for r in records), default=0)
     by_node: dict[str, list[dict[str, Any]]] = {}
     for r in records:

@@ -128,9 +128,7 @@ class AttentionDecodeTile(TileOp):
         if not isinstance(self.page_table.shape[1], int):
             raise ShapeError("attention: the page table's width must be a static int")
         kvs.check_policy(self.splits, self.target_tiles, self.align, "attention")
-        if self.merge_batched and not kvs.batched_merge_fits(
-            self.group, self.q.shape[2], self.splits, 32
-        ):
+        if self.merge_batched and not kvs.batched_merge_fits(self.q.shape[2], self.splits):
             raise ValueError(
                 "attention merge_batched needs splits a power of two up to 32 and a head dim "
                 f"a multiple of 4, got splits={self.splits}, head dim {self.q.shape[2]}"

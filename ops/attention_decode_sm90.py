@@ -207,7 +207,7 @@ def sm90_decode_config(
         max_tokens,
         scale * math.log2(math.e),
         dtype,
-        merge_batched and kvs.batched_merge_fits(group, head_dim, splits, CONSUMER_THREADS),
+        merge_batched,  # shapes checked by the op (``kv_split.batched_merge_fits``)
     )
     if align % cfg.slice_tokens or cfg.boxes > WARP_SIZE:
         return None

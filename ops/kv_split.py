@@ -183,12 +183,11 @@ MERGE_CHUNK = 8
 range: 8 keep a decoder layer's kernel at its spills without the merge)."""
 
 
-def batched_merge_fits(group: int, head_dim: int, splits: int, nthreads: int) -> bool:
+def batched_merge_fits(head_dim: int, splits: int) -> bool:
     """Whether :func:`merge_ranges_batched` takes these shapes: ``splits`` a power of two of at
-    most a warp (a head's ranges reduce over aligned lanes by shuffles), whole 16-byte vectors
-    of a partial row."""
-    ok = 1 <= splits <= 32 and splits & (splits - 1) == 0 and nthreads % 32 == 0
-    return ok and head_dim % 4 == 0
+    most a warp (a head's ranges reduce over aligned lanes by shuffles; the caller's threads
+    are whole warps), whole 16-byte vectors of a partial row."""
+    return 1 <= splits <= 32 and splits & (splits - 1) == 0 and head_dim % 4 == 0
 
 
 @cute.jit
@@ -208,9 +207,10 @@ def merge_ranges_batched(
     sL,
     sync,
 ):
-    """:func:`merge_ranges` with fewer and wider loads (the same result for finite partials). The one-pass merge takes one round trip per ``nthreads`` outputs, each thread
-    loading every range's (m, l) again with each output's 4-byte partials (48 loads an output
-    at 16 ranges); here (1) lane ``(g, s)`` loads range s's (m, l) of query head g once, the G
+    """:func:`merge_ranges` with fewer and wider loads (the same result for finite partials).
+    The one-pass merge takes one round trip per ``nthreads`` outputs, each thread loading
+    every range's (m, l) again with each output's 4-byte partials (48 loads an output at 16
+    ranges); here (1) lane ``(g, s)`` loads range s's (m, l) of query head g once, the G
     heads' maxima reduce over aligned lanes, and each range's factor ``exp2(m - max)`` (0 past
     ``ranges``) and l go to shared memory ``sF`` / ``sL`` (``group * splits`` fp32 each);
     ``sync`` (a barrier of the ``nthreads`` calling); (2) each thread loads four consecutive
