@@ -114,6 +114,8 @@ def linear(
     reduce: bool = True,
     fuse_reduce: bool = False,
     l2_prefetch: bool = False,
+    out_norm=None,
+    out_norm_eps: float | None = None,
     name: str | None = None,
 ):
     """``x @ w^T`` with an optional epilogue (``silu_mul`` on a stacked [W_gate; W_up], or a
@@ -144,7 +146,16 @@ def linear(
     reduce node as above.
 
     ``l2_prefetch``: the GEMM tiles prefetch their weight slices into L2 before their events
-    (``ops.GemmTile.l2_prefetch``)."""
+    (``ops.GemmTile.l2_prefetch``).
+
+    ``out_norm`` (an RMSNorm weight value g (N,), with ``out_norm_eps``): returns ``(y, normed)``,
+    ``normed`` = RMSNorm(y) * g written by the split's reduce node (whole rows a tile: no norm
+    phase of its own), or None where there is no reduce node or it cannot take the norm (the
+    caller then adds the norm). The reduce node is kept for it (no ``fuse_reduce``)."""
+    if out_norm is not None:
+        if sumsq or not reduce:
+            raise GraphError(f"linear {name}: out_norm takes neither sumsq nor reduce=False")
+        fuse_reduce = False
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -197,7 +208,7 @@ def linear(
             name=name,
             **norm,
         )
-        return (y, None) if sumsq else y
+        return (y, None) if sumsq or out_norm is not None else y
     if fuse_reduce and reduce and norm_eps is None:
         fused = _fused_split(
             x, w, res, split_k, epilogue, block_m, split_block_n, sumsq, l2_prefetch
@@ -224,18 +235,23 @@ def linear(
     if norm_eps is not None:
         norm = (x,) if norm_sumsq is None else (norm_sumsq,)
         norm_width = None if norm_sumsq is None else k
-    return g.call(
-        ops.gemm_split_reduce,
-        part,
-        *norm,
-        *res,
-        epilogue=epilogue,
-        norm_eps=norm_eps,
-        norm_width=norm_width,
-        sumsq=sumsq,
-        out_dtype=x.spec.dtype,
-        name=reduce_name,
-    )
+    args = (part, *norm, *res)
+    kw = dict(epilogue=epilogue, norm_eps=norm_eps, norm_width=norm_width, out_dtype=x.spec.dtype)
+    if out_norm is not None:
+        try:  # whole rows a tile, a row at a time (see ops.gemm_split_reduce)
+            op = ops.gemm_split_reduce(
+                *(v.spec for v in args),
+                **kw,
+                block_m=1,
+                out_norm=out_norm.spec,
+                out_norm_eps=out_norm_eps,
+            )
+        except (ShapeError, ValueError, TypeError):
+            op = None
+        if op is not None:
+            return tuple(g.call(op, *args, out_norm, name=reduce_name))
+        return g.call(ops.gemm_split_reduce, *args, **kw, name=reduce_name), None
+    return g.call(ops.gemm_split_reduce, *args, **kw, sumsq=sumsq, name=reduce_name)
 
 
 def _fused_split(x, w, res, split_k, epilogue, block_m, block_n, sumsq=False, l2_prefetch=False):
@@ -565,6 +581,10 @@ class DecoderConfig:
     # few sequences; the slices the ring then loads come from L2 (to measure; off by default;
     # prefill graphs ignore it)
     o_proj_l2_prefetch: bool = False
+    # a decode step whose post-attention norm is not folded (the MoE block): the split o_proj's
+    # reduce node also writes the norm of the rows it stores (``linear(out_norm=...)``: whole
+    # rows a tile), so there is no mlp_norm phase and no hand-over to it (to measure; off)
+    post_norm_in_reduce: bool = False
 
 
 def decoder_layer_graph(
@@ -716,6 +736,10 @@ def _decoder_layer(
         )[0]
     # + residual; folded, its split reduce also hands the MLP's norm h1's sums of squares
     fuse_reduce = cfg.fused_reduce and not prefill
+    # the MLP's norm of h1 written by o_proj's reduce node, where it has one
+    out_norm = {}
+    if cfg.post_norm_in_reduce and not fold_mlp and not prefill:
+        out_norm = {"out_norm": post_norm, "out_norm_eps": cfg.eps}
     o_proj = linear(
         g,
         o,
@@ -725,16 +749,24 @@ def _decoder_layer(
         sumsq=fold_mlp,
         fuse_reduce=fuse_reduce,
         l2_prefetch=cfg.o_proj_l2_prefetch and not prefill,
+        **out_norm,
         name="o_proj",
     )
-    h1, h1_ss = o_proj if fold_mlp else (o_proj, None)
+    h1, h1_ss, normed = o_proj, None, None
+    if fold_mlp:
+        h1, h1_ss = o_proj
+    elif out_norm:
+        h1, normed = o_proj
     if moe is None:
         w_gu = g.weight("w_gate_up", (2 * cfg.intermediate, h), dtype)
         w_down = g.weight("w_down", (h, cfg.intermediate), dtype)
     # folded: the gate/up reduce normalises h1's rows; otherwise a norm phase of its own
+    # (unless o_proj's reduce wrote it)
     h2, norm_eps = h1, cfg.eps
     if not fold_mlp:
-        h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
+        h2 = normed
+        if h2 is None:
+            h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
         norm_eps = None
     if moe is not None:
         y = g.call(ops.add, moe_block(g, h2, tokens, moe, dtype), h1, name="residual")

@@ -64,6 +64,9 @@ SLICE = gemm_sm90.BLOCK_K
 VEC = 4
 """fp32 partials a reduce thread moves per load (16 bytes)."""
 
+OUT_NORM_VECTORS = 4
+"""Most vectors of a row a thread of a reduce with ``out_norm`` holds (N <= 4096)."""
+
 
 @register_op
 @dataclass(frozen=True)
@@ -158,7 +161,12 @@ class SplitReduceTile(TileOp):
     rows, the sum of the squares of the values it stored (rounded, as the next GEMM reads
     them) to ``ss[row, j]`` (output ``ss``, (m, column blocks), fp32), and a reduce given that
     ``ss`` as ``x`` with ``norm_width`` = K sums a row's column blocks in order (deterministic)
-    instead of reading the K-wide row: one small load a row, no block reduction."""
+    instead of reading the K-wide row: one small load a row, no block reduction.
+
+    ``out_norm`` (a weight g (N,), with ``out_norm_eps``): the tile also writes ``y`` =
+    RMSNorm(C) * g, the norm of the values it stored (rounded), so a pre-norm block's norm of
+    the residual stream costs no phase of its own (a decoder layer's post-attention norm where
+    the MoE block reads it). A tile then holds whole rows (``block_n`` >= N)."""
 
     part: TensorSpec  # (split_k, m, n), or (split_k, m, 2n) with silu_mul; fp32
     r: Optional[TensorSpec] = None  # (m, n) with the residual epilogue
@@ -172,6 +180,8 @@ class SplitReduceTile(TileOp):
     # ``sumsq``, and this is K (the width the mean is over)
     norm_width: Optional[int] = None
     sumsq: bool = False  # also write ``ss``: each row's sum of squares of this tile's output
+    out_norm: Optional[TensorSpec] = None  # (n,): also write y = rmsnorm(C) * out_norm
+    out_norm_eps: Optional[float] = None
 
     name: ClassVar[str] = "gemm_split_reduce"
     uniform_cost: ClassVar[bool] = True
@@ -179,11 +189,18 @@ class SplitReduceTile(TileOp):
 
     @property
     def outputs(self) -> tuple[str, ...]:
+        if self.out_norm is not None:
+            return ("c", "y")
         return ("c", "ss") if self.sumsq else ("c",)
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return ("part",) + ("x",) * (self.x is not None) + ("r",) * (self.r is not None)
+        return (
+            ("part",)
+            + ("x",) * (self.x is not None)
+            + ("r",) * (self.r is not None)
+            + ("out_norm",) * (self.out_norm is not None)
+        )
 
     def __post_init__(self) -> None:
         expect_ndim(self.part, 3, "gemm_split_reduce part")
@@ -221,6 +238,37 @@ class SplitReduceTile(TileOp):
             if self.x is None or self.x.dtype != torch.float32:
                 raise TypeError("gemm_split_reduce: norm_width takes x as fp32 row sums of squares")
             expect_positive_int(self.norm_width, "gemm_split_reduce norm_width")
+        if (self.out_norm is None) != (self.out_norm_eps is None):
+            raise ValueError("gemm_split_reduce: out_norm and out_norm_eps go together")
+        if self.out_norm is not None:
+            self._check_out_norm()
+
+    def _check_out_norm(self) -> None:
+        """A tile of whole rows, each thread's vectors of a row in registers between its
+        stores of C and of y (at most ``OUT_NORM_VECTORS``)."""
+        n = self.n
+        if self.sumsq or self.epilogue == "silu_mul":
+            raise ValueError("gemm_split_reduce: out_norm takes neither sumsq nor silu_mul")
+        expect_ndim(self.out_norm, 1, "gemm_split_reduce out_norm")
+        if self.out_norm.dtype != self.out_dtype:
+            raise TypeError(
+                f"gemm_split_reduce out_norm must be {self.out_dtype}, got {self.out_norm.dtype}"
+            )
+        expect_same_dim(self.out_norm.shape[0], n, "gemm_split_reduce: out_norm vs N")
+        if not isinstance(n, int) or n % VEC:
+            raise ShapeError(f"gemm_split_reduce out_norm needs a static N, a multiple of {VEC}")
+        if self.block_n < n:
+            raise ShapeError(
+                f"gemm_split_reduce out_norm: a tile must hold whole rows (block_n {self.block_n}"
+                f" < N {n})"
+            )
+        if -(-n // (VEC * NUM_THREADS)) > OUT_NORM_VECTORS:
+            raise ShapeError(
+                f"gemm_split_reduce out_norm: N={n} is more than {OUT_NORM_VECTORS} vectors a "
+                "thread"
+            )
+        if not self.out_norm_eps > 0:
+            raise ValueError(f"gemm_split_reduce out_norm_eps must be > 0, got {self.out_norm_eps}")
 
     def check_producers(self, producers) -> None:
         src = producers.get("part")
@@ -268,6 +316,8 @@ class SplitReduceTile(TileOp):
         specs = {"c": TensorSpec((self.m, self.n), self.out_dtype)}
         if self.sumsq:
             specs["ss"] = TensorSpec((self.m, cdiv(self.n, self.block_n)), torch.float32)
+        if self.out_norm is not None:
+            specs["y"] = TensorSpec((self.m, self.n), self.out_dtype)
         return specs
 
     def grid(self):
@@ -288,6 +338,8 @@ class SplitReduceTile(TileOp):
             r["r"] = (rows, cols)
         if self.x is not None:
             r["x"] = (rows, (0, self.x.shape[1]))
+        if self.out_norm is not None:
+            r["out_norm"] = ((0, n),)
         return r
 
     def writes(self, coord, env, data=None):
@@ -295,6 +347,8 @@ class SplitReduceTile(TileOp):
         w = {"c": (rows, cols)}
         if self.sumsq:
             w["ss"] = (rows, (coord[1], coord[1] + 1))
+        if self.out_norm is not None:
+            w["y"] = (rows, cols)
         return w
 
     def region_arrays(self, which, env, coords):
@@ -307,12 +361,16 @@ class SplitReduceTile(TileOp):
             w = {"c": boxes(rows, cols)}
             if self.sumsq:
                 w["ss"] = boxes(rows, np.stack([coords[:, 1], coords[:, 1] + 1], axis=1))
+            if self.out_norm is not None:
+                w["y"] = boxes(rows, cols)
             return w
         r = {"part": boxes(span(0, self.splits, len(coords)), rows, cols)}
         if self.r is not None:
             r["r"] = boxes(rows, cols)
         if self.x is not None:
             r["x"] = boxes(rows, span(0, self.x.shape[1], len(coords)))
+        if self.out_norm is not None:
+            r["out_norm"] = boxes(span(0, n, len(coords)))
         return r
 
     def cost(self, coord, env):
@@ -328,6 +386,8 @@ class SplitReduceTile(TileOp):
         )
         if self.x is not None:
             nbytes += rows * self.x.shape[1] * self.x.dtype.itemsize
+        if self.out_norm is not None:  # y's rows; its block sum a barrier, no round trip
+            nbytes += elems * self.out_dtype.itemsize
         # the norm's row: a round trip before the partials' (its sums of squares load with them)
         trips = rows * (2 if self.x is not None and self.norm_width is None else 1)
         stream = tile_time_us(elems * self.splits * nb, nbytes, torch.float32)
@@ -352,11 +412,15 @@ class SplitReduceTile(TileOp):
         c = t["c"][r0:r1, c0:c1] = v.to(t["c"].dtype)
         if self.sumsq:
             t["ss"][r0:r1, coord[1]] = c.float().pow(2).sum(-1)
+        if self.out_norm is not None:  # ``ops.rmsnorm``'s reference on the stored rows
+            cf = c.float()
+            y = cf * (cf.pow(2).mean(dim=-1, keepdim=True) + self.out_norm_eps).rsqrt()
+            t["y"][r0:r1] = (y * t["out_norm"].float()).to(t["y"].dtype)
 
     def device_smem_bytes(self) -> int:
         # the warp sums of a row norm or of the rows' sums of squares
         block_sums = self.sumsq or (self.x is not None and self.norm_width is None)
-        return 4 * NUM_WARPS if block_sums else 0
+        return 4 * NUM_WARPS if block_sums or self.out_norm is not None else 0
 
     @cute.jit
     def _row_rstd(self, mX, row: Int32, tidx: Int32, sSum) -> Float32:
@@ -406,12 +470,21 @@ class SplitReduceTile(TileOp):
         owns ``_vec`` consecutive columns of every row of the tile: it loads every range's
         partials of them at once (one round trip to memory), sums in fp32, applies the row's
         norm scale (with ``x``) and the epilogue, and stores; with ``sumsq`` the group then
-        adds up the squares of the row's stored values for ``ss``."""
-        n_in = len(self.inputs)
-        mP, mC, mSS = tensors[0], tensors[n_in], tensors[len(tensors) - 1]
+        adds up the squares of the row's stored values for ``ss``; with ``out_norm`` see
+        :meth:`_tile_with_out_norm`."""
         sSum = cute.make_tensor(
             cute.recast_ptr(smem_ptr, dtype=Float32), cute.make_layout((NUM_WARPS,))
         )
+        if cutlass.const_expr(self.out_norm is not None):
+            self._tile_with_out_norm(tensors, coord0, tidx, sSum)
+        else:
+            self._tile(tensors, coord0, coord1, tidx, sSum)
+
+    @cute.jit
+    def _tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, sSum):
+        """:meth:`device_tile` without ``out_norm``."""
+        n_in = len(self.inputs)
+        mP, mC, mSS = tensors[0], tensors[n_in], tensors[len(tensors) - 1]
         fused = self.epilogue == "silu_mul"
         vec, splits = self._vec, self.splits
         rows = mC.shape[0]
@@ -468,6 +541,90 @@ class SplitReduceTile(TileOp):
                     if tidx == 0:
                         mSS[row, coord1] = tot
 
+    @cute.jit
+    def _row_scale(self, tensors, row: Int32, tidx: Int32, sSum) -> Float32:
+        """The folded input norm's scale of ``row`` (1 without one); ``row`` must be live (the
+        block sum's barriers)."""
+        scale = Float32(1.0)
+        if cutlass.const_expr(self.norm_width is not None):
+            scale = self._row_rstd_of_sums(tensors[1], row)
+        elif cutlass.const_expr(self.x is not None):
+            scale = self._row_rstd(tensors[1], row, tidx, sSum)
+        return scale
+
+    @cute.jit
+    def _tile_with_out_norm(self, tensors, coord0: Int32, tidx: Int32, sSum):
+        """Whole rows of C and of y = rmsnorm(C) * g (``out_norm``); ``tensors`` = (mPart,
+        [mX,] [mR,] mG, mC, mY). Row by row: a thread loads every range's partials of its
+        vectors of the row (clamped indices: all loads unconditional, one round trip), with the
+        residual's and g's; sums and stores C keeping its vectors in registers; the group adds
+        up the squares of the stored values (``ops.rmsnorm``'s arithmetic: rsqrt(ss / N +
+        eps), then times g); then y is stored."""
+        n_in = len(self.inputs)
+        mP, mG, mC, mY = tensors[0], tensors[n_in - 1], tensors[n_in], tensors[n_in + 1]
+        vec, splits, n = VEC, self.splits, self.n
+        nv = n // vec
+        per = -(-nv // NUM_THREADS)
+        whole = nv % NUM_THREADS == 0  # every thread's vectors exist: no store guards
+        rows = mC.shape[0]
+        p_split = cute.assume(mP.stride[0], divby=vec)
+        p4 = cute.make_tensor(
+            mP.iterator, cute.make_layout((splits, rows, nv, vec), stride=(p_split, n, vec, 1))
+        )
+        c3 = row_vectors(mC, rows, n, vec)
+        y3 = row_vectors(mY, rows, n, vec)
+        g2 = cute.make_tensor(mG.iterator, cute.make_layout((nv, vec), stride=(vec, 1)))
+        r3 = c3
+        if cutlass.const_expr(self.r is not None):
+            r3 = row_vectors(tensors[1 + (self.x is not None)], rows, n, vec)
+        inv_n = Float32(1.0) / Float32(n)
+        row0 = coord0 * self.block_m
+        for i in cutlass.range(self.block_m, unroll=1):
+            row = row0 + i
+            if row < rows:  # uniform over the group: the block sums' barriers are safe
+                scale = self._row_scale(tensors, row, tidx, sSum)
+                got = []
+                for j in cutlass.range_constexpr(per):
+                    cv = cute.min(tidx + j * NUM_THREADS, nv - 1)
+                    gs, _ = load_ranges(p4, splits, row, cv, vec)
+                    res = None
+                    if cutlass.const_expr(self.r is not None):
+                        res = cute.make_rmem_tensor((vec,), mC.element_type)
+                        cute.autovec_copy(r3[row, cv, None], res)
+                    gw = cute.make_rmem_tensor((vec,), mG.element_type)
+                    cute.autovec_copy(g2[cv, None], gw)
+                    got.append((gs, res, gw))
+                sq = Float32(0.0)
+                outs = []
+                for j in cutlass.range_constexpr(per):
+                    gs, res, _ = got[j]
+                    out = cute.make_rmem_tensor((vec,), mC.element_type)
+                    reduce_vector(gs, [], out, vec, scale=scale, res=res)
+                    outs.append(out)
+                    lv = tidx + j * NUM_THREADS
+                    if cutlass.const_expr(whole):
+                        sq = add_squares(out, vec, sq)
+                        cute.autovec_copy(out, c3[row, lv, None])
+                    else:
+                        if lv < nv:
+                            sq = add_squares(out, vec, sq)
+                            cute.autovec_copy(out, c3[row, lv, None])
+                tot = self._block_sum(sq, tidx, sSum)
+                rstd = cute.math.rsqrt(tot * inv_n + Float32(self.out_norm_eps))
+                for j in cutlass.range_constexpr(per):
+                    gw = got[j][2]
+                    yv = cute.make_rmem_tensor((vec,), mY.element_type)
+                    for e in cutlass.range_constexpr(vec):
+                        yv[e] = (outs[j][e].to(Float32) * rstd * gw[e].to(Float32)).to(
+                            mY.element_type
+                        )
+                    lv = tidx + j * NUM_THREADS
+                    if cutlass.const_expr(whole):
+                        cute.autovec_copy(yv, y3[row, lv, None])
+                    else:
+                        if lv < nv:
+                            cute.autovec_copy(yv, y3[row, lv, None])
+
 
 def gemm_partial(
     a: TensorSpec,
@@ -492,15 +649,18 @@ def gemm_split_reduce(
     norm_eps: Optional[float] = None,
     out_dtype: torch.dtype = torch.bfloat16,
     block_m: int = 2,
-    block_n: int = VEC * NUM_THREADS,
+    block_n: Optional[int] = None,
     norm_width: Optional[int] = None,
     sumsq: bool = False,
+    out_norm: Optional[TensorSpec] = None,
+    out_norm_eps: Optional[float] = None,
 ) -> SplitReduceTile:
     """``epilogue(part.sum(0) * row scale)`` in ``out_dtype``. ``operands``: ``x`` first where
     ``norm_eps`` is given (the row scale is its RMSNorm's; with ``norm_width``, x is the row
     sums of squares another reduce's ``sumsq`` wrote), then the residual ``r`` (which implies
     the residual epilogue). ``sumsq``: also return ``ss``, the rows' sums of squares of C in
-    column blocks of ``block_n``."""
+    column blocks of ``block_n``. ``out_norm`` (g (N,), with ``out_norm_eps``): also return
+    ``y`` = RMSNorm(C) * g; the tile then spans whole rows (``block_n`` defaults to N)."""
     if len(operands) > 1 + (norm_eps is not None):
         raise ValueError(
             f"gemm_split_reduce takes x (with norm_eps) and r, got {len(operands)} operands"
@@ -510,8 +670,22 @@ def gemm_split_reduce(
     r = operands.pop(0) if operands else None
     if r is not None and epilogue is None:
         epilogue = "residual"
+    if out_norm is not None and block_n is None:
+        n = part.shape[2]
+        block_n = n if isinstance(n, int) else VEC * NUM_THREADS
     return SplitReduceTile(
-        part, r, epilogue, out_dtype, block_m, block_n, x, norm_eps, norm_width, sumsq
+        part,
+        r,
+        epilogue,
+        out_dtype,
+        block_m,
+        block_n or VEC * NUM_THREADS,
+        x,
+        norm_eps,
+        norm_width,
+        sumsq,
+        out_norm,
+        out_norm_eps,
     )
 
 

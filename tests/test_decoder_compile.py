@@ -229,3 +229,27 @@ def test_decode_layer_with_the_batched_merge_compiles_for_hopper(tmp_path, spill
         assert spills(True) <= spills(False)
     else:
         assert spills(True) == 0
+
+
+@pytest.mark.parametrize("regime", ["slots", "gemv"])
+def test_moe_decode_layer_with_the_norm_in_o_proj_reduce_compiles_for_hopper(
+    tmp_path, spill_stores, regime
+):
+    """``DecoderConfig.post_norm_in_reduce``: the Qwen3-30B-A3B layer's decode regimes without
+    an mlp_norm phase (o_proj's reduce writes the normalised rows, 2048 columns a tile), static,
+    for sm_90a, with no more spill stores than the same kernel with the norm phase."""
+    from cutemk.layers import MoeConfig
+
+    def spills(on: bool) -> int:
+        cfg = replace(QWEN3_30B_DECODE, post_norm_in_reduce=on)
+        block = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+        g = bare_decoder(cfg, block).regime_graph(regime, torch.bfloat16)
+        names = {n.name for n in g.nodes}
+        assert ("mlp_norm" in names) != on, names
+        d = tmp_path / str(on)
+        d.mkdir()
+        compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        return spill_stores(ptx_file)
+
+    assert spills(True) <= spills(False)

@@ -341,6 +341,40 @@ def test_moe_decode_step_matches_hf_layer():
     torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_moe_decode_step_with_the_norm_in_o_proj_reduce(scheduler):
+    """``post_norm_in_reduce``: o_proj's split reduce also writes the MoE block's normalised
+    rows (whole rows a tile), so the step has no mlp_norm phase; it matches HF's layer."""
+    pytest.importorskip("transformers")
+    from cutemk.layers import MoeConfig
+
+    e, k, inter = 8, 2, 32
+    cfg = replace(CFG_SPLIT, fold_norms=False, post_norm_in_reduce=True)
+    layer, rotary = hf_moe_layer(cfg, e, k, inter)
+    moe = MoeConfig(cfg.hidden, inter, e, k, block_m=16, block_n=32, router_dtype=None)
+    g = decoder_layer_graph(mk.sym("B", max=8), cfg, moe=moe)
+    assert "mlp_norm" not in {n.name for n in g.nodes}
+    red = next(n for n in g.nodes if n.name == "o_proj_sum")
+    assert red.op.out_norm is not None and red.op.block_n >= cfg.hidden and red.op.block_m == 1
+    router = next(n for n in g.nodes if n.name == "router")
+    assert router.args["a"].producer is red  # the router reads the reduce's normalised rows
+    c = g.compile("interpret", num_sms=8, scheduler=scheduler)
+    block = layer.mlp
+    w = attn_weights(layer, cfg)
+    w.update(
+        w_router=block.gate.weight.detach(),
+        w_gate_up=block.experts.gate_up_proj.detach(),
+        w_down=block.experts.down_proj.detach(),
+    )
+    gen = torch.Generator().manual_seed(6)
+    for lens in ([2], [9, 33, 1]):
+        inputs, want = step_case(layer, rotary, cfg, lens, gen)
+        torch.testing.assert_close(c(**inputs, **w), want, rtol=1e-4, atol=1e-4)
+    # prefill graphs keep the norm phase (their o_proj is not split)
+    pg = decoder_prefill_graph(mk.sym("T", max=64), mk.sym("B", max=4), cfg, moe=moe)
+    assert "mlp_norm" in {n.name for n in pg.nodes}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_mega_decoder_layer_prefill_on_the_gpu(scheduler):

@@ -670,3 +670,94 @@ def test_norm_width_needs_sums_of_squares_from_a_reduce():
     g.output(g.call(ops.gemm_split_reduce, part, ss, norm_eps=1e-6, norm_width=256), "y")
     with pytest.raises(GraphError, match="sumsq"):
         g.compile("interpret", num_sms=2)
+
+
+# -- the norm of the reduced rows (``out_norm``) ----------------------------------------------
+def out_norm_graph(k: int, n: int, dtype, max_t: int = 16):
+    """h = a @ w^T + r through a split projection whose reduce also writes y = rmsnorm(h) * g
+    (``linear(out_norm=...)``)."""
+    g = mk.Graph("out_norm")
+    t = mk.sym("T", max_t)
+    a = g.input("a", (t, k), dtype)
+    r = g.input("r", (t, n), dtype)
+    w = g.weight("w", (n, k), dtype)
+    gamma = g.weight("gamma", (n,), dtype)
+    h, y = linear(g, a, w, r, block_m=64, block_n=64, split_k=2, out_norm=gamma, out_norm_eps=1e-6)
+    assert y is not None
+    g.output(h, "h")
+    g.output(y, "y")
+    return g
+
+
+def out_norm_reference(h, gamma):
+    """``ops.rmsnorm``'s arithmetic on the stored rows h."""
+    hf = h.float()
+    return hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.float()
+
+
+def check_out_norm(run, k, n, dtype, gen, device, tol):
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype)
+    for t in (1, 3, 16):
+        a = torch.randn(t, k, generator=gen, device=device).to(dtype)
+        r = (3 * torch.randn(t, n, generator=gen, device=device)).to(dtype)
+        h, y = run(a, r, w, gamma)
+        want_h = proj_reference(a, w, r, "residual")
+        assert rel_err(h, want_h) < tol, f"T={t}: h"
+        # y against the norm of the h the kernel stored (its rounding is the reduce's)
+        assert rel_err(y, out_norm_reference(h, gamma)) < tol, f"T={t}: y"
+        assert not torch.isnan(y).any()
+
+
+def test_out_norm_refuses_what_it_cannot_hold():
+    part = TensorSpec((2, mk.sym("T", 8), 256), torch.float32)
+    r = TensorSpec((mk.sym("T", 8), 256), BF)
+    with pytest.raises(ShapeError, match="whole rows"):
+        ops.gemm_split_reduce(
+            part, r, block_n=128, out_norm=TensorSpec((256,), BF), out_norm_eps=1e-6
+        )
+    with pytest.raises(TypeError, match="out_norm must be"):
+        ops.gemm_split_reduce(
+            part, r, out_norm=TensorSpec((256,), torch.float32), out_norm_eps=1e-6
+        )
+    with pytest.raises(ValueError, match="go together"):
+        ops.gemm_split_reduce(part, r, out_norm=TensorSpec((256,), BF))
+    wide = TensorSpec((2, 4, 8192), torch.float32)
+    with pytest.raises(ShapeError, match="vectors a thread"):
+        ops.gemm_split_reduce(wide, out_norm=TensorSpec((8192,), BF), out_norm_eps=1e-6)
+    op = ops.gemm_split_reduce(part, r, out_norm=TensorSpec((256,), BF), out_norm_eps=1e-6)
+    assert op.block_n == 256 and op.outputs == ("c", "y")
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("n", [320, 2048])
+def test_out_norm_on_the_interpreter(scheduler, n):
+    """h and its norm from one reduce node: 320 columns (80 vectors: most threads hold none),
+    2048 (two vectors a thread); the norm matches ``ops.rmsnorm``'s reference on h."""
+    g = out_norm_graph(256, n, torch.float32)
+    assert [nd.op.name for nd in g.nodes] == ["gemm_partial", "gemm_split_reduce"]
+    c = g.compile("interpret", num_sms=5, scheduler=scheduler)
+    check_out_norm(c, 256, n, torch.float32, torch.Generator().manual_seed(3), "cpu", 1e-5)
+
+
+def test_out_norm_compiles_for_hopper(tmp_path):
+    """Both device forms compile for sm_90a: every thread's vectors live (2048 columns: no
+    store guards) and a ragged width (320), each with its block sum's warp shuffles."""
+    for n in (320, 2048):
+        d = tmp_path / str(n)
+        d.mkdir()
+        compile_offline(out_norm_graph(256, n, BF), "static", options=f"--keep-ptx --dump-dir={d}")
+        (ptx_file,) = d.glob("*.ptx")
+        ptx = ptx_file.read_text()
+        assert "shfl.sync.bfly" in ptx and "rsqrt" in ptx
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("n", [320, 2048])
+def test_out_norm_on_the_gpu(scheduler, n):
+    """The reduce with the norm on the GPU, bf16, outputs poisoned before each run."""
+    g = out_norm_graph(256, n, BF)
+    c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
+    check_out_norm(c, 256, n, BF, torch.Generator(device="cuda").manual_seed(4), "cuda", 1e-2)
