@@ -349,9 +349,11 @@ def moe_graph(tokens: Sym, cfg: MoeConfig, dtype: torch.dtype = torch.float32) -
     return g
 
 
-def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
+def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, residual=None):
     """The sparse MoE block of :func:`moe_graph` on value ``x`` (tokens, H) of graph ``g``
-    (its weights w_router, w_gate_up, w_down added as leaves); returns its output value."""
+    (its weights w_router, w_gate_up, w_down added as leaves); returns its output value, plus
+    ``residual`` (a value (tokens, H)) where given: the combine adds it (no add phase)."""
+    res = () if residual is None else (residual,)
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
     w_router = g.weight("w_router", (e, h), dtype)
     w_gu = g.weight("w_gate_up", (e, 2 * i, h), dtype)
@@ -391,7 +393,7 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
         **topk_args,
     )
     if cfg.slots:
-        return _slot_experts(g, x, tokens, cfg, weights, ids, w_gu, w_down)
+        return _slot_experts(g, x, tokens, cfg, weights, ids, w_gu, w_down, res)
     if cfg.route_chunk is None:
         tile_info, row_token, slot_row, _ = g.call(
             ops.moe_route, ids, num_experts=e, block_m=cfg.block_m
@@ -440,12 +442,13 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype):
     )
     # a few tokens a tile: the gather is latency bound, so spread it over many SMs
     return g.call(
-        ops.moe_combine, down, weights, slot_row, block_m=cfg.combine_block_m, block_n=512
+        ops.moe_combine, down, weights, slot_row, *res, block_m=cfg.combine_block_m, block_n=512
     )
 
 
-def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, w_down):
-    """The experts and the combine of :func:`moe_block` on the slot layout (``cfg.slots``)."""
+def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, w_down, res=()):
+    """The experts and the combine of :func:`moe_block` on the slot layout (``cfg.slots``),
+    ``res`` the residual added by the combine (or nothing)."""
     act = g.call(
         ops.moe_slot_gemm,
         x,
@@ -465,6 +468,7 @@ def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, 
             w_down,
             ids,
             weights,
+            *res,
             slot_input="slots",
             block_m=cfg.block_m,
             block_n=down_n,
@@ -486,6 +490,7 @@ def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, 
         down,
         weights,
         ids,
+        *res,
         block_m=cfg.combine_block_m,
         block_n=512,
         slot_block_m=cfg.block_m,
@@ -585,6 +590,10 @@ class DecoderConfig:
     # reduce node also writes the norm of the rows it stores (``linear(out_norm=...)``: whole
     # rows a tile), so there is no mlp_norm phase and no hand-over to it (to measure; off)
     post_norm_in_reduce: bool = False
+    # with a MoE block: its combine adds the residual (``moe_block(residual=...)``, the sum and
+    # the add rounded once), so the step has no add phase and no hand-over to it (to measure;
+    # off)
+    moe_residual_in_combine: bool = False
 
 
 def decoder_layer_graph(
@@ -769,7 +778,10 @@ def _decoder_layer(
             h2 = g.call(ops.rmsnorm, h1, post_norm, eps=cfg.eps, block_m=norm_rows, name="mlp_norm")
         norm_eps = None
     if moe is not None:
-        y = g.call(ops.add, moe_block(g, h2, tokens, moe, dtype), h1, name="residual")
+        if cfg.moe_residual_in_combine:
+            y = moe_block(g, h2, tokens, moe, dtype, residual=h1)
+        else:
+            y = g.call(ops.add, moe_block(g, h2, tokens, moe, dtype), h1, name="residual")
     else:
         act = linear(
             g,

@@ -108,11 +108,11 @@ class Sm90GemmConfig:
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
         (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, (A, B,
-        tile_info, C) when grouped, (A, B, ids, weights, y, part, counts) with the
+        tile_info, C) when grouped, (A, B, ids, weights, [R,] y, part, counts) with the
         combine, or (A, B, [R,] C, part, counts[, SS]) with the split's reduce in the
         tiles."""
         if self.combine_k:
-            return 7
+            return 7 + int(self.residual)
         if self.reduce:
             return 5 + int(self.reduce == "residual") + int(self.reduce_sumsq)
         return 3 + int(self.grouped) + int(self.residual) + int(self.norm_blocks > 0)
@@ -236,7 +236,7 @@ def sm90_config(
         return None
     if norm is not None and (split > 1 or grouped):
         return None
-    if combine_k and (not grouped or fused or residual or split > 1 or norm is not None):
+    if combine_k and (not grouped or fused or split > 1 or norm is not None):
         return None
     if reduce and (split < 2 or reduce not in ("sum", "silu_mul", "residual") or reduce_blocks < 1):
         return None
@@ -695,7 +695,7 @@ class HopperGemmOp:
             return ()
         c = tensors[len(tensors) - 1]
         if cfg.combine_k:
-            c = tensors[4]
+            c = tensors[4 + int(cfg.residual)]
         elif cfg.reduce:  # the partials: their width is B's rows
             c = tensors[cfg.part_index]
         return tma_args(cfg, tensors[0], tensors[1], c)

@@ -53,14 +53,24 @@ class MoeCombineTile(TileOp):
     block_n: int = 256
     slot_block_m: int = 0  # > 0: slot_row is the top-k's ids, rows in the slot layout
     num_experts: int = 0  # the slot layout's experts (ids outside [0, num_experts): no row)
+    r: TensorSpec | None = None  # (tokens, hidden): a residual added before the one rounding
 
     name: ClassVar[str] = "moe_combine"
     token_local: ClassVar[bool] = True
-    inputs: ClassVar[tuple[str, ...]] = ("rows", "weights", "slot_row")
     outputs: ClassVar[tuple[str, ...]] = ("y",)
     data_inputs: ClassVar[tuple[str, ...]] = ("slot_row",)
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("rows", "weights", "slot_row") + ("r",) * (self.r is not None)
+
     def __post_init__(self) -> None:
+        if self.r is not None:
+            expect_ndim(self.r, 2, "moe_combine r")
+            if self.r.dtype != self.rows.dtype:
+                raise TypeError(f"moe_combine r must be {self.rows.dtype}, got {self.r.dtype}")
+            expect_same_dim(self.r.shape[0], self.weights.shape[0], "moe_combine: r rows")
+            expect_same_dim(self.r.shape[1], self.rows.shape[1], "moe_combine: r columns")
         expect_ndim(self.rows, 2, "moe_combine rows")
         expect_ndim(self.weights, 2, "moe_combine weights")
         expect_ndim(self.slot_row, 2, "moe_combine slot_row")
@@ -126,6 +136,8 @@ class MoeCombineTile(TileOp):
             "slot_row": (tr, (0, k)),
             "rows": full_box(self.rows.concrete(env)),
         }
+        if self.r is not None:
+            r["r"] = (tr, hc)
         if data is not None and k:
             # the span of rows it gathers: all inside existing tiles, which are written whole
             rows = self._rows_of(data["slot_row"][tr[0] : tr[1]], tr[0]).reshape(-1)
@@ -150,11 +162,14 @@ class MoeCombineTile(TileOp):
         if which == "writes":
             return {"y": boxes(tr, blocks(coords[:, 1], self.block_n, h))}
         n_t = len(coords)
-        return {
+        r = {
             "weights": boxes(tr, span(0, k, n_t)),
             "slot_row": boxes(tr, span(0, k, n_t)),
             "rows": boxes(*(span(0, d, n_t) for d in self.rows.concrete(env))),
         }
+        if self.r is not None:
+            r["r"] = boxes(tr, blocks(coords[:, 1], self.block_n, h))
+        return r
 
     def cost(self, coord, env):
         _, k = self.weights.concrete(env)
@@ -171,6 +186,8 @@ class MoeCombineTile(TileOp):
         gathered = t["rows"][idx.clamp(min=0), c0:c1].float()  # (bt, k, bn)
         terms = gathered * t["weights"][t0:t1].unsqueeze(-1)
         y = torch.where((idx >= 0).unsqueeze(-1), terms, float("nan")).sum(dim=1)
+        if self.r is not None:
+            y = y + t["r"][t0:t1, c0:c1].float()
         t["y"][t0:t1, c0:c1] = y.to(t["y"].dtype)
 
     # -- device -----------------------------------------------------------------------------
@@ -191,7 +208,8 @@ class MoeCombineTile(TileOp):
         with no row (-1: top-k found no usable logit, or the id was out of range) makes the
         token's output NaN: bad routing data shows in that token, never silently.
         """
-        mRows, mWeights, mSlotRow, mY = tensors
+        mRows, mWeights, mSlotRow, mY = tensors[0], tensors[1], tensors[2], tensors[-1]
+        mR = tensors[3] if cutlass.const_expr(self.r is not None) else mY
         k = self.weights.shape[1]
         tokens = mY.shape[0]
         hidden = mY.shape[1]
@@ -220,11 +238,12 @@ class MoeCombineTile(TileOp):
             sW[tl, i - tl * k] = mWeights[t0 + tl, i - tl * k].to(Float32)
         simt_sync()
         if cutlass.const_expr(self._words()):
-            self._combine_words(mRows, sRow, sW, mY, t0, t_end, c0, width, tidx)
+            self._combine_words(mRows, sRow, sW, mR, mY, t0, t_end, c0, width, tidx)
         else:
             total = (t_end - t0) * width
             for base in range(0, total, NUM_THREADS * UNROLL):
                 got = []  # every load of the batch before any sum (see _combine_words)
+                res = []
                 for u in cutlass.range_constexpr(UNROLL):
                     idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
                     tok = t0 + idx // width
@@ -232,6 +251,8 @@ class MoeCombineTile(TileOp):
                     for j in cutlass.range_constexpr(k):
                         r = sRow[tok - t0, j]
                         got.append((r, tok, mRows[cute.max(r, 0), c]))
+                    if cutlass.const_expr(self.r is not None):
+                        res.append(mR[tok, c])
                 accs = []
                 for u in cutlass.range_constexpr(UNROLL):
                     acc = Float32(0.0)
@@ -242,6 +263,8 @@ class MoeCombineTile(TileOp):
                             acc = acc + v
                         else:
                             acc = Float32(float("nan"))
+                    if cutlass.const_expr(self.r is not None):
+                        acc = acc + res[u].to(Float32)
                     accs.append(acc)
                 for u in cutlass.range_constexpr(UNROLL):
                     idx = base + u * NUM_THREADS + tidx
@@ -260,10 +283,11 @@ class MoeCombineTile(TileOp):
         )
 
     @cute.jit
-    def _combine_words(self, mRows, sRow, sW, mY, t0, t_end, c0, width, tidx):
+    def _combine_words(self, mRows, sRow, sW, mR, mY, t0, t_end, c0, width, tidx):
         """The tile as 8-byte words (4 columns a word): ``UNROLL`` words a thread at a time,
-        k word loads each, all issued before their sums (slot rows and weights staged in
-        ``sRow`` / ``sW``, indexed by the tile's token)."""
+        k word loads each (and the residual's word, ``mR``, with ``r``), all issued before
+        their sums (slot rows and weights staged in ``sRow`` / ``sW``, indexed by the tile's
+        token)."""
         k = self.weights.shape[1]
         hidden = self.rows.shape[1]
         row_words = hidden // 4
@@ -274,6 +298,9 @@ class MoeCombineTile(TileOp):
         y4 = cute.make_tensor(
             mY.iterator, cute.make_layout((mY.shape[0], row_words, 4), stride=(hidden, 4, 1))
         )
+        r4 = cute.make_tensor(
+            mR.iterator, cute.make_layout((mR.shape[0], row_words, 4), stride=(hidden, 4, 1))
+        )
         w0 = c0 // 4
         words = width // 4
         total = (t_end - t0) * words
@@ -281,6 +308,7 @@ class MoeCombineTile(TileOp):
             # every load of the batch first (the slot rows from shared memory, then the
             # words), the sums after: no branch between two loads, so all are in flight
             got = []
+            res = []
             for u in cutlass.range_constexpr(UNROLL):
                 idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
                 tok = t0 + idx // words
@@ -290,6 +318,10 @@ class MoeCombineTile(TileOp):
                     vals = cute.make_rmem_tensor((4,), mRows.element_type)
                     cute.autovec_copy(rows4[cute.max(r, 0), cw, None], vals)
                     got.append((r, tok, vals))
+                if cutlass.const_expr(self.r is not None):
+                    rv = cute.make_rmem_tensor((4,), mR.element_type)
+                    cute.autovec_copy(r4[tok, cw, None], rv)
+                    res.append(rv)
             accs = []
             for u in cutlass.range_constexpr(UNROLL):
                 acc = cute.make_rmem_tensor((4,), Float32)
@@ -302,6 +334,9 @@ class MoeCombineTile(TileOp):
                             acc[q] = acc[q] + vals[q].to(Float32) * wt
                     else:
                         acc.fill(float("nan"))
+                if cutlass.const_expr(self.r is not None):
+                    for q in cutlass.range_constexpr(4):
+                        acc[q] = acc[q] + res[u][q].to(Float32)
                 accs.append(acc)
             for u in cutlass.range_constexpr(UNROLL):
                 idx = base + u * NUM_THREADS + tidx
@@ -316,6 +351,7 @@ def moe_combine(
     rows: TensorSpec,
     weights: TensorSpec,
     slot_row: TensorSpec,
+    r: TensorSpec | None = None,
     *,
     block_m: int = 16,
     block_n: int = 256,
@@ -323,5 +359,6 @@ def moe_combine(
     num_experts: int = 0,
 ) -> MoeCombineTile:
     """``slot_block_m`` > 0: ``slot_row`` is the top-k's ids and ``rows`` the slot layout of
-    ``ops.moe_slot_gemm`` (see the module doc)."""
-    return MoeCombineTile(rows, weights, slot_row, block_m, block_n, slot_block_m, num_experts)
+    ``ops.moe_slot_gemm`` (see the module doc). ``r`` (tokens, hidden): y = the combine + r,
+    added in fp32 before the one rounding (a decoder layer's residual add)."""
+    return MoeCombineTile(rows, weights, slot_row, block_m, block_n, slot_block_m, num_experts, r)

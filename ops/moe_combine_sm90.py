@@ -46,14 +46,16 @@ def combine_in_tile(
     the pick's weight goes from registers to ``part[t, j]`` (fp32); the consumers meet, thread 0
     counts the pick in ``counts[t, coord1]`` (an acq_rel add: it releases this row and acquires
     the other picks'), and the pick that brings the count to k puts it back to zero and writes
-    ``y[t]``'s columns as the k rows summed in pick order (a fixed order: bit-identical runs).
+    ``y[t]``'s columns as the k rows summed in pick order (a fixed order: bit-identical runs),
+    plus the residual's (``cfg.residual``: the op's tensor 4) before the one rounding.
     The storer's release after the consumers' barrier publishes ``y`` with the task's notify.
     The staging buffer is taken and given back as every ring tile does; its first word carries
     the verdict. ``sync``: the consumers' barrier of ``consumer_threads``; ``store_threads``:
     the staging buffer's barrier count (consumers and storer)."""
     epi_acquire(epi_free, store_threads)
     k = cfg.combine_k
-    mY, mPart, mCnt = tensors[4], tensors[5], tensors[6]
+    o = 4 + int(cfg.residual)  # the outputs follow the residual (T, N) where there is one
+    mY, mPart, mCnt = tensors[o], tensors[o + 1], tensors[o + 2]
     t = coord0 // k
     j = coord0 - t * k
     c0 = coord1 * cfg.bn
@@ -77,6 +79,14 @@ def combine_in_tile(
             mY.iterator,
             cute.make_layout((mY.shape[0], cols // vec, vec), stride=(y_row, vec, 1)),
         )
+        r4 = y4
+        if cutlass.const_expr(cfg.residual):
+            mR = tensors[4]
+            r_row = cute.assume(mR.stride[0], divby=vec)
+            r4 = cute.make_tensor(
+                mR.iterator,
+                cute.make_layout((mR.shape[0], cols // vec, vec), stride=(r_row, vec, 1)),
+            )
         for cv in range(ctid, cfg.bn // vec, consumer_threads):
             w = c0 // vec + cv
             if w < cols // vec:
@@ -85,10 +95,15 @@ def combine_in_tile(
                     v = cute.make_rmem_tensor((vec,), Float32)
                     cute.autovec_copy(p4[t, jj, w, None], v)
                     rows.append(v)
+                res = cute.make_rmem_tensor((vec,), mY.element_type)
+                if cutlass.const_expr(cfg.residual):
+                    cute.autovec_copy(r4[t, w, None], res)
                 out = cute.make_rmem_tensor((vec,), mY.element_type)
                 for e in cutlass.range_constexpr(vec):
                     s = rows[0][e]
                     for jj in cutlass.range_constexpr(1, k):
                         s = s + rows[jj][e]
+                    if cutlass.const_expr(cfg.residual):
+                        s = s + res[e].to(Float32)
                     out[e] = s.to(mY.element_type)
                 cute.autovec_copy(out, y4[t, w, None])

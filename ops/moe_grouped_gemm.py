@@ -79,6 +79,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     slot_input: Optional[str] = None  # None, or the slot layout's x: "tokens" or "slots"
     # the slot layout's down projection with the MoE combine fused: the top-k's weights (T, k)
     combine: Optional[TensorSpec] = None
+    # with the combine: a residual (T, N) added to y's rows as the last pick writes them
+    residual: Optional[TensorSpec] = None
 
     name: ClassVar[str] = "moe_grouped_gemm"
     token_local: ClassVar[bool] = True
@@ -149,6 +151,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             self._check_slots()
         if self.combine is not None:
             self._check_combine()
+        elif self.residual is not None:
+            raise GraphError("moe_grouped_gemm: a residual is added by the fused combine only")
 
     def _check_combine(self) -> None:
         if self.slot_input != "slots" or self.epilogue is not None:
@@ -166,6 +170,14 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
                 f"moe_grouped_gemm: the fused combine needs N and block_n multiples of 4, got "
                 f"{n} and {self.block_n}"
             )
+        if self.residual is not None:
+            expect_ndim(self.residual, 2, "moe_grouped_gemm residual")
+            if self.residual.dtype != self.x.dtype:
+                raise TypeError(
+                    f"moe_grouped_gemm residual must be {self.x.dtype}, got {self.residual.dtype}"
+                )
+            expect_same_dim(self.residual.shape[0], self.combine.shape[0], "residual: tokens")
+            expect_same_dim(self.residual.shape[1], n, "moe_grouped_gemm residual: columns vs N")
 
     def _check_slots(self) -> None:
         """The slot layout's extra rules (see the module doc)."""
@@ -247,7 +259,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     def inputs(self) -> tuple[str, ...]:
         base = ("x", "w", "tile_info")
         if self.combine is not None:
-            return base + ("combine",)
+            return base + ("combine",) + ("residual",) * (self.residual is not None)
         return base if self.row_token is None else base + ("row_token",)
 
     def output_specs(self):
@@ -280,6 +292,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         r = {"tile_info": info, "w": full_box(self.w.concrete(env))}
         if self.combine is not None:
             r["combine"] = info
+        if self.residual is not None:  # the token's columns, read by the pick that is last
+            r["residual"] = (info[0], block(j, self.block_n, self._ev(self.n, env)))
         if self.slot_input == "tokens":  # the first rows of x: every token
             r["x"] = full_box(self.x.concrete(env))
         elif self.row_token is None:
@@ -338,6 +352,9 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         r = {"tile_info": info, "w": boxes(*(span(0, d, n_t) for d in w))}
         if self.combine is not None:
             r["combine"] = info
+        if self.residual is not None:
+            cols = blocks(coords[:, 1], self.block_n, self._ev(self.n, env))
+            r["residual"] = boxes(np.stack([i // k, i // k + 1], axis=1), cols)
         if self.slot_input == "tokens":
             r["x"] = boxes(*(span(0, d, n_t) for d in self.x.concrete(env)))
         elif self.row_token is None:
@@ -404,6 +421,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             acc = rows[0].clone()
             for q in range(1, k):  # pick order, as the device sums
                 acc = acc + rows[q]
+            if self.residual is not None:
+                acc = acc + t["residual"][tok, c0:c1].float()
             t["y"][tok, c0:c1] = acc.to(t["y"].dtype)
 
     # -- device: the Hopper path (ring methods from gemm_sm90.HopperGemmOp) ----------------
@@ -426,6 +445,7 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
             grouped=True,
             a_one_box=self.slot_input == "tokens",
             combine_k=self._slots if self.combine is not None else 0,
+            residual=self.residual is not None,
         )
 
     # -- device: the portable path ---------------------------------------------------------
@@ -613,6 +633,7 @@ def moe_slot_gemm(
     w: TensorSpec,
     ids: TensorSpec,
     combine: Optional[TensorSpec] = None,
+    residual: Optional[TensorSpec] = None,
     *,
     slot_input: str = "tokens",
     block_m: int = 64,
@@ -626,7 +647,8 @@ def moe_slot_gemm(
 
     ``combine``: the top-k's weights (T, k) fp32, for the down projection with the MoE combine
     fused (Hopper tile only): the op's outputs are then ``(y, part, counts)``, y (T, N) the
-    block's output; use ``y``."""
+    block's output; use ``y``. ``residual`` (T, N), with ``combine``: y = the block's output +
+    residual, added in fp32 before the one rounding (a decoder layer's residual add)."""
     if expert_rows is None:
         expert_rows = upper(ids.shape[0])
     return MoeGroupedGemmTile(
@@ -640,4 +662,5 @@ def moe_slot_gemm(
         expert_rows,
         slot_input=slot_input,
         combine=combine,
+        residual=residual,
     )

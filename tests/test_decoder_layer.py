@@ -344,16 +344,20 @@ def test_moe_decode_step_matches_hf_layer():
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_moe_decode_step_with_the_norm_in_o_proj_reduce(scheduler):
     """``post_norm_in_reduce``: o_proj's split reduce also writes the MoE block's normalised
-    rows (whole rows a tile), so the step has no mlp_norm phase; it matches HF's layer."""
+    rows (whole rows a tile), so the step has no mlp_norm phase; ``moe_residual_in_combine``:
+    the combine adds the residual, so it has no add phase either. It matches HF's layer."""
     pytest.importorskip("transformers")
     from cutemk.layers import MoeConfig
 
     e, k, inter = 8, 2, 32
-    cfg = replace(CFG_SPLIT, fold_norms=False, post_norm_in_reduce=True)
+    cfg = replace(
+        CFG_SPLIT, fold_norms=False, post_norm_in_reduce=True, moe_residual_in_combine=True
+    )
     layer, rotary = hf_moe_layer(cfg, e, k, inter)
     moe = MoeConfig(cfg.hidden, inter, e, k, block_m=16, block_n=32, router_dtype=None)
     g = decoder_layer_graph(mk.sym("B", max=8), cfg, moe=moe)
-    assert "mlp_norm" not in {n.name for n in g.nodes}
+    assert not {"mlp_norm", "residual"} & {n.name for n in g.nodes}
+    assert "r" in next(n for n in g.nodes if n.op.name == "moe_combine").args
     red = next(n for n in g.nodes if n.name == "o_proj_sum")
     assert red.op.out_norm is not None and red.op.block_n >= cfg.hidden and red.op.block_m == 1
     router = next(n for n in g.nodes if n.name == "router")
@@ -373,6 +377,29 @@ def test_moe_decode_step_with_the_norm_in_o_proj_reduce(scheduler):
     # prefill graphs keep the norm phase (their o_proj is not split)
     pg = decoder_prefill_graph(mk.sym("T", max=64), mk.sym("B", max=4), cfg, moe=moe)
     assert "mlp_norm" in {n.name for n in pg.nodes}
+    # the module with both switches in every regime: the slots regime's combine in the down
+    # tiles adds the residual there
+    from cutemk.nn import MegaDecoderLayer
+
+    mega = MegaDecoderLayer.from_hf(
+        layer,
+        page_size=cfg.page_size,
+        max_pages=cfg.max_pages,
+        max_positions=256,
+        tiles=(16, 32),
+        max_batch=8,
+        max_prefill_tokens=96,
+        backend="interpret",
+        options={"post_norm_in_reduce": True, "moe_residual_in_combine": True, "split_k": 2},
+    )
+    for lens in ([7], [4, 12], [3, 9, 20]):  # slots, slots, gemv
+        inputs, want = step_case(layer, rotary, cfg, lens, gen)
+        torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
+    slots = mega.compiled("slots").graph
+    down = next(n for n in slots.nodes if n.name == "experts_down")
+    assert down.op.residual is not None and "residual" not in {n.name for n in slots.nodes}
+    inputs, want = case_inputs(layer, rotary, cfg, [(40, 40), (50, 21), (3, 1)], gen)
+    torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -405,12 +432,20 @@ def test_mega_decoder_layer_prefill_on_the_gpu(scheduler):
     assert err < 3e-2, err
 
 
+_MOE_ENDS = {  # the norm and the residual add as phases, or in o_proj's reduce and the combine
+    "phases": {},
+    "fused_ends": {"post_norm_in_reduce": True, "moe_residual_in_combine": True},
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("ends", list(_MOE_ENDS))
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-def test_mega_moe_decoder_layer_on_the_gpu(scheduler):
+def test_mega_moe_decoder_layer_on_the_gpu(scheduler, ends):
     """A Qwen3-MoE decoder layer's decode steps on the GPU (bf16) against HF's layer: one and
     two sequences run the 'slots' regime (the sparse block without a routing step), three the
-    'gemv' one."""
+    'gemv' one; ``fused_ends``: the MLP's norm written by o_proj's reduce, the residual added
+    by the combine (in the down tiles in 'slots')."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("transformers")
@@ -425,6 +460,7 @@ def test_mega_moe_decoder_layer_on_the_gpu(scheduler):
         max_positions=2048,
         max_batch=8,
         scheduler=scheduler,
+        options=_MOE_ENDS[ends],
     ).cuda()
     assert mega.regimes() == ("slots", "gemv")
     layer.float()
