@@ -24,7 +24,8 @@ node) to ``DIR/decoder_layer_records_B<b>.json`` for a per-SM look.
 ``--ab FIELD[=INT] ...``: one more column each, a static module with that ``DecoderConfig``
 field set (a switch alone: on; e.g. ``fused_qkv_tail=0``: the q/k/v tail in three phases in
 every regime, where ``MegaDecoderLayer`` fuses it up to 8 sequences; ``fused_append``:
-``qk_norm_rope`` appends, no ``kv_append``), timed in the same process. ``--set
+``qk_norm_rope`` appends, no ``kv_append``; ``A+B``: both fields in one module), timed in the
+same process. ``--set
 FIELD=VALUE``: change the layer's config for every module (the traced one too), for a
 separate-process A/B with a trace.
 
@@ -328,8 +329,8 @@ def main(argv=None) -> int:
         "--ab",
         nargs="*",
         default=[],
-        metavar="FIELD[=INT]",
-        help="also a static module with this DecoderConfig field set (a switch: on, or =0)",
+        metavar="FIELD[=INT][+FIELD...]",
+        help="also a static module with these DecoderConfig fields set (a switch: on, or =0)",
     )
     p.add_argument(
         "--set",
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
     if args.attention_align is not None:
         cfg = dataclasses.replace(cfg, attention_align=args.attention_align)
     cfg = dataclasses.replace(cfg, **_config_fields(p, cfg, args.set))
-    variants = {item: _config_fields(p, cfg, [item]) for item in args.ab}
+    variants = {item: _config_fields(p, cfg, item.split("+")) for item in args.ab}
     wm = dict(w)  # the megakernel's weights: the norms folded in, as MegaDecoderLayer.from_hf
     if cfg.fold_norms:
         wm = fold_decoder_norms(wm, moe=moe is not None)
