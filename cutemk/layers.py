@@ -150,12 +150,21 @@ def linear(
 
     ``out_norm`` (an RMSNorm weight value g (N,), with ``out_norm_eps``): returns ``(y, normed)``,
     ``normed`` = RMSNorm(y) * g written by the split's reduce node (whole rows a tile: no norm
-    phase of its own), or None where there is no reduce node or it cannot take the norm (the
-    caller then adds the norm). The reduce node is kept for it (no ``fuse_reduce``)."""
+    phase of its own; ``ops.out_norm_fits``), or None where there is no reduce node or it
+    cannot take the norm (the caller then adds the norm). Where it can, the reduce node is kept
+    for it (no ``fuse_reduce``)."""
+    pair = sumsq or out_norm is not None  # (y, ss) or (y, normed) comes back
     if out_norm is not None:
         if sumsq or not reduce:
             raise GraphError(f"linear {name}: out_norm takes neither sumsq nor reduce=False")
-        fuse_reduce = False
+        if out_norm_eps is None or not out_norm_eps > 0:
+            raise ValueError(f"linear {name}: out_norm needs out_norm_eps > 0")
+        if out_norm.spec.dtype != x.spec.dtype:
+            raise TypeError(f"linear {name}: out_norm must be {x.spec.dtype}")
+        if ops.out_norm_fits(w.spec.shape[0], x.spec.dtype, epilogue):
+            fuse_reduce = False
+        else:
+            out_norm = None  # the caller's norm phase: (y, None)
     if r is not None and epilogue is None:
         epilogue = "residual"
     m_max = upper(x.spec.shape[0])
@@ -208,14 +217,16 @@ def linear(
             name=name,
             **norm,
         )
-        return (y, None) if sumsq or out_norm is not None else y
+        return (y, None) if pair else y
     if fuse_reduce and reduce and norm_eps is None:
         fused = _fused_split(
             x, w, res, split_k, epilogue, block_m, split_block_n, sumsq, l2_prefetch
         )
         if fused is not None:
             out = g.call(fused, x, w, *res, name=name)
-            return (out[0], out[3]) if sumsq else out[0]
+            if pair:
+                return (out[0], out[3] if sumsq else None)
+            return out[0]
     part = g.call(
         ops.gemm_partial,
         x,
@@ -237,21 +248,14 @@ def linear(
         norm_width = None if norm_sumsq is None else k
     args = (part, *norm, *res)
     kw = dict(epilogue=epilogue, norm_eps=norm_eps, norm_width=norm_width, out_dtype=x.spec.dtype)
-    if out_norm is not None:
-        try:  # whole rows a tile, a row at a time (see ops.gemm_split_reduce)
-            op = ops.gemm_split_reduce(
-                *(v.spec for v in args),
-                **kw,
-                block_m=1,
-                out_norm=out_norm.spec,
-                out_norm_eps=out_norm_eps,
-            )
-        except (ShapeError, ValueError, TypeError):
-            op = None
-        if op is not None:
-            return tuple(g.call(op, *args, out_norm, name=reduce_name))
-        return g.call(ops.gemm_split_reduce, *args, **kw, name=reduce_name), None
-    return g.call(ops.gemm_split_reduce, *args, **kw, sumsq=sumsq, name=reduce_name)
+    if out_norm is not None:  # whole rows a tile, a row at a time (see ops.gemm_split_reduce)
+        kw.update(block_m=1, out_norm=out_norm.spec, out_norm_eps=out_norm_eps)
+        op = ops.gemm_split_reduce(*(v.spec for v in args), **kw)
+        return tuple(g.call(op, *args, out_norm, name=reduce_name))
+    y = g.call(ops.gemm_split_reduce, *args, **kw, sumsq=sumsq, name=reduce_name)
+    if pair and not sumsq:
+        return y, None
+    return y
 
 
 def _fused_split(x, w, res, split_k, epilogue, block_m, block_n, sumsq=False, l2_prefetch=False):
@@ -591,8 +595,8 @@ class DecoderConfig:
     # rows a tile), so there is no mlp_norm phase and no hand-over to it (to measure; off)
     post_norm_in_reduce: bool = False
     # with a MoE block: its combine adds the residual (``moe_block(residual=...)``, the sum and
-    # the add rounded once), so the step has no add phase and no hand-over to it (to measure;
-    # off)
+    # the add rounded once), so a decode or prefill step has no add phase and no hand-over to
+    # it (to measure; off)
     moe_residual_in_combine: bool = False
 
 

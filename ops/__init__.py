@@ -23,6 +23,7 @@ from .gemm_splitk import (
     wave_fit_width,
     gemm_partial,
     gemm_split_reduce,
+    out_norm_fits,
 )
 from .kv_append import KvAppendTile, kv_append
 from .kv_append_varlen import KvAppendVarlenTile, kv_append_varlen
@@ -64,6 +65,7 @@ __all__ = [
     "gemm_split",
     "SplitReduceTile",
     "gemm_split_reduce",
+    "out_norm_fits",
     "DECODE_GATE_UP_WIDTHS",
     "SPLIT_WIDTHS",
     "choose_split",

@@ -76,7 +76,9 @@ class Sm90GemmConfig:
     out_dtype: torch.dtype
     a_rows: int  # rows of A each slice loads: bm, or the most rows A can have when fewer
     grouped: bool = False  # B is (experts, n, k); the tile's expert is tile_info[coord0, 0]
-    residual: bool = False  # the epilogue adds R (m, n), the op's third tensor
+    # the epilogue adds R (m, n), the op's third tensor; with ``combine_k`` the combine adds
+    # R (T, n), the op's fifth
+    residual: bool = False
     # K splits (split-K): tile (coord0, coord1) is K range ``coord1 % split`` of column block
     # ``coord1 // split``, its fp32 partial written straight to part[split index] (no staging)
     split: int = 1

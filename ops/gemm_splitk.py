@@ -65,7 +65,21 @@ VEC = 4
 """fp32 partials a reduce thread moves per load (16 bytes)."""
 
 OUT_NORM_VECTORS = 4
-"""Most vectors of a row a thread of a reduce with ``out_norm`` holds (N <= 4096)."""
+"""Most vectors of a row a thread of a reduce with ``out_norm`` holds: N <= 4 * VEC *
+NUM_THREADS (2048 on the 128-thread SIMT group; every range's partials of them are loaded at
+once, split * 16 fp32 registers a vector)."""
+
+
+def out_norm_fits(n, dtype: torch.dtype, epilogue: Optional[str] = None) -> bool:
+    """Whether a reduce of N columns (``dtype`` out, ``epilogue``) can take ``out_norm``: a
+    static N of whole vectors, at most ``OUT_NORM_VECTORS`` a thread, no ``silu_mul``."""
+    return (
+        isinstance(n, int)
+        and n % VEC == 0
+        and -(-n // (VEC * NUM_THREADS)) <= OUT_NORM_VECTORS
+        and epilogue != "silu_mul"
+        and dtype in FLOAT_DTYPES
+    )
 
 
 @register_op
@@ -670,16 +684,16 @@ def gemm_split_reduce(
     r = operands.pop(0) if operands else None
     if r is not None and epilogue is None:
         epilogue = "residual"
-    if out_norm is not None and block_n is None:
+    if block_n is None:
         n = part.shape[2]
-        block_n = n if isinstance(n, int) else VEC * NUM_THREADS
+        block_n = n if out_norm is not None and isinstance(n, int) else VEC * NUM_THREADS
     return SplitReduceTile(
         part,
         r,
         epilogue,
         out_dtype,
         block_m,
-        block_n or VEC * NUM_THREADS,
+        block_n,
         x,
         norm_eps,
         norm_width,

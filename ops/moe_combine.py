@@ -65,12 +65,6 @@ class MoeCombineTile(TileOp):
         return ("rows", "weights", "slot_row") + ("r",) * (self.r is not None)
 
     def __post_init__(self) -> None:
-        if self.r is not None:
-            expect_ndim(self.r, 2, "moe_combine r")
-            if self.r.dtype != self.rows.dtype:
-                raise TypeError(f"moe_combine r must be {self.rows.dtype}, got {self.r.dtype}")
-            expect_same_dim(self.r.shape[0], self.weights.shape[0], "moe_combine: r rows")
-            expect_same_dim(self.r.shape[1], self.rows.shape[1], "moe_combine: r columns")
         expect_ndim(self.rows, 2, "moe_combine rows")
         expect_ndim(self.weights, 2, "moe_combine weights")
         expect_ndim(self.slot_row, 2, "moe_combine slot_row")
@@ -79,6 +73,12 @@ class MoeCombineTile(TileOp):
         expect_dtype(self.slot_row, (torch.int32,), "moe_combine slot_row")
         expect_same_dim(self.weights.shape[0], self.slot_row.shape[0], "moe_combine: tokens")
         expect_same_dim(self.weights.shape[1], self.slot_row.shape[1], "moe_combine: top-k")
+        if self.r is not None:
+            expect_ndim(self.r, 2, "moe_combine r")
+            if self.r.dtype != self.rows.dtype:
+                raise TypeError(f"moe_combine r must be {self.rows.dtype}, got {self.r.dtype}")
+            expect_same_dim(self.r.shape[0], self.weights.shape[0], "moe_combine: r rows")
+            expect_same_dim(self.r.shape[1], self.rows.shape[1], "moe_combine: r columns")
         for f in ("block_m", "block_n"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"moe_combine {f} must be a positive int")

@@ -722,9 +722,10 @@ def test_out_norm_refuses_what_it_cannot_hold():
         )
     with pytest.raises(ValueError, match="go together"):
         ops.gemm_split_reduce(part, r, out_norm=TensorSpec((256,), BF))
-    wide = TensorSpec((2, 4, 8192), torch.float32)
+    wide = TensorSpec((2, 4, 4096), torch.float32)
     with pytest.raises(ShapeError, match="vectors a thread"):
-        ops.gemm_split_reduce(wide, out_norm=TensorSpec((8192,), BF), out_norm_eps=1e-6)
+        ops.gemm_split_reduce(wide, out_norm=TensorSpec((4096,), BF), out_norm_eps=1e-6)
+    assert not ops.out_norm_fits(4096, BF) and ops.out_norm_fits(2048, BF)
     op = ops.gemm_split_reduce(part, r, out_norm=TensorSpec((256,), BF), out_norm_eps=1e-6)
     assert op.block_n == 256 and op.outputs == ("c", "y")
 
@@ -732,8 +733,9 @@ def test_out_norm_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("n", [320, 2048])
 def test_out_norm_on_the_interpreter(scheduler, n):
-    """h and its norm from one reduce node: 320 columns (80 vectors: most threads hold none),
-    2048 (two vectors a thread); the norm matches ``ops.rmsnorm``'s reference on h."""
+    """h and its norm from one reduce node: 320 columns (80 vectors: 48 of the 128 threads
+    hold none), 2048 (four vectors a thread, the most); the norm matches ``ops.rmsnorm``'s
+    reference on h."""
     g = out_norm_graph(256, n, torch.float32)
     assert [nd.op.name for nd in g.nodes] == ["gemm_partial", "gemm_split_reduce"]
     c = g.compile("interpret", num_sms=5, scheduler=scheduler)
@@ -761,3 +763,25 @@ def test_out_norm_on_the_gpu(scheduler, n):
     g = out_norm_graph(256, n, BF)
     c = g.compile("cute", scheduler=scheduler, watchdog=True, poison_outputs=True)
     check_out_norm(c, 256, n, BF, torch.Generator(device="cuda").manual_seed(4), "cuda", 1e-2)
+
+
+def test_linear_keeps_the_norm_phase_where_out_norm_does_not_fit():
+    """A reduce that cannot hold the norm (N past 2048 here) gives (y, None), its reduce as
+    asked (in the partial tiles where ``fuse_reduce`` and the Hopper tile allow), so the caller
+    adds the norm; bad eps or dtype are errors, not a quiet fallback."""
+    for n, fuse, want in ((4096, True, "gemm_split"), (4096, False, "gemm_split_reduce")):
+        g = mk.Graph("wide")
+        t = mk.sym("T", 16)
+        a, r = g.input("a", (t, 256), BF), g.input("r", (t, n), BF)
+        w, gamma = g.weight("w", (n, 256), BF), g.weight("gamma", (n,), BF)
+        kw = dict(block_m=64, block_n=64, split_k=2, fuse_reduce=fuse, out_norm=gamma)
+        h, y = linear(g, a, w, r, **kw, out_norm_eps=1e-6)
+        assert y is None and h.producer.op.name == want
+        with pytest.raises(ValueError, match="out_norm_eps"):
+            linear(g, a, w, r, **kw)
+    g = mk.Graph("narrow")
+    t = mk.sym("T", 16)
+    a, r = g.input("a", (t, 256), BF), g.input("r", (t, 512), BF)
+    w, gamma = g.weight("w", (512, 256), BF), g.weight("gamma", (512,), torch.float32)
+    with pytest.raises(TypeError, match="out_norm must be"):
+        linear(g, a, w, r, block_m=64, block_n=64, split_k=2, out_norm=gamma, out_norm_eps=1e-6)
