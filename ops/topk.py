@@ -20,6 +20,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP
+from cutemk.device.select import NO_KEY, key_value, ordered_key
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -33,6 +34,10 @@ from cutemk.tileop import (
     register_op,
     span,
 )
+
+
+NO_ID = 2**31 - 1
+"""A lane's id when it holds none of the warp's largest key (the min reduction's identity)."""
 
 
 @register_op
@@ -180,7 +185,9 @@ class TopkSoftmaxTile(TileOp):
         mLogits: (T, E) float, mWeights: (T, k) fp32, mIds: (T, k) int32. One warp per token
         row (rows strided by the SIMT group's warps): lane l holds experts l, l + 32, ... in
         registers (one coalesced load each); max and sum are butterfly reductions, and each of
-        the k picks is a butterfly arg-max over the lanes' best untaken (logit, -id) pairs.
+        the k picks is two warp reductions (``redux.sync``) over the lanes' best untaken
+        logits as order-preserving integer keys: the largest key, then the lowest id holding
+        it (a butterfly arg-max of (logit, id) pairs took five rounds of two shuffles).
         Selected on logits (softmax is monotone in them), so only equal logits tie, never two
         probabilities that rounding made equal; ties go to the lower expert id. NaN logits are
         never picked; a row with fewer than k non-NaN logits gets id -1 in the remaining slots
@@ -230,32 +237,40 @@ class TopkSoftmaxTile(TileOp):
                     denom = denom + cute.math.exp(vals[q] - vmax)
             for i in cutlass.range_constexpr(5):
                 denom = denom + cute.arch.shuffle_sync_bfly(denom, 1 << i)
+            # the candidates as order-preserving integer keys (``cutemk.device.select``):
+            # NaN, taken and absent experts hold NO_KEY, never picked
+            keys = cute.make_rmem_tensor((per_lane,), Int32)
+            for q in cutlass.range_constexpr(per_lane):
+                keys[q] = Int32(NO_KEY)
+                v = vals[q]
+                if taken[q] == 0 and v == v:  # NaN != NaN
+                    keys[q] = ordered_key(v)
             # pick j's weight and id stay with lane j; a runtime loop over the picks keeps the
-            # code small (cold straight-line code in a megakernel costs instruction misses)
+            # code small (cold straight-line code in a megakernel costs instruction misses).
+            # A pick is two warp reductions: the largest key, then the lowest id holding it
+            # (ties go to the lower id; a lane scans its ids upwards, so > keeps its lowest)
             my_w = Float32(0.0)
             my_id = Int32(-1)
             wsum = Float32(0.0)
             for j in cutlass.range(self.k, unroll=1):
-                best_v = Float32(-float("inf"))
-                best_e = Int32(-1)
+                best = Int32(NO_KEY)
+                best_e = Int32(NO_ID)
                 for q in cutlass.range_constexpr(per_lane):
-                    v = vals[q]
-                    # NaN != NaN: never a candidate; lanes scan ids upwards, so > keeps the lower
-                    if taken[q] == 0 and v == v and (best_e < 0 or v > best_v):
-                        best_v = v
+                    if keys[q] > best:
+                        best = keys[q]
                         best_e = lane + q * WARP
-                for i in cutlass.range_constexpr(5):
-                    ov = cute.arch.shuffle_sync_bfly(best_v, 1 << i)
-                    oe = cute.arch.shuffle_sync_bfly(best_e, 1 << i)
-                    if oe >= 0 and (best_e < 0 or ov > best_v or (ov == best_v and oe < best_e)):
-                        best_v = ov
-                        best_e = oe
+                top = cute.arch.warp_redux_sync(best, "max")
+                if best != top:
+                    best_e = Int32(NO_ID)
+                best_e = cute.arch.warp_redux_sync(best_e, "min")
                 for q in cutlass.range_constexpr(per_lane):
                     if best_e == lane + q * WARP:
-                        taken[q] = Int32(1)
+                        keys[q] = Int32(NO_KEY)
                 w = Float32(0.0)
-                if best_e >= 0:
-                    w = cute.math.exp(best_v - vmax) / denom
+                if top == Int32(NO_KEY):  # fewer than k usable logits: "no expert"
+                    best_e = Int32(-1)
+                else:
+                    w = cute.math.exp(key_value(top) - vmax) / denom
                 wsum = wsum + w
                 if lane == j:
                     my_w = w

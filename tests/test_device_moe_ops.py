@@ -129,6 +129,9 @@ def test_topk_softmax_compiles(tmp_path, dtype):
 def test_topk_softmax_over_partials_compiles(tmp_path):
     ptx = _compile_ptx(_topk_split(torch.bfloat16), tmp_path)
     assert _count(r"\bld\.global\.[bf]32\b", ptx) >= SPLITS  # every partial of a logit
+    # a pick: the largest key, then the lowest id holding it, one warp reduction each
+    assert _count(r"\bredux\.sync\.max\.s32\b", ptx) == 1
+    assert _count(r"\bredux\.sync\.min\.s32\b", ptx) == 1
     assert _count(r"\bcvt\.rn\.bf16\.f32\b", ptx) >= 1  # the sums rounded as bf16 logits
     assert _count(r"\bbar\.sync\b", ptx) == 0
 
