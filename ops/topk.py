@@ -19,8 +19,9 @@ import torch
 from cutlass import BFloat16, Float16, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP
-from cutemk.device.select import NO_KEY, key_value, ordered_key
+from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import WARP_SIZE as WARP
+from cutemk.device.select import warp_topk_softmax
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -34,10 +35,6 @@ from cutemk.tileop import (
     register_op,
     span,
 )
-
-
-NO_ID = 2**31 - 1
-"""A lane's id when it holds none of the warp's largest key (the min reduction's identity)."""
 
 
 @register_op
@@ -206,13 +203,8 @@ class TopkSoftmaxTile(TileOp):
         row_end = cute.min(row0 + self.block_m, tokens)
         for row in range(row0 + tidx // WARP, row_end, warps):
             vals = cute.make_rmem_tensor((per_lane,), Float32)
-            taken = cute.make_rmem_tensor((per_lane,), Int32)
             for q in cutlass.range_constexpr(per_lane):
-                vals[q] = Float32(-float("inf"))
-                taken[q] = Int32(1)  # lanes past E hold nothing to pick
-                if lane + q * WARP < num_experts:
-                    vals[q] = Float32(float("nan"))  # an absent row's: nothing is picked
-                    taken[q] = Int32(0)
+                vals[q] = Float32(float("nan"))  # an absent row's: nothing is picked
             if row < logit_rows:
                 # every logit of the lane (all split partials) loaded before any is used: one
                 # round trip to memory, not one a register (ids past E read expert E - 1)
@@ -226,58 +218,15 @@ class TopkSoftmaxTile(TileOp):
                     else:
                         if lane + q * WARP < num_experts:
                             vals[q] = got[q]
-            vmax = Float32(-float("inf"))
-            for q in cutlass.range_constexpr(per_lane):
-                vmax = cute.arch.fmax(vmax, vals[q])
-            for i in cutlass.range_constexpr(5):
-                vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, 1 << i))
-            denom = Float32(0.0)
-            for q in cutlass.range_constexpr(per_lane):
-                if lane + q * WARP < num_experts:
-                    denom = denom + cute.math.exp(vals[q] - vmax)
-            for i in cutlass.range_constexpr(5):
-                denom = denom + cute.arch.shuffle_sync_bfly(denom, 1 << i)
-            # the candidates as order-preserving integer keys (``cutemk.device.select``):
-            # NaN, taken and absent experts hold NO_KEY, never picked
-            keys = cute.make_rmem_tensor((per_lane,), Int32)
-            for q in cutlass.range_constexpr(per_lane):
-                keys[q] = Int32(NO_KEY)
-                v = vals[q]
-                if taken[q] == 0 and v == v:  # NaN != NaN
-                    keys[q] = ordered_key(v)
-            # pick j's weight and id stay with lane j; a runtime loop over the picks keeps the
-            # code small (cold straight-line code in a megakernel costs instruction misses).
-            # A pick is two warp reductions: the largest key, then the lowest id holding it
-            # (ties go to the lower id; a lane scans its ids upwards, so > keeps its lowest)
-            my_w = Float32(0.0)
-            my_id = Int32(-1)
-            wsum = Float32(0.0)
-            for j in cutlass.range(self.k, unroll=1):
-                best = Int32(NO_KEY)
-                best_e = Int32(NO_ID)
-                for q in cutlass.range_constexpr(per_lane):
-                    if keys[q] > best:
-                        best = keys[q]
-                        best_e = lane + q * WARP
-                top = cute.arch.warp_redux_sync(best, "max")
-                if best != top:
-                    best_e = Int32(NO_ID)
-                best_e = cute.arch.warp_redux_sync(best_e, "min")
-                for q in cutlass.range_constexpr(per_lane):
-                    if best_e == lane + q * WARP:
-                        keys[q] = Int32(NO_KEY)
-                w = Float32(0.0)
-                if top == Int32(NO_KEY):  # fewer than k usable logits: "no expert"
-                    best_e = Int32(-1)
-                else:
-                    w = cute.math.exp(key_value(top) - vmax) / denom
-                wsum = wsum + w
-                if lane == j:
-                    my_w = w
-                    my_id = best_e
+            valid = [
+                True if num_experts % WARP == 0 else lane + q * WARP < num_experts
+                for q in range(per_lane)
+            ]
+            ids = [lane + q * WARP for q in range(per_lane)]
+            my_w, my_id = warp_topk_softmax(
+                [vals[q] for q in range(per_lane)], ids, valid, self.k, self.renormalize
+            )
             if lane < self.k:
-                if cutlass.const_expr(self.renormalize):
-                    my_w = my_w / wsum
                 mIds[row, lane] = my_id.to(mIds.element_type)
                 mWeights[row, lane] = my_w.to(mWeights.element_type)
 
