@@ -27,7 +27,7 @@ against an fp32 reference on the same bf16 inputs (``cutemk.layers.moe_reference
 ``speedup_vs_torch_graph``. A megakernel error above 2e-2 is reported and makes the script
 exit non-zero after writing the results.
 
-Run: python benchmarks/moe.py [--tokens 1 16 128] [--quick]
+Run: python benchmarks/moe.py [--tokens 1 16 128] [--quick] [--trace] [--ab router_topk]
 """
 
 from __future__ import annotations
@@ -160,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-quack", action="store_true", help="leave out quack's grouped GEMMs")
     p.add_argument("--quack-tuned", action="store_true", help="let quack autotune each shape")
     add_trace_argument(p, "also: per case, the per-node summary")
+    p.add_argument(
+        "--ab",
+        nargs="*",
+        default=[],
+        metavar="OPTION",
+        help="also a static MegaMoE with this option on (MegaMoE options, e.g. router_topk): "
+        "a same-process A/B column mk_static_OPTION",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -200,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         f"mk_{s}": MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s)
         for s in ("static", "dynamic")
     }
+    for opt in args.ab:  # same-process A/Bs of MegaMoE's switches
+        megas[f"mk_static_{opt}"] = MegaMoE(
+            **w, top_k=TOP_K, max_tokens=MAX_TOKENS, options={opt: True}
+        )
     # first_call_s_*: the first call at a token count plans it, and the first call of a regime
     # also compiles its kernel (compiled() only builds the graph; the kernel compiles on launch)
     profiled = {}

@@ -57,6 +57,11 @@ class MoeConfig:
     # with ``slots``: the combine fused into the down projection's tiles (the last pick of a
     # token's column block sums the k weighted rows; no combine step). Hopper tile only
     fused_combine: bool = False
+    # with ``router_split`` > 1: the router's last partial tile of a row block sums the ranges
+    # and runs the top-k itself (``ops.gemm_split(topk=k)``: no top-k phase, no hand-over),
+    # where the Hopper tile runs it and the experts fill one 128-wide block; else the top-k
+    # phase (to measure; off)
+    router_topk: bool = False
 
 
 def _positive(**sizes: int) -> None:
@@ -365,7 +370,10 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
     router_n = cfg.router_block_n or min(e, ROUTER_BLOCK_N)
     logits_dtype = cfg.router_dtype or dtype
     topk_args = {}
-    if cfg.router_split == 1:
+    fused = _router_with_topk(x, w_router, cfg, logits_dtype)
+    if fused is not None:
+        _, _, _, weights, ids = g.call(fused, x, w_router, name="router")
+    elif cfg.router_split == 1:
         logits = g.call(
             ops.gemm,
             x,
@@ -388,14 +396,15 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
         topk_args = {"logits_dtype": None if logits_dtype == torch.float32 else logits_dtype}
     # a warp per token and a few tokens a tile: one token's picks are a ~2 us chain of shuffles,
     # so tokens go to many SMs rather than one after another through a warp
-    weights, ids = g.call(
-        ops.topk_softmax,
-        logits,
-        k=cfg.top_k,
-        renormalize=cfg.norm_topk_prob,
-        block_m=4,
-        **topk_args,
-    )
+    if fused is None:
+        weights, ids = g.call(
+            ops.topk_softmax,
+            logits,
+            k=cfg.top_k,
+            renormalize=cfg.norm_topk_prob,
+            block_m=4,
+            **topk_args,
+        )
     if cfg.slots:
         return _slot_experts(g, x, tokens, cfg, weights, ids, w_gu, w_down, res)
     if cfg.route_chunk is None:
@@ -448,6 +457,29 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
     return g.call(
         ops.moe_combine, down, weights, slot_row, *res, block_m=cfg.combine_block_m, block_n=512
     )
+
+
+def _router_with_topk(x, w_router, cfg: MoeConfig, logits_dtype: torch.dtype):
+    """The router op whose last partial tile of a row block also runs the top-k
+    (``ops.gemm_split(topk=...)``, ``MoeConfig.router_topk``), or None where it does not apply
+    (the switch off, an unsplit router, experts that are not one 128-wide block, a GEMM the
+    Hopper tile does not run)."""
+    if not cfg.router_topk or cfg.router_split < 2:
+        return None
+    try:
+        op = ops.gemm_split(
+            x.spec,
+            w_router.spec,
+            split_k=cfg.router_split,
+            block_m=cfg.block_m,
+            block_n=cfg.num_experts,
+            out_dtype=logits_dtype,
+            topk=cfg.top_k,
+            topk_renormalize=cfg.norm_topk_prob,
+        )
+    except (ShapeError, ValueError, TypeError):
+        return None
+    return op if op.sm90() is not None else None
 
 
 def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, w_down, res=()):
@@ -598,6 +630,9 @@ class DecoderConfig:
     # the add rounded once), so a decode or prefill step has no add phase and no hand-over to
     # it (to measure; off)
     moe_residual_in_combine: bool = False
+    # with a MoE block: the router's last partial tile runs the top-k (``MoeConfig.router_topk``
+    # over the tiles MegaDecoderLayer takes from MegaMoE's regimes; to measure; off)
+    moe_router_topk: bool = False
 
 
 def decoder_layer_graph(

@@ -333,14 +333,15 @@ def moe_regime_graph(
     max_tokens: int,
     backend: str = "cute",
     num_sms: int | None = None,
+    options: dict | None = None,
 ) -> Graph:
     """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :func:`moe_tiles` for
-    ``num_sms`` SMs, routing on logits in ``dtype``), for at most ``max_tokens`` tokens; no
-    weights needed."""
+    ``num_sms`` SMs, routing on logits in ``dtype``, ``options``: :class:`MoeConfig` fields
+    over them), for at most ``max_tokens`` tokens; no weights needed."""
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
     sizes = {"intermediate": intermediate, "top_k": top_k, "num_sms": num_sms}
-    tiles = moe_tiles(regime, hidden, backend, dtype, **sizes)
+    tiles = {**moe_tiles(regime, hidden, backend, dtype, **sizes), **(options or {})}
     cfg = MoeConfig(
         hidden,
         intermediate,

@@ -105,18 +105,24 @@ class Sm90GemmConfig:
     # values, one per SS_WIDTH columns, to ``ss`` (the next GEMM's folded norm, ``ops.gemm``'s
     # norm_ss)
     reduce_sumsq: bool = False
+    # with ``reduce`` "sum" over one 128-column output block (a MoE router's logits): the
+    # reducing tile also runs the top-k softmax of each row it reduced (k picks, ``weights``
+    # and ``ids`` after the counters), a warp a row (``ops.gemm_split``'s ``topk``)
+    reduce_topk: int = 0
+    reduce_renorm: bool = False
 
     @property
     def extra0(self) -> int:
         """Index of the first host argument (TMA atoms) in the op's tensors: after (A, B, C),
         (A, B, R, C) with a residual, (A, B, [R,] SS, C) with the row norm, (A, B,
         tile_info, C) when grouped, (A, B, ids, weights, [R,] y, part, counts) with the
-        combine, or (A, B, [R,] C, part, counts[, SS]) with the split's reduce in the
-        tiles."""
+        combine, or (A, B, [R,] C, part, counts[, SS][, weights, ids]) with the split's
+        reduce in the tiles."""
         if self.combine_k:
             return 7 + int(self.residual)
         if self.reduce:
-            return 5 + int(self.reduce == "residual") + int(self.reduce_sumsq)
+            n = 5 + int(self.reduce == "residual") + int(self.reduce_sumsq)
+            return n + 2 * int(self.reduce_topk > 0)
         return 3 + int(self.grouped) + int(self.residual) + int(self.norm_blocks > 0)
 
     @property
@@ -194,6 +200,8 @@ def sm90_config(
     reduce: str = "",
     reduce_blocks: int = 0,
     reduce_sumsq: bool = False,
+    reduce_topk: int = 0,
+    reduce_renorm: bool = False,
 ) -> Sm90GemmConfig | None:
     """The Hopper tile for these parameters, or None where the wgmma path does not apply
     (fp32 inputs, a block shape wgmma does not tile, or a K / N whose rows TMA cannot address).
@@ -215,8 +223,9 @@ def sm90_config(
     ``combine_k``: the slot layout's top-k, with the MoE combine fused into the tile (grouped,
     no epilogue, see ``ops.moe_grouped_gemm``).
 
-    ``reduce`` / ``reduce_blocks`` / ``reduce_sumsq``: a split-K tile whose group's last tile
-    reduces the partials (see :class:`Sm90GemmConfig` and ``ops.gemm_split``)."""
+    ``reduce`` / ``reduce_blocks`` / ``reduce_sumsq`` / ``reduce_topk`` / ``reduce_renorm``: a
+    split-K tile whose group's last tile reduces the partials (see :class:`Sm90GemmConfig` and
+    ``ops.gemm_split``)."""
     if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in _CUTE_DTYPES:
         return None
     n_b = 2 if fused else 1
@@ -245,6 +254,9 @@ def sm90_config(
     # the sums of squares: a warp's vectors are one SS_WIDTH-wide column group of one row
     if reduce_sumsq and (not reduce or reduce == "silu_mul" or block_n % SS_WIDTH):
         return None
+    # the top-k: one output block of SS_WIDTH columns, a warp's 4-column vectors one row
+    if reduce_topk and (reduce != "sum" or reduce_sumsq or block_n != SS_WIDTH or n != block_n):
+        return None
     # a power of two >= 8: the swizzled A layout of other row counts (e.g. 40) aborts the
     # compiler
     a_rows = block_m
@@ -271,6 +283,8 @@ def sm90_config(
         reduce,
         reduce_blocks,
         reduce_sumsq,
+        reduce_topk,
+        bool(reduce_renorm),
     )
 
 

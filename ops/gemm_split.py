@@ -29,12 +29,17 @@ from cutemk.tileop import (
     boxes,
     expect_positive_int,
     register_op,
+    span,
 )
 
 from . import gemm_sm90
 from .gemm import GemmTile
 from .gemm_splitk import SLICE, VEC, GemmPartialTile
 from .split_reduce import SS_WIDTH
+from .topk import topk_reference
+
+TOPK_EXPERTS = SS_WIDTH
+"""Experts of a router whose last tile runs the top-k: one warp's 4-column vectors (128)."""
 
 
 SPLIT_EPILOGUES = ("silu_mul", "residual", None)
@@ -62,17 +67,26 @@ class GemmSplitTile(GemmPartialTile):
     reducing tile also writes each row's sum of the squares of the values it stored (rounded,
     as the next GEMM reads them) per 128 columns to ``ss`` (m, ceil(N / 128)) fp32, the fourth
     output: what :class:`SplitReduceTile`'s ``sumsq`` hands a folded norm (``ops.gemm``'s
-    ``norm_ss``, a reduce's ``norm_width``), in narrower column blocks."""
+    ``norm_ss``, a reduce's ``norm_width``), in narrower column blocks.
+
+    ``topk`` = k > 0 (a MoE router: C the logits (m, E) of E = 128 experts, one output block,
+    no epilogue): the reducing tile also runs each row's top-k softmax on the logits it stored
+    (rounded to C's dtype, as ``ops.topk_softmax`` does with ``logits_dtype``; ties to the
+    lower id, NaN never picked), a warp a row, into ``weights`` (m, k) fp32 and ``ids`` (m, k)
+    int32, the outputs after ``counts``; ``topk_renormalize`` as the top-k's
+    ``renormalize``. The top-k then has no phase of its own and no hand-over from the router."""
 
     sumsq: bool = False
+    topk: int = 0
+    topk_renormalize: bool = True
 
     name: ClassVar[str] = "gemm_split"
-    scatter_outputs: ClassVar[tuple[str, ...]] = ("c", "ss")
+    scatter_outputs: ClassVar[tuple[str, ...]] = ("c", "ss", "weights", "ids")
     zeroed_outputs: ClassVar[tuple[str, ...]] = ("counts",)
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return ("c", "part", "counts") + ("ss",) * self.sumsq
+        return ("c", "part", "counts") + ("ss",) * self.sumsq + ("weights", "ids") * (self.topk > 0)
 
     def __post_init__(self) -> None:
         GemmTile.__post_init__(self)
@@ -106,6 +120,16 @@ class GemmSplitTile(GemmPartialTile):
                 f"gemm_split sumsq: not with silu_mul, and block_n={self.block_n} a multiple of "
                 f"{SS_WIDTH} (a warp's columns make one sum of squares)"
             )
+        if self.topk:
+            expect_positive_int(self.topk, "gemm_split topk")
+            if self.epilogue is not None or self.sumsq:
+                raise ValueError("gemm_split topk: no epilogue and no sumsq (C is the logits)")
+            if not n_out == self.block_n == TOPK_EXPERTS or self.topk > min(n_out, 32):
+                raise ShapeError(
+                    f"gemm_split topk: {TOPK_EXPERTS} experts in one block (block_n = N = "
+                    f"{TOPK_EXPERTS}: a warp holds a row) and k <= 32, got N={n_out}, "
+                    f"block_n={self.block_n}, k={self.topk}"
+                )
 
     @property
     def n(self) -> IntLike:
@@ -134,6 +158,14 @@ class GemmSplitTile(GemmPartialTile):
             # sized for the most rows (static: a live token count binds only T's dims)
             "counts": TensorSpec((-(-upper(self.m) // self.block_m), self.out_blocks), torch.int32),
             **({"ss": TensorSpec((self.m, self.ss_cols), torch.float32)} if self.sumsq else {}),
+            **(
+                {
+                    "weights": TensorSpec((self.m, self.topk), torch.float32),
+                    "ids": TensorSpec((self.m, self.topk), torch.int32),
+                }
+                if self.topk
+                else {}
+            ),
         }
 
     @property
@@ -188,6 +220,9 @@ class GemmSplitTile(GemmPartialTile):
             w["c"] = self._c_box(coord, env)
             if self.sumsq:
                 w["ss"] = self._ss_box(coord, env)
+            if self.topk:
+                rows, _ = self._c_box(coord, env)
+                w["weights"] = w["ids"] = (rows, (0, self.topk))
         return w
 
     def region_arrays(self, which, env, coords):
@@ -200,6 +235,8 @@ class GemmSplitTile(GemmPartialTile):
             arrays["c" if which == "writes" else "r"] = box
             if which == "writes" and self.sumsq:
                 arrays["ss"] = boxes(rows, blocks(jj, self.block_n // SS_WIDTH, self.ss_cols))
+            if which == "writes" and self.topk:
+                arrays["weights"] = arrays["ids"] = boxes(rows, span(0, self.topk, len(coords)))
         return arrays
 
     def reference(self, coord, env, t):
@@ -231,6 +268,9 @@ class GemmSplitTile(GemmPartialTile):
             for lo in range(0, c1 - c0, SS_WIDTH):
                 col = (c0 + lo) // SS_WIDTH
                 t["ss"][r0:r1, col] = sq[:, lo : lo + SS_WIDTH].sum(-1)
+        if self.topk:  # on the logits as stored
+            w, ids = topk_reference(t["c"][r0:r1].float(), self.topk, self.topk_renormalize)
+            t["weights"][r0:r1], t["ids"][r0:r1] = w, ids
 
     def sm90(self) -> Optional[gemm_sm90.Sm90GemmConfig]:
         if target_arch() != "sm_90a":
@@ -248,6 +288,8 @@ class GemmSplitTile(GemmPartialTile):
             reduce={None: "sum"}.get(self.epilogue, self.epilogue),
             reduce_blocks=self.out_blocks,
             reduce_sumsq=self.sumsq,
+            reduce_topk=self.topk,
+            reduce_renorm=self.topk_renormalize,
         )
 
     @cute.jit
@@ -269,11 +311,13 @@ def gemm_split(
     block_n: int = 256,
     sumsq: bool = False,
     l2_prefetch: bool = False,
+    topk: int = 0,
+    topk_renormalize: bool = True,
 ) -> GemmSplitTile:
     """``epilogue(a @ b^T)`` split along K into ``split_k`` ranges, the last partial tile of
     each output block reducing it (:class:`GemmSplitTile`); ``operands``: the residual ``r``
     (which implies the residual epilogue). Outputs ``(c, part, counts)``, then ``ss`` with
-    ``sumsq``. ``l2_prefetch``: see ``GemmTile``."""
+    ``sumsq``, ``(weights, ids)`` with ``topk``. ``l2_prefetch``: see ``GemmTile``."""
     if len(operands) > 1:
         raise ValueError(f"gemm_split takes one operand (r), got {len(operands)}")
     r = operands[0] if operands else None
@@ -290,4 +334,6 @@ def gemm_split(
         split_k=split_k,
         sumsq=sumsq,
         l2_prefetch=l2_prefetch,
+        topk=topk,
+        topk_renormalize=topk_renormalize,
     )

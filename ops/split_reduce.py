@@ -14,6 +14,7 @@ import cutlass
 from cutlass import Float32, Int32, cute
 
 from cutemk.device.config import WARP_SIZE
+from cutemk.device.select import warp_topk_softmax
 from cutemk.device.sync import claim_last
 
 REDUCE_VEC = 4
@@ -90,12 +91,19 @@ def reduce_last_tile(
     partial and acquires the others') sums the ``split`` ranges of its rows and columns in range
     order (:func:`reduce_vector`: the reduce step's bits) and applies the epilogue, 4 columns a
     thread, every consumer thread taking (row, 4 columns) vectors in turn; with
-    ``reduce_sumsq`` each warp also sums its row's squares (one ``SS_WIDTH`` group) into SS.
+    ``reduce_sumsq`` each warp also sums its row's squares (one ``SS_WIDTH`` group) into SS;
+    with ``reduce_topk`` (one block of ``SS_WIDTH`` columns: a warp's vectors are a whole
+    row, lane l holding columns 4l .. 4l + 3) each warp then runs the row's top-k softmax on
+    the values it stored (``cutemk.device.select.warp_topk_softmax``, ``ops.topk_softmax``'s
+    arithmetic) into ``weights`` and ``ids``.
     The storer's release after the consumers' barrier publishes C with the task's notify; the
     staging buffer's first word carries the verdict."""
     n_r = int(cfg.reduce == "residual")
     mC, mP, mCnt = tensors[2 + n_r], tensors[3 + n_r], tensors[4 + n_r]
     mSS = tensors[5 + n_r] if cfg.reduce_sumsq else None
+    n_ss = int(cfg.reduce_sumsq)
+    mW = tensors[5 + n_r + n_ss] if cfg.reduce_topk else None
+    mIds = tensors[6 + n_r + n_ss] if cfg.reduce_topk else None
     silu = cfg.reduce == "silu_mul"
     split = cfg.split
     jj = coord1 // split
@@ -139,13 +147,13 @@ def reduce_last_tile(
             r = r0 + q // tile_v
             cv = v0 + q % tile_v
             sq = Float32(0.0)
+            out = cute.make_rmem_tensor((vec,), mC.element_type)
             if cv < nv:
                 gs, us = load_ranges(p4, split, r, cv, vec, nv if silu else None)
                 res = None
                 if cutlass.const_expr(n_r):
                     res = cute.make_rmem_tensor((vec,), mC.element_type)
                     cute.autovec_copy(r3[r, cv, None], res)
-                out = cute.make_rmem_tensor((vec,), mC.element_type)
                 reduce_vector(gs, us, out, vec, res=res)
                 if cutlass.const_expr(cfg.reduce_sumsq):
                     sq = add_squares(out, vec, sq)
@@ -156,3 +164,11 @@ def reduce_last_tile(
                 if lane == 0:
                     if first < nv:
                         mSS[r, first // WARP_SIZE] = tot
+            if cutlass.const_expr(cfg.reduce_topk):  # the warp's row, as stored (rounded)
+                vals = [out[e].to(Float32) for e in range(vec)]
+                ids = [cv * vec + e for e in range(vec)]
+                k = cfg.reduce_topk
+                w, e = warp_topk_softmax(vals, ids, [True] * vec, k, cfg.reduce_renorm)
+                if lane < k:
+                    mIds[r, lane] = e.to(mIds.element_type)
+                    mW[r, lane] = w.to(mW.element_type)

@@ -37,6 +37,27 @@ from cutemk.tileop import (
 )
 
 
+def topk_reference(
+    logits: torch.Tensor, k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32, ids int32) of rows of fp32 ``logits`` (T, E), as the device picks them."""
+    p = torch.softmax(logits, dim=-1)  # a NaN logit makes the row's weights NaN
+    # picks: by logit, descending, ties to the lower id (stable sorts, not torch.topk, whose
+    # CPU kernel prefers higher ids); NaN logits are never picked: they sort last and a pick
+    # that lands on one is "no expert" (-1) with weight 0
+    nan = torch.isnan(logits)
+    order = torch.sort(
+        logits.masked_fill(nan, -float("inf")), dim=-1, descending=True, stable=True
+    ).indices
+    order = order.gather(1, torch.sort(nan.gather(1, order).int(), dim=-1, stable=True).indices)
+    ids = order[:, :k]
+    none = nan.gather(1, ids)
+    w = torch.where(none, 0.0, p.gather(1, ids))
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, torch.where(none, -1, ids).to(torch.int32)
+
+
 @register_op
 @dataclass(frozen=True)
 class TopkSoftmaxTile(TileOp):
@@ -154,22 +175,7 @@ class TopkSoftmaxTile(TileOp):
                 logits = logits.to(self.logits_dtype).float()
         else:
             logits = t["logits"][r0:r1].float()
-        p = torch.softmax(logits, dim=-1)  # a NaN logit makes the row's weights NaN
-        # picks: by logit, descending, ties to the lower id (stable sorts, not torch.topk, whose
-        # CPU kernel prefers higher ids); NaN logits are never picked: they sort last and a
-        # pick that lands on one is "no expert" (-1) with weight 0
-        nan = torch.isnan(logits)
-        order = torch.sort(
-            logits.masked_fill(nan, -float("inf")), dim=-1, descending=True, stable=True
-        ).indices
-        order = order.gather(1, torch.sort(nan.gather(1, order).int(), dim=-1, stable=True).indices)
-        ids = order[:, : self.k]
-        none = nan.gather(1, ids)
-        w = torch.where(none, 0.0, p.gather(1, ids))
-        if self.renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
-        t["weights"][r0:r1] = w
-        t["ids"][r0:r1] = torch.where(none, -1, ids).to(torch.int32)
+        t["weights"][r0:r1], t["ids"][r0:r1] = topk_reference(logits, self.k, self.renormalize)
 
     # -- device -----------------------------------------------------------------------------
     def device_smem_bytes(self) -> int:

@@ -235,19 +235,26 @@ def test_decode_layer_with_the_batched_merge_compiles_for_hopper(tmp_path, spill
 def test_moe_decode_layer_with_the_norm_in_o_proj_reduce_compiles_for_hopper(
     tmp_path, spill_stores, regime
 ):
-    """``DecoderConfig.post_norm_in_reduce`` and ``moe_residual_in_combine``: the Qwen3-30B-A3B
-    layer's decode regimes without an mlp_norm phase (o_proj's reduce writes the normalised
-    rows, 2048 columns a tile) nor a residual phase (the combine adds it: in the down tiles in
-    the 'slots' regime, in ``moe_combine`` in 'gemv'), static, for sm_90a, with no more spill
-    stores than the same kernel with both phases."""
+    """``DecoderConfig.post_norm_in_reduce``, ``moe_residual_in_combine`` and
+    ``moe_router_topk``: the Qwen3-30B-A3B layer's decode regimes without an mlp_norm phase
+    (o_proj's reduce writes the normalised rows, 2048 columns a tile), a residual phase (the
+    combine adds it: in the down tiles in the 'slots' regime, in ``moe_combine`` in 'gemv')
+    nor a top-k phase (the router's last tile picks), static, for sm_90a, with no more spill
+    stores than the same kernel with the three phases."""
     from cutemk.layers import MoeConfig
 
     def spills(on: bool) -> int:
-        cfg = replace(QWEN3_30B_DECODE, post_norm_in_reduce=on, moe_residual_in_combine=on)
+        cfg = replace(
+            QWEN3_30B_DECODE,
+            post_norm_in_reduce=on,
+            moe_residual_in_combine=on,
+            moe_router_topk=on,
+        )
         block = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
         g = bare_decoder(cfg, block).regime_graph(regime, torch.bfloat16)
         names = {n.name for n in g.nodes}
         assert ("mlp_norm" in names) != on and ("residual" in names) != on, names
+        assert ("topk_softmax" in {n.op.name for n in g.nodes}) != on, names
         d = tmp_path / str(on)
         d.mkdir()
         compile_offline(g, "static", options=f"--keep-ptx --dump-dir={d}")

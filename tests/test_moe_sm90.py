@@ -280,7 +280,11 @@ def test_moe_hopper_fused_combine_odd_shapes(scheduler, k):
 
 @pytest.mark.parametrize(
     "dtype, arch, fused",
-    [(torch.bfloat16, "sm_90a", True), (torch.float32, "sm_90a", False), (torch.bfloat16, "sm_80", False)],
+    [
+        (torch.bfloat16, "sm_90a", True),
+        (torch.float32, "sm_90a", False),
+        (torch.bfloat16, "sm_80", False),
+    ],
 )
 def test_slots_regime_fuses_the_combine_only_on_the_hopper_tile(monkeypatch, dtype, arch, fused):
     """Only the Hopper tile has the combine in the down tiles: an fp32 block (SIMT tiles) or
@@ -289,9 +293,7 @@ def test_slots_regime_fuses_the_combine_only_on_the_hopper_tile(monkeypatch, dty
     from cutemk.regimes import moe_regime_graph
 
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
-    names = [
-        n.op.name for n in moe_regime_graph(256, 128, 8, 2, True, "slots", dtype, 2).nodes
-    ]
+    names = [n.op.name for n in moe_regime_graph(256, 128, 8, 2, True, "slots", dtype, 2).nodes]
     assert ("moe_combine" not in names) == fused, names
     g = moe_regime_graph(256, 128, 8, 2, True, "slots", dtype, 2, backend="interpret")
     assert "moe_combine" not in [n.op.name for n in g.nodes]
@@ -328,3 +330,91 @@ def test_moe_hopper_slot_layout(scheduler, max_t):
     y = c(x, **w)
     ref = moe_reference(x, **w, top_k=SLOTS.top_k, router_dtype=torch.bfloat16)
     assert _rel_err(y, ref) < 1e-2
+
+
+# -- the router's last partial tile runs the top-k (``MoeConfig.router_topk``) ----------------
+BF16 = torch.bfloat16
+ROUTER_TOPK = dataclasses.replace(QWEN3_30B, router_split=8, router_dtype=None, router_topk=True)
+
+
+def test_router_topk_replaces_the_topk_phase():
+    """With ``router_topk`` the router is one ``gemm_split`` node whose outputs include the
+    picks (no topk_softmax node); unsplit routers, experts that are not one 128-wide block and
+    fp32 (no Hopper tile) keep the top-k phase."""
+
+    def names(cfg, dtype=torch.bfloat16):
+        g = moe_graph(mk.sym("T", max=64), cfg, dtype)
+        return [n.op.name for n in g.nodes]
+
+    fused = names(ROUTER_TOPK)
+    assert "topk_softmax" not in fused and fused[0] == "gemm_split", fused
+    router = moe_graph(mk.sym("T", max=64), ROUTER_TOPK, torch.bfloat16).nodes[0]
+    assert router.op.topk == 8 and router.op.block_n == 128 and router.op.sm90().reduce_topk
+    for cfg, dtype in (
+        (dataclasses.replace(ROUTER_TOPK, router_split=1), torch.bfloat16),
+        (dataclasses.replace(ROUTER_TOPK, num_experts=64), torch.bfloat16),
+        (ROUTER_TOPK, torch.float32),
+    ):
+        assert "topk_softmax" in names(cfg, dtype), (cfg, dtype)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("regime", ["slots", "decode"])
+def test_router_topk_matches_the_topk_phase_on_the_interpreter(scheduler, regime):
+    """bf16 on the interpreter (what the device computes, tile by tile): the block with the
+    top-k in the router's last tile gives bit for bit the outputs of the block with the top-k
+    phase (both pick on the logits rounded to bf16), over random, tied and NaN logits."""
+    tiles = dict(slots=True, fused_combine=True) if regime == "slots" else {}
+    small = dataclasses.replace(ROUTER_TOPK, hidden=512, intermediate=64, **tiles)
+    max_t = 2 if regime == "slots" else 16
+    runs = [
+        moe_graph(mk.sym("T", max=max_t), dataclasses.replace(small, router_topk=on), BF16).compile(
+            "interpret", num_sms=8, scheduler=scheduler
+        )
+        for on in (False, True)
+    ]
+    gen = torch.Generator().manual_seed(21)
+    e, h, i = small.num_experts, small.hidden, small.intermediate
+    for routing in ("random", "ties", "nan"):
+        w = dict(
+            w_router=(torch.randn(e, h, generator=gen) / h**0.5).to(BF16),
+            w_gate_up=(torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(BF16),
+            w_down=(torch.randn(e, h, i, generator=gen) / i**0.5).to(BF16),
+        )
+        if routing == "ties":
+            w["w_router"].zero_()
+        if routing == "nan":  # every token's logits NaN but one expert's: no expert, NaN out
+            w["w_router"][1:, 0] = float("nan")
+        for t in (1, max_t):
+            x = torch.randn(t, h, generator=gen).to(BF16)
+            want, got = (run(x, **w) for run in runs)
+            assert torch.equal(got.isnan(), want.isnan()), f"{routing} T={t}"
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"{routing} T={t}"
+
+
+@pytest.mark.parametrize("regime", ["slots", "decode"])
+def test_router_topk_compiles_for_hopper(tmp_path, regime, spill_stores):
+    """The Qwen3-30B-A3B block with the top-k in the router's last tile compiles for sm_90a:
+    its picks are two warp reductions (the PTX's redux.sync), no spills beyond the block's."""
+    tiles = dict(slots=True, fused_combine=True) if regime == "slots" else {}
+    cfg = dataclasses.replace(ROUTER_TOPK, **tiles)
+    g = moe_graph(mk.sym("T", max=2 if regime == "slots" else 512), cfg, BF16)
+    assert "topk_softmax" not in {n.op.name for n in g.nodes}
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert _count(r"redux\.sync\.max\.s32", ptx) == 1 and _count(r"redux\.sync\.min\.s32", ptx) == 1
+    assert spill_stores(ptx_file) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("regime", ["slots", "decode"])
+def test_moe_hopper_router_topk(scheduler, regime):
+    """The router's last tile picking the experts on the GPU: random, one-expert and tied
+    routings against the fp32 reference on bf16 logits, bit-identical reruns."""
+    if regime == "slots":
+        cfg = dataclasses.replace(ROUTER_TOPK, slots=True, fused_combine=True)
+        _run(cfg, scheduler, (1, 2), ("random", "one_expert", "ties"), 2)
+    else:
+        _run(ROUTER_TOPK, scheduler, (1, 5, 64, 300), ("random", "one_expert", "ties"), 512)

@@ -131,3 +131,25 @@ def test_eager_fast_path_serves_the_block_too():
     assert len(calls) == 1
     mega(x2.reshape(5, 1, 64))  # not (tokens, H) rows: the full path
     assert len(calls) == 1
+
+
+def test_options_switch_the_router_topk_in_every_regime_graph():
+    """``MegaMoE(options={"router_topk": True})``: the cute regimes' routers (split along K,
+    128 experts, bf16) run the top-k in their last tile; the option is part of the key (a
+    module without it compiles graphs of its own); unknown or non-bool options are refused."""
+    from cutemk.regimes import moe_regime_graph
+
+    for regime in ("slots", "gemv", "decode"):
+        g = moe_regime_graph(2048, 768, 128, 8, True, regime, torch.bfloat16, 512)
+        assert "topk_softmax" in {n.op.name for n in g.nodes}
+        g = moe_regime_graph(
+            2048, 768, 128, 8, True, regime, torch.bfloat16, 512, options={"router_topk": True}
+        )
+        assert "topk_softmax" not in {n.op.name for n in g.nodes}, regime
+    block = hf_block(64, 32, 8, 2, True, torch.float32)
+    plain, fused = MegaMoE.from_hf(block), MegaMoE.from_hf(block, options={"router_topk": True})
+    assert plain._cutemk_key != fused._cutemk_key
+    with pytest.raises(ValueError, match="unknown"):
+        MegaMoE.from_hf(block, options={"router_top_k": True})
+    with pytest.raises(TypeError, match="bool"):
+        MegaMoE.from_hf(block, options={"router_topk": 1})

@@ -13,6 +13,21 @@ from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
 from .base import _check_options, _check_silu, _LiveModule, _sm_count
 
 
+MOE_OPTIONS = ("router_topk",)
+""":class:`MegaMoE`'s ``options``: the :class:`cutemk.layers.MoeConfig` switches it takes."""
+
+
+def _moe_options(options: dict[str, Any] | None) -> dict[str, bool]:
+    """``options`` checked: known switches (:data:`MOE_OPTIONS`), bool values."""
+    options = dict(options or {})
+    for name, value in options.items():
+        if name not in MOE_OPTIONS:
+            raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
+        if not isinstance(value, bool):
+            raise TypeError(f"MegaMoE options: {name} must be a bool, got {value!r}")
+    return options
+
+
 class MegaMoE(_LiveModule):
     """A Qwen3-MoE sparse block (router, softmax top-k, gated-SiLU experts, weighted combine)
     as one cutemk megakernel, for x of shape (..., H) with at most ``max_tokens`` rows.
@@ -23,7 +38,8 @@ class MegaMoE(_LiveModule):
     the lower expert id. Four regimes (:data:`MOE_REGIME_LIMITS`), each one graph compiled on
     first use: ``slots`` for one or two tokens (the experts on the top-k's ids, no routing
     step), ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill``
-    above (tiles in :data:`MOE_TILES`).
+    above (tiles in :data:`MOE_TILES`). ``options``: :class:`cutemk.layers.MoeConfig` switches
+    over every regime's tiles (``{"router_topk": True}``; part of the module's key).
     Inference only (no backward).
     """
 
@@ -41,9 +57,11 @@ class MegaMoE(_LiveModule):
         scheduler: Any = "static",
         num_sms: int | None = None,
         profile: bool = False,
+        options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         _check_options(max_tokens, backend)
+        self.options = _moe_options(options)
         for name, w, nd in (("w_router", w_router, 2), ("w_gate_up", w_gate_up, 3)):
             if not isinstance(w, torch.Tensor) or w.dim() != nd:
                 raise ShapeError(f"{name} must be a {nd}-D tensor")
@@ -74,7 +92,9 @@ class MegaMoE(_LiveModule):
         self._cutemk_key = (
             f"MegaMoE(h={self.hidden}, i={self.intermediate}, e={self.num_experts}, "
             f"k={top_k}, norm={self.norm_topk_prob}, max={max_tokens}, backend={backend}, "
-            f"scheduler={scheduler!r}, sms={num_sms}, profile={self.profile})"
+            f"scheduler={scheduler!r}, sms={num_sms}, profile={self.profile}"
+            + (f", options={sorted(self.options.items())}" if self.options else "")
+            + ")"
         )
         torch_ops.key_of(self)
 
@@ -121,6 +141,7 @@ class MegaMoE(_LiveModule):
                 self.max_tokens,
                 backend,
                 self.num_sms or _sm_count(device),
+                self.options,
             )
 
         return self._graph(regime, like, build)
