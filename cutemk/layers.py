@@ -459,12 +459,20 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
     )
 
 
+ROUTER_TOPK_MAX_ROWS = 16
+"""Most rows a row block of a router that runs the top-k in its last tile (two a warp)."""
+
+
 def _router_with_topk(x, w_router, cfg: MoeConfig, logits_dtype: torch.dtype):
     """The router op whose last partial tile of a row block also runs the top-k
     (``ops.gemm_split(topk=...)``, ``MoeConfig.router_topk``), or None where it does not apply
     (the switch off, an unsplit router, experts that are not one 128-wide block, a GEMM the
-    Hopper tile does not run)."""
+    Hopper tile does not run, or more than ``ROUTER_TOPK_MAX_ROWS`` rows a row block: the
+    reducing tile's 8 warps pick a row each at a time, where the top-k phase spreads the
+    rows over SMs)."""
     if not cfg.router_topk or cfg.router_split < 2:
+        return None
+    if min(upper(x.spec.shape[0]), cfg.block_m) > ROUTER_TOPK_MAX_ROWS:
         return None
     try:
         op = ops.gemm_split(
