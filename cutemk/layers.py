@@ -59,8 +59,8 @@ class MoeConfig:
     fused_combine: bool = False
     # with ``router_split`` > 1: the router's last partial tile of a row block sums the ranges
     # and runs the top-k itself (``ops.gemm_split(topk=k)``: no top-k phase, no hand-over),
-    # where the Hopper tile runs it and the experts fill one 128-wide block; else the top-k
-    # phase (to measure; off)
+    # where the Hopper tile runs it, the experts fill one 128-wide block and the graph has at
+    # most ``ROUTER_TOPK_MAX_ROWS`` tokens; else the top-k phase (to measure; off)
     router_topk: bool = False
 
 
@@ -459,20 +459,22 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
     )
 
 
-ROUTER_TOPK_MAX_ROWS = 16
-"""Most rows a row block of a router that runs the top-k in its last tile (two a warp)."""
+ROUTER_TOPK_MAX_ROWS = 2
+"""Most tokens a graph whose router runs the top-k in its last tile may have (the 'slots'
+regime's): that tile picks for every row of its plan, where the top-k phase treats the rows
+past a live token count as absent (``TileOp.live_rows_inputs``); with one or two tokens a
+live count is always its plan's, beyond that the tokens between them would be routed (and
+their experts streamed) for nothing."""
 
 
 def _router_with_topk(x, w_router, cfg: MoeConfig, logits_dtype: torch.dtype):
     """The router op whose last partial tile of a row block also runs the top-k
     (``ops.gemm_split(topk=...)``, ``MoeConfig.router_topk``), or None where it does not apply
     (the switch off, an unsplit router, experts that are not one 128-wide block, a GEMM the
-    Hopper tile does not run, or more than ``ROUTER_TOPK_MAX_ROWS`` rows a row block: the
-    reducing tile's 8 warps pick a row each at a time, where the top-k phase spreads the
-    rows over SMs)."""
+    Hopper tile does not run, or more than ``ROUTER_TOPK_MAX_ROWS`` tokens)."""
     if not cfg.router_topk or cfg.router_split < 2:
         return None
-    if min(upper(x.spec.shape[0]), cfg.block_m) > ROUTER_TOPK_MAX_ROWS:
+    if upper(x.spec.shape[0]) > ROUTER_TOPK_MAX_ROWS:
         return None
     try:
         op = ops.gemm_split(

@@ -132,6 +132,11 @@ class GemmSplitTile(GemmPartialTile):
                 )
 
     @property
+    def picks_over(self) -> IntLike | None:
+        """With ``topk``: the experts its ids name (as ``ops.topk_softmax``'s), else None."""
+        return self.out_n if self.topk else None
+
+    @property
     def n(self) -> IntLike:
         """B's rows: the partials' width (the partial tiles' column space)."""
         return self.b.shape[0]

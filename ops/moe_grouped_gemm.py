@@ -230,8 +230,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
     def check_producers(self, producers) -> None:
         route = producers.get("tile_info")
         if self.slot_input is not None:
-            experts = getattr(route, "logits", None) and route.logits.shape[-1]
-            if getattr(route, "name", None) == "topk_softmax" and experts != self.w.shape[0]:
+            experts = getattr(route, "picks_over", None)  # a top-k's, or a router's that picks
+            if experts is not None and experts != self.w.shape[0]:
                 raise GraphError(
                     f"moe_grouped_gemm has weights of {self.w.shape[0]} experts but its ids "
                     f"come from a top-k over {experts}"

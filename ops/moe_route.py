@@ -74,8 +74,8 @@ class MoeRouteTile(TileOp):
 
     def check_producers(self, producers) -> None:
         src = producers.get("ids")
-        if getattr(src, "name", None) == "topk_softmax":
-            width = src.num_experts
+        width = getattr(src, "picks_over", None)  # a top-k's, or a router's that picks
+        if width is not None:
             if width != self.num_experts:
                 raise GraphError(
                     f"moe_route routes to {self.num_experts} experts but its ids come from a "

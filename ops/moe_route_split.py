@@ -152,10 +152,11 @@ class MoeRouteCountTile(_ChunkedIds, TileOp):
 
     def check_producers(self, producers) -> None:
         src = producers.get("ids")
-        if getattr(src, "name", None) == "topk_softmax" and src.num_experts != self.num_experts:
+        width = getattr(src, "picks_over", None)  # a top-k's, or a router's that picks
+        if width is not None and width != self.num_experts:
             raise GraphError(
                 f"moe_route_count routes to {self.num_experts} experts but its ids come from a "
-                f"top-k over {src.num_experts} router logits"
+                f"top-k over {width} router logits"
             )
 
     def output_specs(self):

@@ -84,7 +84,8 @@ def reduce_last_tile(
     nthreads: cutlass.Constexpr,
 ):
     """A ``gemm_split`` tile's reduce (the Hopper tile, ``ops.gemm_sm90``; ``cfg`` its
-    ``Sm90GemmConfig``, ``tensors`` (A, B, [R,] C, part, counts[, SS])): after its partial is
+    ``Sm90GemmConfig``, ``tensors`` (A, B, [R,] C, part, counts[, SS][, weights, ids])): after
+    its partial is
     out, tile (coord0, coord1) counts itself in ``counts[coord0, j]`` (j: its output column
     block; a gate / up pair shares one), and the group's last tile (``claim_last`` with
     ``sync``, the barrier of the ``nthreads`` consumer threads: the acq_rel count releases this
@@ -164,7 +165,9 @@ def reduce_last_tile(
                 if lane == 0:
                     if first < nv:
                         mSS[r, first // WARP_SIZE] = tot
-            if cutlass.const_expr(cfg.reduce_topk):  # the warp's row, as stored (rounded)
+            # the warp's row, as stored (rounded): ``sm90_config`` takes the top-k only for one
+            # 128-column block (v0 = 0, nv = tile_v = 32: cv is the lane, out always written)
+            if cutlass.const_expr(cfg.reduce_topk):
                 vals = [out[e].to(Float32) for e in range(vec)]
                 ids = [cv * vec + e for e in range(vec)]
                 k = cfg.reduce_topk

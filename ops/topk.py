@@ -119,6 +119,11 @@ class TopkSoftmaxTile(TileOp):
     def num_experts(self) -> int:
         return self.logits.shape[-1]
 
+    @property
+    def picks_over(self) -> int:
+        """Experts the ids it writes name (what their readers check they route to)."""
+        return self.num_experts
+
     def output_specs(self):
         t = self.tokens
         return {

@@ -343,12 +343,12 @@ def test_router_topk_replaces_the_topk_phase():
     fp32 (no Hopper tile) keep the top-k phase."""
 
     def names(cfg, dtype=torch.bfloat16):
-        g = moe_graph(mk.sym("T", max=16), cfg, dtype)
+        g = moe_graph(mk.sym("T", max=2), cfg, dtype)
         return [n.op.name for n in g.nodes]
 
     fused = names(ROUTER_TOPK)
     assert "topk_softmax" not in fused and fused[0] == "gemm_split", fused
-    router = moe_graph(mk.sym("T", max=16), ROUTER_TOPK, torch.bfloat16).nodes[0]
+    router = moe_graph(mk.sym("T", max=2), ROUTER_TOPK, torch.bfloat16).nodes[0]
     assert router.op.topk == 8 and router.op.block_n == 128 and router.op.sm90().reduce_topk
     for cfg, dtype in (
         (dataclasses.replace(ROUTER_TOPK, router_split=1), torch.bfloat16),
@@ -356,21 +356,23 @@ def test_router_topk_replaces_the_topk_phase():
         (ROUTER_TOPK, torch.float32),
     ):
         assert "topk_softmax" in names(cfg, dtype), (cfg, dtype)
-    # more than 16 rows a row block (64-row tiles, up to 512 tokens): the top-k phase spreads
-    # them over SMs where the reducing tile's 8 warps would pick 8 rows each
-    big = moe_graph(mk.sym("T", max=512), ROUTER_TOPK, torch.bfloat16)
-    assert "topk_softmax" in {n.op.name for n in big.nodes}
+    # more than two tokens (layers.ROUTER_TOPK_MAX_ROWS): a live count below its plan's would
+    # have the router pick experts for the tokens between them; the top-k phase skips those
+    for t_max in (3, 16, 512):
+        big = moe_graph(mk.sym("T", max=t_max), ROUTER_TOPK, torch.bfloat16)
+        assert "topk_softmax" in {n.op.name for n in big.nodes}, t_max
 
 
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-@pytest.mark.parametrize("regime", ["slots", "gemv"])
+@pytest.mark.parametrize("regime", ["slots", "routed"])
 def test_router_topk_matches_the_topk_phase_on_the_interpreter(scheduler, regime):
     """bf16 on the interpreter (what the device computes, tile by tile): the block with the
     top-k in the router's last tile gives bit for bit the outputs of the block with the top-k
-    phase (both pick on the logits rounded to bf16), over random, tied and NaN logits."""
+    phase (both pick on the logits rounded to bf16), over random, tied and NaN logits, on the
+    slot layout and on the routed one (moe_route reading the router's ids)."""
     tiles = dict(slots=True, fused_combine=True) if regime == "slots" else {}
     small = dataclasses.replace(ROUTER_TOPK, hidden=512, intermediate=64, **tiles)
-    max_t = 2 if regime == "slots" else 16
+    max_t = 2
     runs = [
         moe_graph(mk.sym("T", max=max_t), dataclasses.replace(small, router_topk=on), BF16).compile(
             "interpret", num_sms=8, scheduler=scheduler
@@ -396,13 +398,13 @@ def test_router_topk_matches_the_topk_phase_on_the_interpreter(scheduler, regime
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"{routing} T={t}"
 
 
-@pytest.mark.parametrize("regime", ["slots", "gemv"])
+@pytest.mark.parametrize("regime", ["slots", "routed"])
 def test_router_topk_compiles_for_hopper(tmp_path, regime, spill_stores):
     """The Qwen3-30B-A3B block with the top-k in the router's last tile compiles for sm_90a:
     its picks are two warp reductions (the PTX's redux.sync), no spills beyond the block's."""
     tiles = dict(slots=True, fused_combine=True) if regime == "slots" else {}
     cfg = dataclasses.replace(ROUTER_TOPK, **tiles)
-    g = moe_graph(mk.sym("T", max=2 if regime == "slots" else 16), cfg, BF16)
+    g = moe_graph(mk.sym("T", max=2), cfg, BF16)
     assert "topk_softmax" not in {n.op.name for n in g.nodes}
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
@@ -413,7 +415,7 @@ def test_router_topk_compiles_for_hopper(tmp_path, regime, spill_stores):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
-@pytest.mark.parametrize("regime", ["slots", "gemv"])
+@pytest.mark.parametrize("regime", ["slots", "routed"])
 def test_moe_hopper_router_topk(scheduler, regime):
     """The router's last tile picking the experts on the GPU: random, one-expert and tied
     routings against the fp32 reference on bf16 logits, bit-identical reruns."""
@@ -421,4 +423,31 @@ def test_moe_hopper_router_topk(scheduler, regime):
         cfg = dataclasses.replace(ROUTER_TOPK, slots=True, fused_combine=True)
         _run(cfg, scheduler, (1, 2), ("random", "one_expert", "ties"), 2)
     else:
-        _run(ROUTER_TOPK, scheduler, (1, 5, 16), ("random", "one_expert", "ties"), 16)
+        _run(ROUTER_TOPK, scheduler, (1, 2), ("random", "one_expert", "ties"), 2)
+
+
+def test_routing_ops_check_the_experts_of_a_router_that_picks():
+    """moe_route / moe_route_count / the slot layout's grouped GEMM read ids from a router
+    that runs the top-k as from ``topk_softmax``: a different expert count is a GraphError."""
+    from cutemk import ops
+
+    def graph_with(op, *args, **kw):
+        g = mk.Graph("picks")
+        t = mk.sym("T", max=2)
+        x = g.input("x", (t, 512), BF16)
+        w = g.weight("w_router", (128, 512), BF16)
+        router = ops.gemm_split(x.spec, w.spec, split_k=4, block_n=128, topk=8)
+        assert router.picks_over == 128
+        _, _, _, _, ids = g.call(router, x, w, name="router")
+        named = {"x": x, "ids": ids, "w_gu": g.weight("w_gu", (64, 128, 512), BF16)}
+        out = g.call(op, *(named[a] for a in args), **kw)
+        g.output(out[0] if isinstance(out, tuple) else out, "y")
+        return g
+
+    for op, args, kw in (
+        (ops.moe_route, ("ids",), dict(num_experts=64)),
+        (ops.moe_route_count, ("ids",), dict(num_experts=64, chunk=64)),
+        (ops.moe_slot_gemm, ("x", "w_gu", "ids"), dict(slot_input="tokens", block_n=64)),
+    ):
+        with pytest.raises(mk.errors.GraphError, match="64 experts|over 128"):
+            graph_with(op, *args, **kw).validate()

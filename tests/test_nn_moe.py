@@ -135,7 +135,7 @@ def test_eager_fast_path_serves_the_block_too():
 
 def test_options_switch_the_router_topk_in_every_regime_graph():
     """``MegaMoE(options={"router_topk": True})``: the cute regimes' routers (split along K,
-    128 experts, bf16, at most 16 tokens) run the top-k in their last tile; the option is part of the key (a
+    128 experts, bf16, at most two tokens) run the top-k in their last tile; the option is part of the key (a
     module without it compiles graphs of its own); unknown or non-bool options are refused."""
     from cutemk.regimes import moe_regime_graph
 
@@ -145,9 +145,9 @@ def test_options_switch_the_router_topk_in_every_regime_graph():
         g = moe_regime_graph(
             2048, 768, 128, 8, True, regime, torch.bfloat16, 512, options={"router_topk": True}
         )
-        # the decode regime's 64-row blocks keep the top-k phase (layers.ROUTER_TOPK_MAX_ROWS)
+        # only the slots regime's one or two tokens (layers.ROUTER_TOPK_MAX_ROWS)
         fused = "topk_softmax" not in {n.op.name for n in g.nodes}
-        assert fused == (regime != "decode"), regime
+        assert fused == (regime == "slots"), regime
     block = hf_block(64, 32, 8, 2, True, torch.float32)
     plain, fused = MegaMoE.from_hf(block), MegaMoE.from_hf(block, options={"router_topk": True})
     assert plain._cutemk_key != fused._cutemk_key

@@ -13,6 +13,7 @@ from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import REGIME_LIMITS, mlp_regime_graph
 from .base import _check_options, _check_silu, _LiveModule, _sm_count
 
+
 class MegaMLP(_LiveModule):
     """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` as a cutemk megakernel, for x of shape
     (..., H) with at most ``max_tokens`` rows once flattened.

@@ -19,7 +19,7 @@ MOE_OPTIONS = ("router_topk",)
 
 def _moe_options(options: dict[str, Any] | None) -> dict[str, bool]:
     """``options`` checked: known switches (:data:`MOE_OPTIONS`), bool values."""
-    options = dict(options or {})
+    options = {k: v for k, v in (options or {}).items() if v is not False}  # False: the default
     for name, value in options.items():
         if name not in MOE_OPTIONS:
             raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
