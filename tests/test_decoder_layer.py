@@ -295,6 +295,24 @@ def test_mega_decoder_layer_on_the_gpu(scheduler, tail):
     assert err < 3e-2, err
 
 
+def _moe_mega(layer, cfg, **options):
+    """``MegaDecoderLayer.from_hf`` of a small Qwen3-MoE layer on the interpreter: up to 8
+    sequences a decode step (regimes slots and gemv), prefill steps of up to 96 tokens."""
+    from cutemk.nn import MegaDecoderLayer
+
+    return MegaDecoderLayer.from_hf(
+        layer,
+        page_size=cfg.page_size,
+        max_pages=cfg.max_pages,
+        max_positions=256,
+        tiles=(16, 32),
+        max_batch=8,
+        max_prefill_tokens=96,
+        backend="interpret",
+        options=options or None,
+    )
+
+
 def test_moe_decode_step_matches_hf_layer():
     """The same decode step with the sparse MoE block (Qwen3MoeDecoderLayer)."""
     pytest.importorskip("transformers")
@@ -316,18 +334,7 @@ def test_moe_decode_step_matches_hf_layer():
     for lens in ([2], [9, 33, 1]):
         inputs, want = step_case(layer, rotary, CFG, lens, gen)
         torch.testing.assert_close(c(**inputs, **w), want, rtol=1e-4, atol=1e-4)
-    from cutemk.nn import MegaDecoderLayer
-
-    mega = MegaDecoderLayer.from_hf(
-        layer,
-        page_size=CFG.page_size,
-        max_pages=CFG.max_pages,
-        max_positions=256,
-        tiles=(16, 32),
-        max_batch=8,
-        max_prefill_tokens=96,
-        backend="interpret",
-    )
+    mega = _moe_mega(layer, CFG)
     assert mega.regimes() == ("slots", "gemv", "prefill")
     for lens in ([7], [4, 12], [3, 9, 20]):  # slots (no routing step), slots, gemv
         inputs, want = step_case(layer, rotary, CFG, lens, gen)
@@ -379,19 +386,8 @@ def test_moe_decode_step_with_the_norm_in_o_proj_reduce(scheduler):
     assert "mlp_norm" in {n.name for n in pg.nodes}
     # the module with both switches in every regime: the slots regime's combine in the down
     # tiles adds the residual there
-    from cutemk.nn import MegaDecoderLayer
-
-    mega = MegaDecoderLayer.from_hf(
-        layer,
-        page_size=cfg.page_size,
-        max_pages=cfg.max_pages,
-        max_positions=256,
-        tiles=(16, 32),
-        max_batch=8,
-        max_prefill_tokens=96,
-        backend="interpret",
-        options={"post_norm_in_reduce": True, "moe_residual_in_combine": True, "split_k": 2},
-    )
+    switches = {"post_norm_in_reduce": True, "moe_residual_in_combine": True, "split_k": 2}
+    mega = _moe_mega(layer, cfg, **switches)
     for lens in ([7], [4, 12], [3, 9, 20]):  # slots, slots, gemv
         inputs, want = step_case(layer, rotary, cfg, lens, gen)
         torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)
