@@ -39,9 +39,10 @@ read shared memory.
   to store and only publishes the tile. Pages under 8 tokens (a box below one swizzle atom)
   and other shapes the config refuses run the portable tile.
 - Bad data: a page id outside the cache anywhere in the tile's valid range makes the tile's
-  output NaN (the merge then makes the sequence NaN), as the reference does. Warp 0 reads
-  each slice's page ids as the slice starts and checks them one slice later (the load's
-  latency hides behind the slice).
+  output NaN (the merge then makes the sequence NaN), as the reference does. The consumer
+  warps take turns: warp ``kt % 8`` reads slice kt's page ids as the slice starts and checks
+  them at its next turn (or after the last slice), so no slice waits on a page-table load
+  (checked one slice later, every slice waited: a slice's work is shorter than the load).
 """
 
 from __future__ import annotations
@@ -384,8 +385,10 @@ def compute(
     h, s, t0, t1, ranges = tile_span(cfg, tensors[0].shape[0], coord1, word)  # the grid's batch
     n = slices_of(cfg, t0, t1)
     num_pages = mK.shape[0]
-    # a bad page id poisons the tile: thread r < boxes reads box r's id as a slice starts
-    # and checks it as the next one starts (the load's latency hides behind the slice)
+    # a bad page id poisons the tile: the warps take turns, warp kt % 8's lane r < boxes
+    # reading box r's id of slice kt as the slice starts and checking it at the warp's next
+    # turn, 8 slices later, or after the last slice (one slice's work hid too little of a
+    # page-table load: the check at the next slice waited for it, every slice)
     pid = Int32(0)
     bad = Boolean(False)
 
@@ -431,12 +434,13 @@ def compute(
     blocks = rw // 8  # 8-token column blocks of the scores a warp takes per slice
     zero = Float32(0.0)
     for kt in cutlass.range(n, unroll=1):
-        if pid < 0 or pid >= num_pages:
-            bad = Boolean(True)
-        pos = t0 + kt * cfg.slice_tokens + ctid * cfg.box_rows
-        pid = Int32(0)
-        if ctid < cfg.boxes and pos < t1:
-            pid = mPT[b, pos // cfg.page]
+        if warp == kt % CONSUMER_WARPS:  # warp-uniform
+            if pid < 0 or pid >= num_pages:
+                bad = Boolean(True)
+            pos = t0 + kt * cfg.slice_tokens + lane * cfg.box_rows
+            pid = Int32(0)
+            if lane < cfg.boxes and pos < t1:
+                pid = mPT[b, pos // cfg.page]
         idx = consumer_wait(full, count + kt, stages, wait)
         base = ring + idx * slot
         # scores: S (heads x 8 tokens) = q K^T a block, K's B fragments by ldmatrix (matrix
@@ -499,10 +503,7 @@ def compute(
         cute.arch.sync_warp()  # every lane is done with the slot
         consumer_release(empty, count + kt, stages, lane)
 
-    # merge the warps
-    if pid < 0 or pid >= num_pages:
-        bad = Boolean(True)
-    bad = cute.arch.vote_any_sync(bad)
+    # merge the warps (each warp's last page ids checked after its rows are out)
     for half in cutlass.range_constexpr(2 if two else 1):
         row = r + 8 * half
         tot = lsum[half]
@@ -515,6 +516,9 @@ def compute(
             for j in cutlass.range_constexpr(d // 8):
                 for i in cutlass.range_constexpr(2):
                     sO[warp, row, j * 8 + 2 * c + i] = o[j, 2 * half + i]
+    if pid < 0 or pid >= num_pages:
+        bad = Boolean(True)
+    bad = cute.arch.vote_any_sync(bad)
     if lane == 0:
         flag = Float32(0.0)
         if bad:

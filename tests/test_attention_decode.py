@@ -358,3 +358,33 @@ def test_a_counter_left_non_zero_is_reported():
     a = _inputs([100, 7], 4, 2, 32, 16, 8, torch.float32, torch.Generator().manual_seed(0))
     with pytest.raises(CuteMKError, match="non-zero"):
         c(**a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[4096, 4096, 4096, 4096, 1000], [300, 300, 300, 300, 300]])
+def test_decode_attention_bad_pages_on_the_gpu(lens):
+    """The Hopper tile's page checks (the consumer warps take turns, each checking a slice's
+    page ids at its next turn or after the last slice): a page id outside the cache in a
+    sequence's first, a middle and its last page makes that sequence NaN and leaves the
+    others right; long ranges (4096 tokens in 6 ranges of 704: 11 slices, two turns for
+    some warps) and short ones (300 tokens in 5 ranges of one slice: every check after the
+    loop)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hq, hkv, d, page, max_pages = 32, 8, 128, 16, 2048
+    c = _graph(hq, hkv, d, page, max_pages, 64, torch.bfloat16, max_b=8).compile(
+        "cute", scheduler="static", watchdog=True, poison_outputs=True
+    )
+    gen = torch.Generator().manual_seed(7)
+    a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
+    total = a["k_cache"].shape[0]
+    a["page_table"][0, 0] = total  # past the cache
+    a["page_table"][1, lens[1] // page // 2] = -5
+    a["page_table"][2, (lens[2] - 1) // page] = 1 << 20
+    out = c(**a)
+    good = [3, 4]
+    ref = decode_attention_reference(**{k: (v if "cache" in k else v[good]) for k, v in a.items()})
+    err = ((out[good].float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+    for b in (0, 1, 2):
+        assert torch.isnan(out[b]).all(), b
