@@ -421,6 +421,12 @@ def expect_positive_int(value: Any, what: str) -> None:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
 
 
+def expect_positive_sizes(**sizes: Any) -> None:
+    """Layer sizes are positive ints; the error names the argument (not an op deep inside)."""
+    for name, v in sizes.items():
+        expect_positive_int(v, name)
+
+
 def expect_same_dim(a: IntLike, b: IntLike, what: str) -> None:
     """Static check that two dims are the same int or the same symbolic expression."""
     if a != b:

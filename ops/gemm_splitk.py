@@ -528,12 +528,9 @@ class SplitReduceTile(TileOp):
         for r in cutlass.range(self.block_m, unroll=1):
             row = row0 + r
             scale = Float32(1.0)
-            if cutlass.const_expr(self.norm_width is not None):
-                if row < rows:
-                    scale = self._row_rstd_of_sums(tensors[1], row)
-            elif cutlass.const_expr(self.x is not None):
+            if cutlass.const_expr(self.x is not None):
                 if row < rows:  # uniform over the group: the norm's barriers are safe
-                    scale = self._row_rstd(tensors[1], row, tidx, sSum)
+                    scale = self._row_scale(tensors, row, tidx, sSum)
             sq = Float32(0.0)
             for j in cutlass.range_constexpr(-(-tile_v // NUM_THREADS)):
                 lv = tidx + j * NUM_THREADS
