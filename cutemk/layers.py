@@ -129,9 +129,7 @@ def linear(
             raise ValueError(f"linear {name}: out_norm needs out_norm_eps > 0")
         if out_norm.spec.dtype != x.spec.dtype:
             raise TypeError(f"linear {name}: out_norm must be {x.spec.dtype}")
-        if ops.out_norm_fits(w.spec.shape[0], x.spec.dtype, epilogue):
-            fuse_reduce = False
-        else:
+        if not ops.out_norm_fits(w.spec.shape[0], x.spec.dtype, epilogue):
             out_norm = None  # the caller's norm phase: (y, None)
     if r is not None and epilogue is None:
         epilogue = "residual"
@@ -162,6 +160,11 @@ def linear(
             )
     split_block_n = split_block_n or SPLIT_BLOCK_N
     expect_positive_int(split_k, "linear split_k")
+    if out_norm is not None:  # the reduce node is kept for the norm (no fuse_reduce) if it fits
+        if ops.out_norm_fits(n_rows, x.spec.dtype, epilogue, split_k):
+            fuse_reduce = False
+        else:
+            out_norm = None
     res = () if r is None else (r,)
     norm = {}
     if norm_eps is not None and split_k == 1:

@@ -135,6 +135,12 @@ class AttentionDecodeTile(TileOp):
             )
         if self.align % UNROLL:
             raise ValueError(f"attention align must be a multiple of {UNROLL}, got {self.align}")
+        if self.merge_batched and self._sm90_config() is None:  # no silent one-pass merge
+            raise ValueError(
+                "attention merge_batched is the Hopper tile's merge: it needs a 16-bit cache, a "
+                "head dim a multiple of 64 up to 256, a power-of-two page of 8 to 256 tokens, at "
+                "most 16 query heads a KV head and ranges aligned to the tile's slice"
+            )
 
     # -- shapes ------------------------------------------------------------------------------
     @property
@@ -287,6 +293,10 @@ class AttentionDecodeTile(TileOp):
         and the shapes allow it; else None and the portable tile below runs."""
         if target_arch() != "sm_90a":
             return None
+        return self._sm90_config()
+
+    def _sm90_config(self) -> dsm90.Sm90DecodeConfig | None:
+        """The Hopper tile's config for these shapes, whatever the target arch."""
         return dsm90.sm90_decode_config(
             self.q.dtype,
             self.group,

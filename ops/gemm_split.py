@@ -294,7 +294,7 @@ class GemmSplitTile(GemmPartialTile):
             reduce_blocks=self.out_blocks,
             reduce_sumsq=self.sumsq,
             reduce_topk=self.topk,
-            reduce_renorm=self.topk_renormalize,
+            reduce_renorm=self.topk_renormalize and self.topk > 0,
         )
 
     @cute.jit

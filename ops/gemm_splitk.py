@@ -70,13 +70,22 @@ NUM_THREADS (2048 on the 128-thread SIMT group; every range's partials of them a
 once, split * 16 fp32 registers a vector)."""
 
 
-def out_norm_fits(n, dtype: torch.dtype, epilogue: Optional[str] = None) -> bool:
-    """Whether a reduce of N columns (``dtype`` out, ``epilogue``) can take ``out_norm``: a
-    static N of whole vectors, at most ``OUT_NORM_VECTORS`` a thread, no ``silu_mul``."""
+OUT_NORM_PARTIALS = 128
+"""Most fp32 partials a thread of a reduce with ``out_norm`` loads at once (its vectors times
+the split times ``VEC``): the Qwen3-30B-A3B o_proj's 4 vectors of 8 ranges compile without
+spills beside the consumers' other registers; twice that would not fit in 232."""
+
+
+def out_norm_fits(n, dtype: torch.dtype, epilogue: Optional[str] = None, split: int = 1) -> bool:
+    """Whether a reduce of N columns (``dtype`` out, ``epilogue``) over ``split`` ranges can
+    take ``out_norm``: a static N of whole vectors, at most ``OUT_NORM_VECTORS`` a thread and
+    ``OUT_NORM_PARTIALS`` partials, no ``silu_mul``."""
+    vectors = -(-n // (VEC * NUM_THREADS)) if isinstance(n, int) else 0
     return (
         isinstance(n, int)
         and n % VEC == 0
-        and -(-n // (VEC * NUM_THREADS)) <= OUT_NORM_VECTORS
+        and vectors <= OUT_NORM_VECTORS
+        and vectors * split * VEC <= OUT_NORM_PARTIALS
         and epilogue != "silu_mul"
         and dtype in FLOAT_DTYPES
     )
@@ -276,10 +285,17 @@ class SplitReduceTile(TileOp):
                 f"gemm_split_reduce out_norm: a tile must hold whole rows (block_n {self.block_n}"
                 f" < N {n})"
             )
-        if -(-n // (VEC * NUM_THREADS)) > OUT_NORM_VECTORS:
+        vectors = -(-n // (VEC * NUM_THREADS))
+        if vectors > OUT_NORM_VECTORS:
             raise ShapeError(
                 f"gemm_split_reduce out_norm: N={n} is more than {OUT_NORM_VECTORS} vectors a "
                 "thread"
+            )
+        if isinstance(self.splits, int) and vectors * self.splits * VEC > OUT_NORM_PARTIALS:
+            raise ShapeError(
+                f"gemm_split_reduce out_norm: N={n} over {self.splits} ranges is "
+                f"{vectors * self.splits * VEC} fp32 partials a thread, more than "
+                f"{OUT_NORM_PARTIALS} (they would spill)"
             )
         if not self.out_norm_eps > 0:
             raise ValueError(f"gemm_split_reduce out_norm_eps must be > 0, got {self.out_norm_eps}")

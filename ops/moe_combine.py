@@ -176,7 +176,7 @@ class MoeCombineTile(TileOp):
         es = self.rows.dtype.itemsize
         return tile_time_us(
             2.0 * self.block_m * self.block_n * k,
-            self.block_m * self.block_n * (k + 1) * es,
+            self.block_m * self.block_n * (k + 1 + (self.r is not None)) * es,
             torch.float32,
         )
 

@@ -106,6 +106,9 @@ def reduce_last_tile(
     mW = tensors[5 + n_r + n_ss] if cfg.reduce_topk else None
     mIds = tensors[6 + n_r + n_ss] if cfg.reduce_topk else None
     silu = cfg.reduce == "silu_mul"
+    if cutlass.const_expr(cfg.reduce_topk and cfg.bn != SS_WIDTH):
+        # the top-k below reads a lane's vector of one row unguarded: one block of 32 vectors
+        raise ValueError(f"the reduce's top-k takes one {SS_WIDTH}-column block")
     split = cfg.split
     jj = coord1 // split
     if cutlass.const_expr(silu):  # the up block j + reduce_blocks counts with gate block j

@@ -206,6 +206,16 @@ def test_batched_merge_refuses_splits_it_cannot_reduce():
         replace(op, splits=12, merge_batched=True)
 
 
+@pytest.mark.parametrize("dtype, page", [(torch.float32, 16), (torch.bfloat16, 4)])
+def test_batched_merge_refuses_shapes_without_the_hopper_tile(dtype, page):
+    """``merge_batched`` is the Hopper tile's merge: where its shapes do not fit that tile (an
+    fp32 cache, a page under 8 tokens) the portable tile would run its one-pass merge, so the
+    switch is refused when the op is built, on any target arch."""
+    with pytest.raises(ValueError, match="merge_batched is the Hopper tile's merge"):
+        _graph(32, 8, 128, page, 2048, 64, dtype, merge=True)
+    _graph(32, 8, 128, page, 2048, 64, dtype)  # the portable tile takes these shapes
+
+
 def test_hopper_tile_config():
     from cutemk.ops.attention_decode_sm90 import sm90_decode_config
 
@@ -361,20 +371,21 @@ def test_a_counter_left_non_zero_is_reported():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", [False, True], ids=["one_pass", "batched_merge"])
 @pytest.mark.parametrize("lens", [[4096, 4096, 4096, 4096, 1000], [300, 300, 300, 300, 300]])
-def test_decode_attention_bad_pages_on_the_gpu(lens):
+def test_decode_attention_bad_pages_on_the_gpu(lens, merge):
     """The Hopper tile's page checks (the consumer warps take turns, each checking a slice's
     page ids at its next turn or after the last slice): a page id outside the cache in a
     sequence's first, a middle and its last page makes that sequence NaN and leaves the
     others right; long ranges (4096 tokens in 6 ranges of 704: 11 slices, two turns for
     some warps) and short ones (300 tokens in 5 ranges of one slice: every check after the
-    loop)."""
+    loop). Both merges: a poisoned range's NaN must survive either."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     hq, hkv, d, page, max_pages = 32, 8, 128, 16, 2048
-    c = _graph(hq, hkv, d, page, max_pages, 64, torch.bfloat16, max_b=8).compile(
-        "cute", scheduler="static", watchdog=True, poison_outputs=True
-    )
+    g = _graph(hq, hkv, d, page, max_pages, 64, torch.bfloat16, max_b=8, merge=merge)
+    assert g.nodes[0].op.sm90().merge_batched == merge
+    c = g.compile("cute", scheduler="static", watchdog=True, poison_outputs=True)
     gen = torch.Generator().manual_seed(7)
     a = _inputs(lens, hq, hkv, d, page, max_pages, torch.bfloat16, gen, "cuda")
     total = a["k_cache"].shape[0]

@@ -363,6 +363,17 @@ def test_router_topk_replaces_the_topk_phase():
         assert "topk_softmax" in {n.op.name for n in big.nodes}, t_max
 
 
+def test_router_topk_rows_are_always_a_planned_count():
+    """What makes ``ROUTER_TOPK_MAX_ROWS`` safe: a live kernel plans every count up to it
+    (``live_counts``), so a live count there always runs its own plan and the router's top-k
+    never picks for rows past it. A change to the live ladder must keep this."""
+    from cutemk.live import live_counts
+    from cutemk.moe_layers import ROUTER_TOPK_MAX_ROWS
+
+    for last in (ROUTER_TOPK_MAX_ROWS, 16, 4096):
+        assert set(range(1, ROUTER_TOPK_MAX_ROWS + 1)) <= set(live_counts(1, last)), last
+
+
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("regime", ["slots", "routed"])
 def test_router_topk_matches_the_topk_phase_on_the_interpreter(scheduler, regime):

@@ -726,6 +726,13 @@ def test_out_norm_refuses_what_it_cannot_hold():
     with pytest.raises(ShapeError, match="vectors a thread"):
         ops.gemm_split_reduce(wide, out_norm=TensorSpec((4096,), BF), out_norm_eps=1e-6)
     assert not ops.out_norm_fits(4096, BF) and ops.out_norm_fits(2048, BF)
+    # every range's partials of a thread's vectors are in registers at once: 4 vectors of 8
+    # ranges (the Qwen3-30B-A3B o_proj) fit, of 16 they would spill; 2 vectors of 16 fit
+    assert ops.out_norm_fits(2048, BF, split=8) and not ops.out_norm_fits(2048, BF, split=16)
+    assert ops.out_norm_fits(1024, BF, split=16) and not ops.out_norm_fits(1024, BF, split=32)
+    deep = TensorSpec((16, 4, 2048), torch.float32)
+    with pytest.raises(ShapeError, match="fp32 partials a thread"):
+        ops.gemm_split_reduce(deep, out_norm=TensorSpec((2048,), BF), out_norm_eps=1e-6)
     op = ops.gemm_split_reduce(part, r, out_norm=TensorSpec((256,), BF), out_norm_eps=1e-6)
     assert op.block_n == 256 and op.outputs == ("c", "y")
 
@@ -779,6 +786,16 @@ def test_linear_keeps_the_norm_phase_where_out_norm_does_not_fit():
         assert y is None and h.producer.op.name == want
         with pytest.raises(ValueError, match="out_norm_eps"):
             linear(g, a, w, r, **kw)
+    # a width that fits, split too deep for the partials in registers: the norm phase again
+    g = mk.Graph("deep")
+    t = mk.sym("T", 16)
+    a, r = g.input("a", (t, 2048), BF), g.input("r", (t, 2048), BF)
+    w, gamma = g.weight("w", (2048, 2048), BF), g.weight("gamma", (2048,), BF)
+    kw = dict(block_m=64, block_n=64, fuse_reduce=False, out_norm=gamma, out_norm_eps=1e-6)
+    h, y = linear(g, a, w, r, split_k=16, **kw)
+    assert y is None and h.producer.op.name == "gemm_split_reduce"
+    h, y = linear(g, a, w, r, split_k=8, **kw)
+    assert y is not None and y.producer is h.producer
     g = mk.Graph("narrow")
     t = mk.sym("T", 16)
     a, r = g.input("a", (t, 256), BF), g.input("r", (t, 512), BF)
