@@ -80,6 +80,7 @@ class Graph:
         self.outputs: list[Value] = []
         self.event_maps: list[EventMap] = []
         self._names: set[str] = set()
+        self._compiled = False  # set by compile: a compiled graph reads it, so it is final
 
     # -- building ---------------------------------------------------------------------------
     def input(
@@ -100,6 +101,7 @@ class Graph:
         """Call a tile op on graph values. ``op`` is an op builder (e.g. ``ops.gemm``) taking
         the input specs positionally and config by keyword, or an already-built op instance.
         Returns the op's output value(s) in its declared output order."""
+        self._check_open()
         for i, a in enumerate(args):
             if not isinstance(a, Value) or a.graph is not self:
                 raise GraphError(
@@ -125,12 +127,28 @@ class Graph:
             raise GraphError(
                 f"{inst.name} takes {len(inst.inputs)} inputs {inst.inputs}, got {len(args)}"
             )
+        if isinstance(op, TileOp):  # an op built elsewhere: built for these arguments?
+            for iname, a in zip(inst.inputs, args):
+                spec = getattr(inst, iname, None)
+                if isinstance(spec, TensorSpec) and (
+                    tuple(spec.shape) != tuple(a.spec.shape) or spec.dtype != a.spec.dtype
+                ):
+                    raise GraphError(
+                        f"{inst.name} was built with {iname} of shape {tuple(spec.shape)} "
+                        f"{spec.dtype}, but is called on {a.name} of shape "
+                        f"{tuple(a.spec.shape)} {a.spec.dtype}"
+                    )
+
+        def names_of(n: str) -> list[str]:  # the node's name and its values' names
+            return [n] + [f"{n}.{o}" for o in inst.output_specs()]
+
         node_name = name or next(
             f"{inst.name}{i}"
-            for i in range(len(self.nodes) + 1)
-            if f"{inst.name}{i}" not in self._names
+            for i in range(len(self.nodes) + len(self._names) + 1)
+            if not any(v in self._names for v in names_of(f"{inst.name}{i}"))
         )
-        self._claim(node_name)
+        for v in names_of(node_name):
+            self._claim(v)
         node = Node(len(self.nodes), node_name, inst, dict(zip(inst.inputs, args)))
         for oname, target in inst.updates.items():
             src = node.args.get(target)
@@ -153,6 +171,7 @@ class Graph:
 
     def output(self, value: Value, name: str | None = None) -> Value:
         """Mark an intermediate value as a graph output (returned by a compiled graph)."""
+        self._check_open()
         if value.graph is not self or value.producer is None:
             raise GraphError(f"output {value.name} must be produced by a node of this graph")
         if value in self.outputs:
@@ -185,6 +204,7 @@ class Graph:
         tile coordinate to ``(rank, index)`` pairs: the task waits until element ``index`` of
         this event *on rank* ``rank`` is complete (see ``cutemk.events.RankIndexMap``).
         """
+        self._check_open()
         ev = EventTensor(
             tuple(const(d) if not isinstance(d, int) else d for d in shape), count, name
         )
@@ -260,6 +280,7 @@ class Graph:
         issue and landing too), ``poison_outputs``.
         """
         self.validate()
+        self._compiled = True
         if backend is None:
             backend = "cute" if torch.cuda.is_available() else "interpret"
         try:
@@ -269,7 +290,15 @@ class Graph:
         return cls(self, **options)
 
     # -- internals --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._compiled:
+            raise GraphError(
+                f"graph {self.name!r} has been compiled and its compiled graphs read it: it "
+                "cannot change any more (build a new Graph)"
+            )
+
     def _leaf(self, name: str, shape: Sequence[IntLike], dtype: torch.dtype, kind: str) -> Value:
+        self._check_open()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
         for d, dim in enumerate(shape):

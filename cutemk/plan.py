@@ -485,6 +485,13 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
     # explicit events add ordering to the automatic ones, never replace them: an event declared
     # on a producer -> consumer pair must not drop the data dependencies derived from regions
     _automatic_events(graph, plan, coords)
+    if graph.event_maps:
+        # automatic events follow the node order, explicit ones may point back: a cycle
+        # through one is refused here for every scheduler (a dynamic launch would never
+        # push the tasks on it: a hang on the GPU)
+        from .depgraph import DepGraph  # depgraph builds on this module
+
+        DepGraph.of(plan).topological_order(plan)
     dump_stage(plan, "plan", plan.describe)
     return plan
 

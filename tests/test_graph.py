@@ -99,6 +99,73 @@ def test_auto_names_skip_taken_ones():
     assert [n.name for n in g.nodes] == ["gemm1", "gemm0"] and b.producer.name == "gemm0"
 
 
+def test_value_names_are_claimed_like_node_names():
+    """An op's outputs are named ``<node>.<output>``: a leaf of that name would share its
+    storage slot with the output (the launch read NaN before), so auto names skip it and an
+    explicit node name that would make it is refused."""
+    g = mk.Graph()
+    a, b = g.input("add0.out", (4, 4)), g.input("b", (4, 4))
+    y = g.call(ops.add, a, b)
+    assert y.name == "add1.out"
+    g.output(y)
+    out = g.compile("interpret", num_sms=2)(torch.ones(4, 4), torch.ones(4, 4))
+    assert torch.equal(out, torch.full((4, 4), 2.0))
+    g = mk.Graph()
+    a = g.input("n.out", (4, 4))
+    with pytest.raises(mk.GraphError, match="'n.out' is used twice"):
+        g.call(ops.add, a, a, name="n")
+
+
+def test_a_built_op_must_match_its_arguments():
+    """An op instance given to ``Graph.call`` was built for specs: values of other shapes or
+    dtypes are refused (its output would have been the built shape, silently)."""
+    g = mk.Graph()
+    a, c = g.input("a", (8, 4)), g.input("c", (16, 4))
+    op = ops.add(a.spec, a.spec)
+    with pytest.raises(mk.GraphError, match="built with a of shape \\(8, 4\\)"):
+        g.call(op, c, c)
+    with pytest.raises(mk.GraphError, match="bfloat16"):
+        g.call(op, a, g.input("d", (8, 4), torch.bfloat16))
+    assert g.call(op, a, a).spec.shape == (8, 4)
+
+
+def test_a_compiled_graph_is_final():
+    """A compiled graph reads its Graph at every launch: adding to it afterwards is refused
+    (an added output made the compiled graph raise a raw KeyError, an added input made it ask
+    for that input)."""
+    g = mk.Graph()
+    a = g.input("a", (4, 4))
+    y = g.call(ops.add, a, a)
+    g.output(y)
+    c = g.compile("interpret", num_sms=2)
+    for build in (
+        lambda: g.input("b", (4, 4)),
+        lambda: g.weight("w", (4, 4)),
+        lambda: g.call(ops.add, y, a),
+        lambda: g.event((1,), notify=[(y, lambda t: [(0,)])], wait=[(y, lambda t: [(0,)])]),
+    ):
+        with pytest.raises(mk.GraphError, match="has been compiled"):
+            build()
+    assert torch.equal(c(torch.ones(4, 4)), torch.full((4, 4), 2.0))
+    g.compile("interpret", num_sms=3)  # compiling again is fine
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_a_cycle_through_an_explicit_event_is_refused_for_every_scheduler(scheduler):
+    """Automatic events follow the node order; an explicit one may point back and close a
+    cycle. The plan refuses it for both schedulers (a dynamic launch would never push the
+    tasks on it: a hang on the GPU, a DeadlockError at run time on the interpreter)."""
+    g = mk.Graph()
+    a, b = g.input("a", (4, 4)), g.input("b", (4, 4))
+    h = g.call(ops.add, a, b)
+    z = g.call(ops.add, h, b)
+    g.output(z)
+    g.event((1,), notify=[(z, lambda t: [(0,)])], wait=[(h, lambda t: [(0,)])])
+    c = g.compile("interpret", num_sms=2, scheduler=scheduler)
+    with pytest.raises(mk.GraphError, match="dependency cycle through add0\\[0\\], add1"):
+        c(torch.ones(4, 4), torch.ones(4, 4))
+
+
 def test_grouped_ops_need_the_routes_block_m():
     from cutemk.layers import MoeConfig
 
