@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable, Sequence, Union
 
-from .symbolic import Bindings, IntLike, evaluate, shape_str
+from .symbolic import Bindings, Expr, IntLike, evaluate, shape_str
 
 Index = tuple[int, ...]
 IndexMap = Callable[..., Union[Index, Iterable[Index], None]]
@@ -50,6 +50,14 @@ class EventTensor:
     shape: tuple[IntLike, ...]
     count: Union[IntLike, CountFn, None] = None
     name: str = "event"
+
+    def __post_init__(self) -> None:
+        c = self.count
+        if isinstance(c, bool) or not (c is None or callable(c) or isinstance(c, (int, Expr))):
+            raise TypeError(
+                f"event {self.name}: count must be an int, a sym expression, a function "
+                f"(index, env) -> int or None, got {c!r}"
+            )
 
     def concrete_shape(self, env: Bindings) -> tuple[int, ...]:
         return tuple(evaluate(d, env) for d in self.shape)

@@ -172,8 +172,9 @@ class Graph:
     def output(self, value: Value, name: str | None = None) -> Value:
         """Mark an intermediate value as a graph output (returned by a compiled graph)."""
         self._check_open()
-        if value.graph is not self or value.producer is None:
-            raise GraphError(f"output {value.name} must be produced by a node of this graph")
+        if not isinstance(value, Value) or value.graph is not self or value.producer is None:
+            what = value.name if isinstance(value, Value) else repr(value)
+            raise GraphError(f"output {what} must be a value produced by a node of this graph")
         if value in self.outputs:
             raise GraphError(f"{value.name} is already an output")
         if name is not None and name != value.name:

@@ -89,8 +89,12 @@ class InterpretedGraph:
         seed: int = 0,
         check_races: bool = True,
     ) -> None:
-        if not isinstance(num_sms, int) or num_sms < 1:
+        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
             raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        if not isinstance(check_races, bool):
+            raise TypeError(f"check_races must be a bool, got {check_races!r}")
         self.graph = graph
         self.num_sms = num_sms
         self.scheduler = resolve_scheduler(scheduler)

@@ -73,6 +73,10 @@ def warmup(
     caches' page count (its first live launch then loads the kernels: make it before a
     capture)."""
     objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    tokens = list(tokens)
+    bad = [t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")]
+    if bad or any(int(t) < 1 for t in tokens):  # an int or numpy int; 2.7 is not a count
+        raise ValueError(f"warmup tokens must be positive ints, got {bad or tokens}")
     tokens = [int(t) for t in tokens]
     for o in objs:  # before any work
         if live and pages is None and hasattr(o, "decode_regime_starts"):
@@ -153,6 +157,10 @@ def _kernel_specs(obj: Any) -> list:
 
 
 def _warm_one(obj: Any, tokens: Iterable[int], progress: bool | None) -> WarmupReport:
+    tokens = list(tokens)
+    bad = [t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")]
+    if bad or any(int(t) < 1 for t in tokens):  # an int or numpy int; 2.7 is not a count
+        raise ValueError(f"warmup tokens must be positive ints, got {bad or tokens}")
     tokens = [int(t) for t in tokens]
     if hasattr(obj, "regime_starts") and hasattr(obj, "compiled"):
         return _warm_module(obj, tokens, progress)

@@ -89,6 +89,8 @@ class Sym(Expr):
     min: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"sym name must be a str, got {self.name!r}")
         if not self.name.isidentifier():
             raise ValueError(f"sym name must be an identifier, got {self.name!r}")
         for f in ("max", "min"):

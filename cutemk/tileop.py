@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .errors import DTypeError, ShapeError
-from .symbolic import Bindings, IntLike, evaluate, shape_str
+from .symbolic import Bindings, IntLike, Sym, evaluate, shape_str
 
 Box = tuple[tuple[int, int], ...]
 """Half-open interval per tensor dim: ((lo0, hi0), (lo1, hi1), ...)."""
@@ -430,4 +430,9 @@ def expect_positive_sizes(**sizes: Any) -> None:
 def expect_same_dim(a: IntLike, b: IntLike, what: str) -> None:
     """Static check that two dims are the same int or the same symbolic expression."""
     if a != b:
+        if isinstance(a, Sym) and isinstance(b, Sym) and a.name == b.name:
+            raise ShapeError(
+                f"{what}: two different syms named {a.name} ({a!r} and {b!r}): declare a "
+                "dim once and use it everywhere"
+            )
         raise ShapeError(f"{what}: {a} != {b}")

@@ -126,6 +126,8 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             raise ShapeError(
                 f"gemm silu_mul epilogue needs an even b.shape[0], got {self.b.shape[0]}"
             )
+        if self.out_dtype is not None and self.out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"gemm out_dtype must be one of {FLOAT_DTYPES}, got {self.out_dtype!r}")
         if (self.epilogue == "residual") != (self.r is not None):
             raise ValueError("gemm: the residual epilogue takes r, and only it does")
         if self.r is not None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import cutlass
-import numpy as np
 import torch
 from cutlass import Float32, Int32, cute
 

@@ -68,6 +68,13 @@ WARPS = NUM_THREADS // WARP
 def rope_table(max_positions: int, head_dim: int, theta: float = 1_000_000.0) -> torch.Tensor:
     """(max_positions, head_dim) fp32: row p = [cos(p f_i), sin(p f_i)], f_i = theta^(-2i/D),
     the default rotary frequencies of Hugging Face's Qwen3 / LLaMA."""
+    for name, v in (("max_positions", max_positions), ("head_dim", head_dim)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"rope_table {name} must be a positive int, got {v!r}")
+    if head_dim % 2:
+        raise ValueError(f"rope_table head_dim must be even (cos and sin halves), got {head_dim}")
+    if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope_table theta must be a finite number > 0, got {theta!r}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     ang = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([ang.cos(), ang.sin()], dim=1)

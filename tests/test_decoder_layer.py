@@ -166,6 +166,59 @@ def test_mega_decoder_layer_from_hf_takes_config_options():
             MegaDecoderLayer.from_hf(layer, **kw, options=taken)
 
 
+def test_from_hf_and_steps_refuse_bad_arguments():
+    """What a new user gets wrong, refused with a clear error: option values of the wrong type
+    (``"no"`` switched an option on), the MoE block's switches on a dense layer, bad tiles,
+    rotary base and table size, something that is not a decoder layer, a biased MLP (its bias
+    was dropped), weights that are not a dict of tensors; at a step, caches that share memory
+    (both are written in place) and a prefill's row offsets that do not cut x's rows into the
+    sequences (rows no sequence covers were never written)."""
+    pytest.importorskip("transformers")
+    from torch import nn
+
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = hf_layer(CFG)
+    kw = {"page_size": CFG.page_size, "max_pages": CFG.max_pages, "max_positions": 256}
+    with pytest.raises(TypeError, match="fused_append must be a bool"):
+        MegaDecoderLayer.from_hf(layer, **kw, options={"fused_append": "no"})
+    with pytest.raises(ValueError, match="MoE block only"):
+        MegaDecoderLayer.from_hf(layer, **kw, options={"moe_router_topk": True})
+    with pytest.raises(TypeError, match="options must be a dict"):
+        MegaDecoderLayer.from_hf(layer, **kw, options=["fused_append"])
+    with pytest.raises(ValueError, match="tiles"):
+        MegaDecoderLayer.from_hf(layer, **kw, tiles=(16,))
+    for theta in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="rope_theta"):
+            MegaDecoderLayer.from_hf(layer, **kw, rope_theta=theta)
+    with pytest.raises(ValueError, match="max_positions"):
+        MegaDecoderLayer.from_hf(layer, page_size=16, max_positions=-5)
+    with pytest.raises(TypeError, match="decoder layer"):
+        MegaDecoderLayer.from_hf(None)
+    with pytest.raises(TypeError, match="weights must be a dict"):
+        MegaDecoderLayer([1, 2], CFG)
+    biased = hf_layer(CFG)[0]
+    biased.mlp.up_proj = nn.Linear(CFG.hidden, CFG.intermediate, bias=True)
+    with pytest.raises(ValueError, match="up_proj.bias"):
+        MegaDecoderLayer.from_hf(biased, **kw)
+
+    mega = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=4, max_prefill_tokens=64, backend="interpret"
+    )
+    inputs, _ = step_case(layer, rotary, CFG, [3, 40], torch.Generator().manual_seed(5))
+    with pytest.raises(mk.errors.LayoutError, match="share memory"):
+        mega(**{**inputs, "v_cache": inputs["k_cache"]})
+    with pytest.raises(mk.errors.LayoutError, match="share memory"):
+        mega(**{**inputs, "v_cache": inputs["k_cache"][1:]})
+    pre, _ = case_inputs(layer, rotary, CFG, [(20, 10), (40, 7)], torch.Generator().manual_seed(6))
+    for cu in ([0, 10, 15], [0, 12, 10], [1, 10, 17]):  # x has 17 rows
+        bad = {**pre, "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+        with pytest.raises(mk.errors.DataError, match="cu_seqlens must rise from 0"):
+            mega(**bad)
+    with pytest.raises(mk.errors.ShapeError, match="cu_seqlens must be an int32"):
+        mega(**{**pre, "cu_seqlens": pre["cu_seqlens"].long()})
+
+
 @pytest.mark.parametrize("tail", [None, True, False])
 def test_regime_switches_keep_what_the_config_sets(tail):
     """``DECODER_REGIME_CONFIG`` fills only the switches the module's config leaves None: the

@@ -87,6 +87,29 @@ def test_bad_inputs_raise_clear_errors(scheduler):
         c(x.numpy(), wgu, wd)
     with pytest.raises(ValueError, match="scheduler must be one of"):
         _mlp().compile("interpret", scheduler="random")
+    with pytest.raises(TypeError, match="seed must be an int"):
+        _mlp().compile("interpret", seed="x")
+
+
+def test_small_builders_refuse_bad_values():
+    """Values a builder would have taken and failed on later (or silently used)."""
+    with pytest.raises(TypeError, match="sym name must be a str"):
+        mk.sym(3, max=4)
+    g = mk.Graph()
+    with pytest.raises(mk.GraphError, match="output None"):
+        g.output(None)
+    a, b = g.input("a", (mk.sym("T", max=8), 4)), g.input("b", (mk.sym("T", max=16), 4))
+    with pytest.raises(mk.ShapeError, match="two different syms named T"):
+        g.call(ops.add, a, b)
+    y = g.call(ops.add, a, a)
+    with pytest.raises(TypeError, match="count must be"):
+        g.event((1,), count="x", notify=[(y, lambda t: [(0,)])], wait=[(y, lambda t: [(0,)])])
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.gemm(a.spec, mk.TensorSpec((4, 4), torch.float32), out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="even"):
+        ops.rope_table(8, 5)
+    with pytest.raises(ValueError, match="theta"):
+        ops.rope_table(8, 4, 0.0)
 
 
 def test_auto_names_skip_taken_ones():

@@ -163,6 +163,8 @@ def test_refuses_what_it_cannot_compute(hf_mlp):
         MegaMLP(torch.randn(I, H), torch.randn(I, H).bfloat16(), torch.randn(H, I))
     with pytest.raises(ValueError, match="max_tokens"):
         MegaMLP.from_hf(hf_mlp, max_tokens=0)
+    with pytest.raises(mk.ShapeError, match="at least 1"):  # was a ZeroDivisionError at a call
+        MegaMLP(torch.randn(4, 0), torch.randn(4, 0), torch.randn(0, 4))
 
 
 def test_bad_inputs(hf_mlp):
@@ -275,3 +277,13 @@ def test_forward_live_on_the_interpreter(hf_mlp):
         mlp(x, num_tokens=torch.tensor([3]))
     with pytest.raises(mk.errors.CuteMKError, match="outside"):
         mlp(x, num_tokens=torch.tensor([21], dtype=torch.int32))
+    # ``out`` and the count are checked as the GPU path checks them (the reference took an
+    # int32 out and truncated, and returned a 2-row out whole)
+    n3 = torch.tensor([3], dtype=torch.int32)
+    for bad in (torch.empty(20, H, dtype=torch.int32), torch.empty(2, H), torch.empty(H, 20).T):
+        with pytest.raises(mk.errors.LayoutError, match="out must be a contiguous"):
+            mlp.forward_live(x, n3, out=bad)
+    with pytest.raises(mk.errors.DeviceError, match="num_tokens is on meta"):
+        mlp.forward_live(x, torch.tensor([3], dtype=torch.int32, device="meta"))
+    with pytest.raises(mk.errors.LayoutError, match="contiguous rows"):
+        mlp.forward_live(torch.randn(H, 20).T, n3)

@@ -155,3 +155,49 @@ def test_options_switch_the_router_topk_in_every_regime_graph():
         MegaMoE.from_hf(block, options={"router_top_k": True})
     with pytest.raises(TypeError, match="bool"):
         MegaMoE.from_hf(block, options={"router_topk": 1})
+
+
+def test_constructor_and_from_hf_refuse_what_the_block_does_not_compute():
+    """Biases (the gate's, or 4.x expert MLPs') are refused, not dropped (they changed the
+    output silently); zero-size blocks, a bool top_k, a non-bool norm flag, options that are
+    not a dict and a bad profile value are refused when the module is built; profiling asks
+    for the GPU kernel at the first call on the interpreter."""
+    from torch import nn
+
+    from cutemk.errors import CuteMKError, ShapeError
+
+    e, h, i = 4, 32, 16
+
+    class Expert(nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.gate_proj = nn.Linear(h, i, bias=bias)
+            self.up_proj = nn.Linear(h, i, bias=False)
+            self.down_proj = nn.Linear(i, h, bias=False)
+            self.act_fn = nn.SiLU()
+
+    class Block(nn.Module):  # transformers 4.x's layout: one MLP an expert
+        def __init__(self, gate_bias, expert_bias):
+            super().__init__()
+            self.gate = nn.Linear(h, e, bias=gate_bias)
+            self.experts = nn.ModuleList(Expert(expert_bias and j == 2) for j in range(e))
+            self.top_k, self.norm_topk_prob = 2, True
+
+    MegaMoE.from_hf(Block(False, False))
+    with pytest.raises(ValueError, match="gate.bias"):
+        MegaMoE.from_hf(Block(True, False))
+    with pytest.raises(ValueError, match="experts\\[2\\].gate_proj.bias"):
+        MegaMoE.from_hf(Block(False, True))
+    wr, wgu, wd = torch.randn(e, h), torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    with pytest.raises(ShapeError, match="at least one expert"):
+        MegaMoE(torch.randn(e, 0), torch.randn(e, 2 * i, 0), torch.randn(e, 0, i), top_k=2)
+    with pytest.raises(ValueError, match="top_k"):
+        MegaMoE(wr, wgu, wd, top_k=True)
+    with pytest.raises(TypeError, match="norm_topk_prob"):
+        MegaMoE(wr, wgu, wd, top_k=2, norm_topk_prob="no")
+    with pytest.raises(TypeError, match="options must be a dict"):
+        MegaMoE(wr, wgu, wd, top_k=2, options=["router_topk"])
+    with pytest.raises(ValueError, match="profile"):
+        MegaMoE(wr, wgu, wd, top_k=2, profile="x")
+    with pytest.raises(CuteMKError, match="'cute' backend"):
+        MegaMoE(wr, wgu, wd, top_k=2, profile=True, backend="interpret")(torch.randn(3, h))

@@ -15,20 +15,24 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     [
         ("named", [r"bar\.arrive\s+1, 64", r"bar\.sync\s+1, 64"], [r"mbarrier\.arrive"]),
         ("named_sync", [r"bar\.sync\s+1, 64", r"bar\.sync\s+2, 64"], [r"\bbar\.arrive"]),
-        ("mbarrier", [r"mbarrier\.arrive", r"mbarrier\.try_wait", r"bar\.warp\.sync"],
-         [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init"]),
+        (
+            "mbarrier",
+            [r"mbarrier\.arrive", r"mbarrier\.try_wait", r"bar\.warp\.sync"],
+            [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init"],
+        ),
         ("mbarrier_all", [r"mov\.b32\s+%r\d+, 32;\s+mbarrier\.init", r"mbarrier\.try_wait"], []),
-        ("epi", [r"bar\.sync\s+1, 64", r"mbarrier\.arrive", r"mbarrier\.try_wait"],
-         [r"\bbar\.arrive", r"nanosleep"]),
+        (
+            "epi",
+            [r"bar\.sync\s+1, 64", r"mbarrier\.arrive", r"mbarrier\.try_wait"],
+            [r"\bbar\.arrive", r"nanosleep"],
+        ),
         ("epi_late", [r"bar\.sync\s+1, 64", r"mbarrier\.try_wait", r"nanosleep"], []),
     ],
 )
 def test_patterns_compile_with_their_synchronisation(
     tmp_path, name, present, absent, benchmark_script
 ):
-    benchmark_script("sanitize_patterns").compile_pattern(
-        name, f"--keep-ptx --dump-dir={tmp_path}"
-    )
+    benchmark_script("sanitize_patterns").compile_pattern(name, f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
     for instr in present:

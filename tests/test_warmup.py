@@ -64,6 +64,8 @@ def test_mlp_and_graph_warmup():
         mk.warmup(c, tokens=[65], progress=False)
     with pytest.raises(ShapeError, match="outside"):  # checked before any work
         mk.warmup([c, mlp], tokens=[21], progress=False)
+    with pytest.raises(ValueError, match="positive ints"):  # 2.7 was planned as 2
+        mk.warmup(c, tokens=[2.7], progress=False)
     # the interpreter has no live kernels to prepare: the live path reads the count on the host
     assert len(mk.warmup(mlp, live=True, progress=False).steps) == len(mlp.regimes())
     with pytest.raises(TypeError):

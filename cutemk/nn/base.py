@@ -263,14 +263,7 @@ class _LiveModule(_KeyedModule):
         """:meth:`_live_rows` on the interpreter: the count read on the host, the plan the
         device would pick (:meth:`live_plan_count`) run with its tokens past the count
         absent."""
-        if not (
-            isinstance(num_tokens, torch.Tensor)
-            and num_tokens.dtype == torch.int32
-            and num_tokens.numel() == 1
-        ):
-            raise TypeError(
-                "num_tokens must be an int32 tensor of one element (the live token count)"
-            )
+        check_live_reference_args(x2, num_tokens, out)
         n = int(num_tokens.reshape(()))
         if not 0 <= n <= self.max_tokens:
             raise CuteMKError(
@@ -320,11 +313,60 @@ class _LiveModule(_KeyedModule):
             )
 
 
+def check_live_reference_args(x2: torch.Tensor, num_tokens: Any, out: Any) -> None:
+    """A live call's count and ``out`` on the interpreter, checked as the GPU path checks them
+    (``cutemk.live``): the count an int32 tensor of one element beside the rows, ``out`` a
+    contiguous tensor of the rows' shape, dtype and device, the rows contiguous."""
+    if not (
+        isinstance(num_tokens, torch.Tensor)
+        and num_tokens.dtype == torch.int32
+        and num_tokens.numel() == 1
+    ):
+        raise TypeError("num_tokens must be an int32 tensor of one element (the live count)")
+    if num_tokens.device != x2.device:
+        raise DeviceError(f"num_tokens is on {num_tokens.device}, the rows on {x2.device}")
+    if not x2.is_contiguous():
+        raise LayoutError(
+            f"forward_live takes contiguous rows, got strides {x2.stride()} for shape "
+            f"{tuple(x2.shape)}"
+        )
+    if out is not None and not (
+        isinstance(out, torch.Tensor)
+        and out.shape == x2.shape
+        and out.dtype == x2.dtype
+        and out.device == x2.device
+        and out.is_contiguous()
+    ):
+        got = (
+            (out.dtype, tuple(out.shape), str(out.device)) if isinstance(out, torch.Tensor) else out
+        )
+        raise LayoutError(
+            f"out must be a contiguous {x2.dtype} tensor of shape {tuple(x2.shape)} on "
+            f"{x2.device}, got {got}"
+        )
+
+
 def _check_options(max_tokens: Any, backend: Any) -> None:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     if backend not in (None, "cute", "interpret"):
         raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
+
+
+def _check_profile(profile: Any) -> None:
+    if profile not in (False, True, "slices"):
+        raise ValueError(f"profile must be False, True or 'slices', got {profile!r}")
+
+
+def _check_no_bias(module: Any, who: str) -> None:
+    """The blocks compute bias-free projections: a module (a Linear, or an experts module
+    whose tensors end in ``bias``) that has a bias is refused, never dropped."""
+    for name, value in vars(module).get("_parameters", {}).items():
+        if value is not None and (name == "bias" or name.endswith("_bias")):
+            raise ValueError(f"{who}.{name}: a bias, which cutemk's blocks do not compute")
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        raise ValueError(f"{who}.bias: a bias, which cutemk's blocks do not compute")
 
 
 def _sm_count(device: torch.device) -> int:
@@ -341,6 +383,11 @@ def _compile(module: nn.Module, g: Any, backend: str) -> Any:
     True or ``"slices"``, see ``Graph.compile``)."""
     options: dict[str, Any] = {"scheduler": module.scheduler}
     profile = getattr(module, "profile", False)
+    if profile and backend != "cute":
+        raise CuteMKError(
+            f"{type(module).__name__}(profile=...) records the GPU kernel's tasks: it needs the "
+            f"'cute' backend, this call runs on {backend!r}"
+        )
     if profile:
         options["profile"] = profile if profile == "slices" else True
     if module.num_sms is not None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import torch_ops
-from ..errors import CuteMKError, ShapeError
+from ..errors import CuteMKError, DataError, LayoutError, ShapeError
 from ..regimes import (
     DECODER_FUSED_REDUCE,
     DECODER_MOE_REGIME_LIMITS,
@@ -22,7 +23,7 @@ from ..regimes import (
 )
 from ..symbolic import sym
 from ..tileop import expect_positive_int
-from .base import _KeyedModule, _sm_count
+from .base import _check_no_bias, _check_silu, _KeyedModule, _sm_count, check_live_reference_args
 from .moe import MegaMoE
 
 
@@ -80,6 +81,10 @@ class MegaDecoderLayer(_KeyedModule):
         if moe is not None:
             self.regime_limits = DECODER_MOE_REGIME_LIMITS
         self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
+        if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(w, torch.Tensor) for k, w in weights.items()
+        ):
+            raise TypeError("weights must be a dict of name -> torch.Tensor")
         self._names = list(weights)
         for name, w in weights.items():
             self.register_buffer(name, w.detach().contiguous())
@@ -109,6 +114,19 @@ class MegaDecoderLayer(_KeyedModule):
         from ..layers import DecoderConfig, MoeConfig, fold_decoder_norms
         from ..ops import rope_table
 
+        if not (hasattr(layer, "self_attn") and hasattr(layer, "mlp")):
+            raise TypeError(
+                "MegaDecoderLayer.from_hf takes a transformers decoder layer (self_attn, mlp), "
+                f"got {type(layer).__name__}"
+            )
+        if not (
+            isinstance(tiles, (tuple, list))
+            and len(tiles) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in tiles)
+        ):
+            raise ValueError(f"tiles must be (block_m, block_n), two positive ints, got {tiles!r}")
+        if max_positions is not None:
+            expect_positive_int(max_positions, "max_positions")
         a, m = layer.self_attn, layer.mlp
         conf = a.config
         head_dim = a.head_dim
@@ -125,8 +143,16 @@ class MegaDecoderLayer(_KeyedModule):
         theta = rope_theta
         if theta is None:
             theta = params.get("rope_theta", getattr(conf, "rope_theta", 10000.0))
+        if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+            raise ValueError(
+                f"MegaDecoderLayer: rope_theta must be a finite number > 0, got {theta!r}"
+            )
         max_pos = max_positions or conf.max_position_embeddings
         sparse = hasattr(m, "experts")
+        if not sparse:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                _check_no_bias(getattr(m, name), f"{type(m).__name__}.{name}")
+            _check_silu(m)
         moe = None
         if sparse:  # the sparse block's weights as MegaMoE reads them (5.x or 4.x layout)
             block = MegaMoE.from_hf(m, max_tokens=kwargs.get("max_batch", 64), backend="interpret")
@@ -154,6 +180,7 @@ class MegaDecoderLayer(_KeyedModule):
             block_n=tiles[1],
             fold_norms=True,
         )
+        _check_layer_options(options, sparse)
         if options:
             # what the layer and the arguments above decide (the folded weights below assume
             # fold_norms) is not an option
@@ -289,6 +316,7 @@ class MegaDecoderLayer(_KeyedModule):
             )
         if cu_seqlens is not None:
             return self.prefill(x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens)
+        _check_caches(k_cache, v_cache)
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
             raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
         if x.shape[0] > self.max_batch:
@@ -319,6 +347,7 @@ class MegaDecoderLayer(_KeyedModule):
         caches' page count fixed per live graph); the one whose range holds the count runs.
         A count outside [0, max_batch] runs nothing and is raised by :meth:`check_live`. On
         the interpreter the count is read on the host."""
+        _check_caches(k_cache, v_cache)
         b, hidden = self.max_batch, self.cfg.hidden
         shapes = {
             "x": (x, (b, hidden)),
@@ -395,12 +424,7 @@ class MegaDecoderLayer(_KeyedModule):
     ):
         """:meth:`forward_live` on the interpreter: the count read on the host, the first
         ``n`` sequences stepped (the rest absent: nothing appended for them)."""
-        if not (
-            isinstance(num_tokens, torch.Tensor)
-            and num_tokens.dtype == torch.int32
-            and num_tokens.numel() == 1
-        ):
-            raise TypeError("num_tokens must be an int32 tensor of one element (the live batch)")
+        check_live_reference_args(x, num_tokens, out)
         n = int(num_tokens.reshape(()))
         if not 0 <= n <= self.max_batch:
             raise CuteMKError(
@@ -434,6 +458,7 @@ class MegaDecoderLayer(_KeyedModule):
         counting the new tokens, the caches and page table as a decode step's (every new
         token's keys and values are written into the caches, in place). Needs a module built
         with ``max_prefill_tokens``; eager only (no custom op for ``torch.compile`` yet)."""
+        _check_caches(k_cache, v_cache)
         if not self.max_prefill_tokens:
             raise CuteMKError(
                 "this MegaDecoderLayer takes no prefill steps: build it with max_prefill_tokens"
@@ -449,6 +474,7 @@ class MegaDecoderLayer(_KeyedModule):
                 f"seq_lens must be (B,) with B <= max_batch={self.max_batch}, got "
                 f"{tuple(seq_lens.shape)}"
             )
+        _check_cu_seqlens(cu_seqlens, seq_lens.shape[0], x.shape[0])
         x = x.detach()
         if not torch_ops.direct(x):
             raise CuteMKError(
@@ -467,3 +493,70 @@ class MegaDecoderLayer(_KeyedModule):
                 cu_seqlens=cu_seqlens,
                 **named,
             )
+
+
+MOE_ONLY_OPTIONS = frozenset({"moe_residual_in_combine", "moe_router_topk", "post_norm_in_reduce"})
+""":class:`cutemk.layers.DecoderConfig` switches that change only a layer with a MoE block (a
+dense layer's post-attention norm is folded into its gate/up projection)."""
+
+
+def _check_layer_options(options: Any, sparse: bool) -> None:
+    """``MegaDecoderLayer.from_hf``'s ``options``: a dict of known
+    :class:`~cutemk.layers.DecoderConfig` fields with values of their types (a bool switch
+    takes a bool: ``"no"`` would be true), the MoE block's switches only on a MoE layer."""
+    from ..layers import DecoderConfig
+
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of DecoderConfig fields, got {options!r}")
+    kinds = {f.name: str(f.type) for f in fields(DecoderConfig)}
+    for name, value in options.items():
+        kind = kinds.get(name)
+        if kind is None:
+            raise TypeError(f"options: DecoderConfig has no field {name!r}")
+        if value is None and "None" in kind:
+            continue
+        if kind.startswith("bool"):
+            if not isinstance(value, bool):
+                raise TypeError(f"options: {name} must be a bool, got {value!r}")
+        elif kind.startswith("int") and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"options: {name} must be an int, got {value!r}")
+        if name in MOE_ONLY_OPTIONS and value and not sparse:
+            raise ValueError(f"options: {name} applies to a layer with a MoE block only")
+
+
+def _check_caches(k_cache: Any, v_cache: Any) -> None:
+    """The layer writes both caches in place: they must not share memory."""
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        return
+    if k_cache.device != v_cache.device or k_cache.numel() == 0 or v_cache.numel() == 0:
+        return
+    k0, v0 = k_cache.data_ptr(), v_cache.data_ptr()
+    k1 = k0 + k_cache.numel() * k_cache.element_size()
+    v1 = v0 + v_cache.numel() * v_cache.element_size()
+    if k0 < v1 and v0 < k1:
+        raise LayoutError("k_cache and v_cache share memory: the layer writes both in place")
+
+
+def _check_cu_seqlens(cu_seqlens: Any, batch: int, tokens: int) -> None:
+    """A prefill step's row offsets must cut x's rows exactly into the batch's sequences:
+    rows no sequence covers would never be written. Read on the host (a prefill step is an
+    eager call of milliseconds; the copy of B + 1 ints is a small part of it)."""
+    if not (
+        isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dtype == torch.int32
+        and tuple(cu_seqlens.shape) == (batch + 1,)
+    ):
+        got = (
+            (cu_seqlens.dtype, tuple(cu_seqlens.shape))
+            if isinstance(cu_seqlens, torch.Tensor)
+            else cu_seqlens
+        )
+        raise ShapeError(f"cu_seqlens must be an int32 tensor of shape ({batch + 1},), got {got}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != tokens or any(b < a for a, b in zip(cu, cu[1:])):
+        raise DataError(
+            f"cu_seqlens must rise from 0 to x's {tokens} rows (each sequence's rows side by "
+            f"side), got {cu}"
+        )

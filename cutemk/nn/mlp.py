@@ -118,6 +118,10 @@ def _check_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
             got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
             raise ShapeError(f"{name} must be a 2-D tensor, got {got}")
     inter, hidden = w_gate.shape
+    if min(inter, hidden) < 1:
+        raise ShapeError(
+            f"MegaMLP needs H and I of at least 1, got w_gate of shape {(inter, hidden)}"
+        )
     if tuple(w_up.shape) != (inter, hidden):
         raise ShapeError(
             f"w_up must match w_gate's (I, H) = {(inter, hidden)}, got {tuple(w_up.shape)}"

@@ -10,7 +10,14 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
-from .base import _check_options, _check_silu, _LiveModule, _sm_count
+from .base import (
+    _check_no_bias,
+    _check_options,
+    _check_profile,
+    _check_silu,
+    _LiveModule,
+    _sm_count,
+)
 
 
 MOE_OPTIONS = ("router_topk",)
@@ -19,6 +26,8 @@ MOE_OPTIONS = ("router_topk",)
 
 def _moe_options(options: dict[str, Any] | None) -> dict[str, bool]:
     """``options`` checked: known switches (:data:`MOE_OPTIONS`), bool values."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"MegaMoE options must be a dict of switches, got {type(options).__name__}")
     options = {k: v for k, v in (options or {}).items() if v is not False}  # False: the default
     for name, value in options.items():
         if name not in MOE_OPTIONS:
@@ -74,8 +83,16 @@ class MegaMoE(_LiveModule):
         if not isinstance(w_down, torch.Tensor) or tuple(w_down.shape) != (e, h, inter):
             got = tuple(w_down.shape) if isinstance(w_down, torch.Tensor) else type(w_down)
             raise ShapeError(f"w_down must be (E, H, I) = {(e, h, inter)}, got {got}")
-        if not isinstance(top_k, int) or not 1 <= top_k <= e:
+        if min(e, h, inter) < 1:
+            raise ShapeError(
+                f"MegaMoE needs at least one expert, hidden and intermediate column, got E={e}, "
+                f"H={h}, I={inter}"
+            )
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= e:
             raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
+        if not isinstance(norm_topk_prob, bool):
+            raise TypeError(f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
+        _check_profile(profile)
         dtypes = {w.dtype for w in (w_router, w_gate_up, w_down)}
         if len(dtypes) != 1 or w_down.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise DTypeError(f"MoE weights must share one of fp32/bf16/fp16, got {dtypes}")
@@ -114,12 +131,18 @@ class MegaMoE(_LiveModule):
             norm = getattr(config, "norm_topk_prob", None)
         if top_k is None or norm is None:
             raise ValueError(f"{type(block).__name__}: cannot find top_k / norm_topk_prob")
+        _check_no_bias(gate, type(block).__name__ + ".gate")
         if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
             w_gu, w_down = experts.gate_up_proj, experts.down_proj
             _check_silu(experts)
+            _check_no_bias(experts, type(block).__name__ + ".experts")
         else:  # one gated MLP module per expert
-            for mlp in experts:
+            for i, mlp in enumerate(experts):
                 _check_silu(mlp)
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    _check_no_bias(
+                        getattr(mlp, name), f"{type(block).__name__}.experts[{i}].{name}"
+                    )
             w_gu = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
             w_down = torch.stack([m.down_proj.weight for m in experts])
         return cls(gate.weight, w_gu, w_down, int(top_k), bool(norm), max_tokens, **kwargs)
