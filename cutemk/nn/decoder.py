@@ -316,7 +316,6 @@ class MegaDecoderLayer(_KeyedModule):
             )
         if cu_seqlens is not None:
             return self.prefill(x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens)
-        _check_caches(k_cache, v_cache)
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
             raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
         if x.shape[0] > self.max_batch:
@@ -439,6 +438,7 @@ class MegaDecoderLayer(_KeyedModule):
 
     def _launch(self, x, positions, k_cache, v_cache, page_table, seq_lens, weights):
         """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
+        _check_caches(k_cache, v_cache)
         named = dict(zip(self._names, weights))
         with torch.no_grad():
             return self.compiled(self.regime(x.shape[0]), like=named["w_down"])(
@@ -474,13 +474,13 @@ class MegaDecoderLayer(_KeyedModule):
                 f"seq_lens must be (B,) with B <= max_batch={self.max_batch}, got "
                 f"{tuple(seq_lens.shape)}"
             )
-        _check_cu_seqlens(cu_seqlens, seq_lens.shape[0], x.shape[0])
         x = x.detach()
         if not torch_ops.direct(x):
             raise CuteMKError(
                 "MegaDecoderLayer.prefill runs eagerly only: it has no custom op for "
                 "torch.compile or tracing yet"
             )
+        _check_cu_seqlens(cu_seqlens, seq_lens.shape[0], x.shape[0])
         named = {n: getattr(self, n) for n in self._names}
         with torch.no_grad():
             return self.compiled("prefill", like=named["w_down"])(
@@ -530,6 +530,8 @@ def _check_caches(k_cache: Any, v_cache: Any) -> None:
     """The layer writes both caches in place: they must not share memory."""
     if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
         return
+    if not (torch_ops.direct(k_cache) and torch_ops.direct(v_cache)):
+        return  # traced (fake tensors have no memory): the op's real call checks them
     if k_cache.device != v_cache.device or k_cache.numel() == 0 or v_cache.numel() == 0:
         return
     k0, v0 = k_cache.data_ptr(), v_cache.data_ptr()
