@@ -17,8 +17,8 @@ read shared memory.
   gathers one head's).
 - **Host** (``tma_args``): one descriptor each for K and V over the cache viewed as
   ``(page_size, D, Hkv, pages)`` (the page is a coordinate, like a grouped GEMM's expert).
-- **Producer warp** (``load_kv``): lane r reads the page id of box r from the page table and
-  the warp issues the boxes. Positions past the sequence and bad page ids get the page
+- **Producer warp** (``load_kv``): the warp reads the page ids of the 32-page block holding
+  the slice in one load (the next slices' reads of the block hit L1) and issues the boxes. Positions past the sequence and bad page ids get the page
   coordinate ``pages``: the copy engine fills those boxes with zeros and reads no memory. The
   cache is launch input except each sequence's last position (a ``kv_append`` of the launch
   writes it): where the lengths and pages are launch inputs too, the producer decides the
@@ -303,24 +303,33 @@ def slice_boxes(
     slot,
     tma_at: cutlass.Constexpr,
 ):
-    """Lane r reads box r's page id; the warp issues the slice's K and V boxes (tokens
-    ``[base, base + slice)`` of sequence ``coord0``, those at or past ``word`` zeros).
-    ``tensors``: K at 1, the page table at 3, the four TMA arguments from ``tma_at`` (the
-    prefill tile, ``ops.attention_prefill_sm90``, streams its slices with this too)."""
+    """The warp reads the page ids of the 32-page block holding the slice, lane l page
+    ``block + l`` (one coalesced load: the slices after this one read the same ids from L1
+    instead of waiting a page-table round trip each), and issues the slice's K and V boxes
+    (tokens ``[base, base + slice)`` of sequence ``coord0``, those at or past ``word`` zeros).
+    A slice's pages never cross a block: slices are aligned to their size, a power-of-two
+    number of pages of at most 32. ``tensors``: K at 1, the page table at 3, the four TMA
+    arguments from ``tma_at`` (the prefill tile, ``ops.attention_prefill_sm90``, streams its
+    slices with this too)."""
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = (tensors[tma_at + i] for i in range(4))
     lane = cute.arch.lane_idx()
     num_pages = mK.shape[0]
-    pos = base + lane * cfg.box_rows
+    first = base // cfg.page
+    block = first - first % WARP_SIZE
     pg = num_pages  # out of bounds: a zero-filled box, no memory read
-    if lane < cfg.boxes and pos < word:
-        pg = mPT[coord0, pos // cfg.page]
+    # a page holding a position before ``word`` (clamped to the page table: in its row)
+    if (block + lane) * cfg.page < word:
+        pg = mPT[coord0, block + lane]
         if pg < 0 or pg >= num_pages:
             pg = num_pages
     slot_ptr = ring + idx * slot
     blk = (base % cfg.page) // cfg.box_rows  # box index inside its page
     for r in cutlass.range_constexpr(cfg.boxes):
-        p_r = cute.arch.shuffle_sync(pg, r)
+        pos = base + r * cfg.box_rows
+        p_r = cute.arch.shuffle_sync(pg, pos // cfg.page - block)
+        if pos >= word:  # a box past the sequence (its page may hold earlier positions)
+            p_r = num_pages
         if cutlass.const_expr(cfg.boxes > 1):
             blk = ((base + r * cfg.box_rows) % cfg.page) // cfg.box_rows
         for hf in cutlass.range(
