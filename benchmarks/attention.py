@@ -33,7 +33,7 @@ MAX_B = 64
 PREFILL_CASES = ((1, 8192, 0), (4, 2048, 0), (1, 1024, 4096))  # (batch, new tokens, cached)
 
 
-def _graph(splits: int, target_tiles: int, align: int, max_len: int):
+def _graph(splits: int, target_tiles: int, align: int, max_len: int, merge_batched=False):
     import cutemk as mk
     from cutemk import ops
 
@@ -55,6 +55,7 @@ def _graph(splits: int, target_tiles: int, align: int, max_len: int):
         splits=splits,
         target_tiles=target_tiles,
         align=align,
+        merge_batched=merge_batched,
     )[0]
     g.output(out, "out")
     return g
@@ -201,6 +202,11 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
     p.add_argument("--trace", action="store_true", help="a profiled launch's summary per case")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
+    p.add_argument(
+        "--merge-batched",
+        action="store_true",
+        help="also time the two-step merge of the ranges (cutemk_merge_batched, same process)",
+    )
     args = p.parse_args(argv)
     PAGE = args.page
     if not torch.cuda.is_available():
@@ -218,6 +224,11 @@ def main(argv=None) -> int:
     if args.trace:  # a graph of its own: profiling adds a timestamp store per task
         profiled = _graph(args.splits, args.target_tiles, args.align, max_len).compile(
             "cute", scheduler=args.scheduler, profile=True
+        )
+    batched = None
+    if args.merge_batched:
+        batched = _graph(args.splits, args.target_tiles, args.align, max_len, True).compile(
+            "cute", scheduler=args.scheduler
         )
     fa4 = _fa4()
     res = Results(
@@ -258,6 +269,8 @@ def main(argv=None) -> int:
                 enable_gqa=True,
             ).reshape(b, HQ * D),
         }
+        if batched is not None:
+            impls["cutemk_merge_batched"] = lambda: batched(q, kc, vc, table, lens)
         if fa4 is not None:
             impls["fa4"] = lambda: fa4(q.unsqueeze(1), k_flat, v_flat)[0].reshape(b, HQ * D)
         nbytes = 2.0 * (2 * b * n * HKV * D + 2 * b * HQ * D)
