@@ -39,7 +39,12 @@ from cutemk.tileop import (
 
 
 UNROLL = 4
-"""Outputs a thread gathers at once (k loads each): the gather is latency bound."""
+"""Outputs (or words) a thread gathers at once (k loads each): the gather is latency bound."""
+
+GATHER_BYTES = 256
+"""Most bytes of gathered words a thread holds at once (64 registers; the megakernel's threads
+have 168, and 512 spilled in the MoE kernels): 8 picks of 8 columns two words a batch, of 4
+columns four."""
 
 
 @register_op
@@ -270,80 +275,89 @@ class MoeCombineTile(TileOp):
                     if idx < total:
                         mY[t0 + idx // width, c0 + idx % width] = accs[u].to(mY.element_type)
 
-    def _words(self) -> bool:
-        """16-bit rows read and written as 8-byte words of 4 columns: H and block_n multiples of
-        4 (rows then start 8-byte aligned: the tensors are 16-byte aligned)."""
+    def _words(self) -> int:
+        """Columns a word of 16-bit rows: 8 (16-byte words) where H and block_n are multiples
+        of 8, else 4 (8-byte words) where they are multiples of 4, else 0 (one element a
+        load). Rows then start on a word (the tensors are 16-byte aligned)."""
         h = self.rows.shape[1]
-        return (
-            self.rows.dtype.itemsize == 2
-            and isinstance(h, int)
-            and h % 4 == 0
-            and self.block_n % 4 == 0
-        )
+        if self.rows.dtype.itemsize != 2 or not isinstance(h, int):
+            return 0
+        for cols in (8, 4):
+            if h % cols == 0 and self.block_n % cols == 0:
+                return cols
+        return 0
+
+    def _word_unroll(self) -> int:
+        """Words a thread gathers a batch: ``UNROLL``, fewer where its ``k`` gathers of
+        ``_words()`` columns each would pass ``GATHER_BYTES``."""
+        word_bytes = 2 * self._words()
+        if not word_bytes:  # the element path: UNROLL outputs a batch
+            return UNROLL
+        return max(1, min(UNROLL, GATHER_BYTES // (self.weights.shape[1] * word_bytes)))
 
     @cute.jit
     def _combine_words(self, mRows, sRow, sW, mR, mY, t0, t_end, c0, width, tidx):
-        """The tile as 8-byte words (4 columns a word): ``UNROLL`` words a thread at a time,
-        k word loads each (and the residual's word, ``mR``, with ``r``), all issued before
-        their sums (slot rows and weights staged in ``sRow`` / ``sW``, indexed by the tile's
+        """The tile as words of ``_words()`` columns: ``_word_unroll()`` words a thread at a time, k
+        word loads each (and the residual's word, ``mR``, with ``r``), all issued before their
+        sums (slot rows and weights staged in ``sRow`` / ``sW``, indexed by the tile's
         token)."""
         k = self.weights.shape[1]
         hidden = self.rows.shape[1]
-        row_words = hidden // 4
-        rows4 = cute.make_tensor(
-            mRows.iterator,
-            cute.make_layout((mRows.shape[0], row_words, 4), stride=(hidden, 4, 1)),
-        )
-        y4 = cute.make_tensor(
-            mY.iterator, cute.make_layout((mY.shape[0], row_words, 4), stride=(hidden, 4, 1))
-        )
-        r4 = cute.make_tensor(
-            mR.iterator, cute.make_layout((mR.shape[0], row_words, 4), stride=(hidden, 4, 1))
-        )
-        w0 = c0 // 4
-        words = width // 4
+        cols = self._words()
+        unroll = self._word_unroll()
+        row_words = hidden // cols
+
+        def as_words(m):
+            return cute.make_tensor(
+                m.iterator,
+                cute.make_layout((m.shape[0], row_words, cols), stride=(hidden, cols, 1)),
+            )
+
+        rows_w, y_w, r_w = as_words(mRows), as_words(mY), as_words(mR)
+        w0 = c0 // cols
+        words = width // cols
         total = (t_end - t0) * words
-        for base in range(0, total, NUM_THREADS * UNROLL):
+        for base in range(0, total, NUM_THREADS * unroll):
             # every load of the batch first (the slot rows from shared memory, then the
             # words), the sums after: no branch between two loads, so all are in flight
             got = []
             res = []
-            for u in cutlass.range_constexpr(UNROLL):
+            for u in cutlass.range_constexpr(unroll):
                 idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
                 tok = t0 + idx // words
                 cw = w0 + idx % words
                 for j in cutlass.range_constexpr(k):
                     r = sRow[tok - t0, j]
-                    vals = cute.make_rmem_tensor((4,), mRows.element_type)
-                    cute.autovec_copy(rows4[cute.max(r, 0), cw, None], vals)
+                    vals = cute.make_rmem_tensor((cols,), mRows.element_type)
+                    cute.autovec_copy(rows_w[cute.max(r, 0), cw, None], vals)
                     got.append((r, tok, vals))
                 if cutlass.const_expr(self.r is not None):
-                    rv = cute.make_rmem_tensor((4,), mR.element_type)
-                    cute.autovec_copy(r4[tok, cw, None], rv)
+                    rv = cute.make_rmem_tensor((cols,), mR.element_type)
+                    cute.autovec_copy(r_w[tok, cw, None], rv)
                     res.append(rv)
             accs = []
-            for u in cutlass.range_constexpr(UNROLL):
-                acc = cute.make_rmem_tensor((4,), Float32)
+            for u in cutlass.range_constexpr(unroll):
+                acc = cute.make_rmem_tensor((cols,), Float32)
                 acc.fill(0.0)
                 for j in cutlass.range_constexpr(k):
                     r, tok, vals = got[u * k + j]
                     wt = sW[tok - t0, j]
                     if r >= 0:
-                        for q in cutlass.range_constexpr(4):
+                        for q in cutlass.range_constexpr(cols):
                             acc[q] = acc[q] + vals[q].to(Float32) * wt
                     else:
                         acc.fill(float("nan"))
                 if cutlass.const_expr(self.r is not None):
-                    for q in cutlass.range_constexpr(4):
+                    for q in cutlass.range_constexpr(cols):
                         acc[q] = acc[q] + res[u][q].to(Float32)
                 accs.append(acc)
-            for u in cutlass.range_constexpr(UNROLL):
+            for u in cutlass.range_constexpr(unroll):
                 idx = base + u * NUM_THREADS + tidx
                 if idx < total:
-                    out = cute.make_rmem_tensor((4,), mY.element_type)
-                    for q in cutlass.range_constexpr(4):
+                    out = cute.make_rmem_tensor((cols,), mY.element_type)
+                    for q in cutlass.range_constexpr(cols):
                         out[q] = accs[u][q].to(mY.element_type)
-                    cute.autovec_copy(out, y4[t0 + idx // words, w0 + idx % words, None])
+                    cute.autovec_copy(out, y_w[t0 + idx // words, w0 + idx % words, None])
 
 
 def moe_combine(

@@ -37,8 +37,9 @@ from cutemk.tileop import (
     span,
 )
 
-UNROLL = 32
-"""Loads each thread has in flight before it stores them (a copy is latency bound)."""
+UNROLL_BYTES = 256
+"""Bytes a thread has in flight before it stores them (a copy is latency bound): 16 words of
+16 bytes or 32 of 8 (64 registers; the megakernel's threads have 168, and 512 spilled)."""
 
 
 @register_op
@@ -130,10 +131,17 @@ class MoePermuteTile(TileOp):
 
     # -- device -----------------------------------------------------------------------------
     def _word(self) -> int:
-        """Bytes one thread moves per load: 8 where a row is a whole number of 8-byte words
-        (the rows then start 8-byte aligned: the tensors are 16-byte aligned), else 1 element."""
+        """Bytes one thread moves per load: 16 or 8 where a row is a whole number of such words
+        (the rows then start on a word: the tensors are 16-byte aligned), else 1 element."""
         row = self.x.shape[1] * self.x.dtype.itemsize
-        return 8 if row % 8 == 0 else self.x.dtype.itemsize
+        for word in (16, 8):
+            if row % word == 0:
+                return word
+        return self.x.dtype.itemsize
+
+    def _unroll(self) -> int:
+        """Words a thread loads before its stores: ``UNROLL_BYTES`` of them."""
+        return max(1, UNROLL_BYTES // self._word())
 
     def device_smem_bytes(self) -> int:
         return 4 * self.block_m  # the tile's source rows
@@ -151,7 +159,7 @@ class MoePermuteTile(TileOp):
         mX: (T, H), mTileInfo: (tiles, 2), mRowToken: (tiles*block_m,) int32, mXp:
         (tiles*block_m, H). The source rows go to shared memory first; then the valid rows are
         copied as one flat range of words (8 bytes where rows allow), consecutive threads on
-        consecutive words, ``UNROLL`` loads in flight per thread before their stores."""
+        consecutive words, ``UNROLL_BYTES`` of loads in flight per thread before their stores."""
         mX, mTileInfo, mRowToken, mXp = tensors
         bm = self.block_m
         hidden = self.x.shape[1]
@@ -162,30 +170,40 @@ class MoePermuteTile(TileOp):
             sSrc[m] = mRowToken[r0 + m]
         simt_sync()
         word = self._word()
+        lanes = max(word // 8, 1)  # 8-byte lanes of a word (a 16-byte word: two)
         src, dst = mX, mXp
         width = hidden
-        if cutlass.const_expr(word == 8):
-            width = hidden * self.x.dtype.itemsize // 8
+        if cutlass.const_expr(word >= 8):
+            width = hidden * self.x.dtype.itemsize // word
             src = cute.make_tensor(
                 cute.recast_ptr(mX.iterator, dtype=Int64),
-                cute.make_layout((mX.shape[0], width), stride=(width, 1)),
+                cute.make_layout((mX.shape[0], width, lanes), stride=(width * lanes, lanes, 1)),
             )
             dst = cute.make_tensor(
                 cute.recast_ptr(mXp.iterator, dtype=Int64),
-                cute.make_layout((mXp.shape[0], width), stride=(width, 1)),
+                cute.make_layout((mXp.shape[0], width, lanes), stride=(width * lanes, lanes, 1)),
             )
         total = valid * width
-        step = NUM_THREADS * UNROLL
+        unroll = self._unroll()
+        step = NUM_THREADS * unroll
         for base in range(0, total, step):
             # unconditional loads (clamped into the range) so all of them are in flight at once
             vals = []
-            for u in cutlass.range_constexpr(UNROLL):
+            for u in cutlass.range_constexpr(unroll):
                 idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
-                vals.append(src[sSrc[idx // width], idx % width])
-            for u in cutlass.range_constexpr(UNROLL):
+                if cutlass.const_expr(word >= 8):
+                    v = cute.make_rmem_tensor((lanes,), Int64)
+                    cute.autovec_copy(src[sSrc[idx // width], idx % width, None], v)
+                    vals.append(v)
+                else:
+                    vals.append(src[sSrc[idx // width], idx % width])
+            for u in cutlass.range_constexpr(unroll):
                 idx = base + u * NUM_THREADS + tidx
                 if idx < total:
-                    dst[r0 + idx // width, idx % width] = vals[u]
+                    if cutlass.const_expr(word >= 8):
+                        cute.autovec_copy(vals[u], dst[r0 + idx // width, idx % width, None])
+                    else:
+                        dst[r0 + idx // width, idx % width] = vals[u]
         # no barrier here: the worker meets the SIMT group after every tile, before the next
         # task's sSrc writes
 

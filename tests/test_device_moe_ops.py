@@ -82,11 +82,17 @@ def _grouped_gemm(dtype, gathered: bool):
     return ops.moe_grouped_gemm(x, w, s["tile_info"], block_m=BM, block_n=BN)
 
 
-def _combine(dtype):
+def _combine(dtype, block_n=BN):
     s = _route_specs()
     rows = TensorSpec((s["tile_info"].shape[0] * BM, HIDDEN), dtype)
     weights = TensorSpec((_sym_t(), TOP_K), torch.float32)
-    return ops.moe_combine(rows, weights, s["slot_row"], block_m=BM, block_n=BN)
+    return ops.moe_combine(rows, weights, s["slot_row"], block_m=BM, block_n=block_n)
+
+
+def _permute(dtype, hidden=HIDDEN):
+    s = _route_specs()
+    x = TensorSpec((_sym_t(), hidden), dtype)
+    return ops.moe_permute(x, s["tile_info"], s["row_token"], block_m=BM)
 
 
 def _specs(op: TileOp) -> list[TensorSpec]:
@@ -173,16 +179,43 @@ def test_moe_grouped_gemm_compiles(tmp_path, dtype, gathered):
 
 
 @FLOATS
-def test_moe_combine_compiles(tmp_path, dtype):
-    ptx = _compile_ptx(_combine(dtype), tmp_path)
+@pytest.mark.parametrize("block_n", [BN, 20], ids=["16B_words", "8B_words"])
+def test_moe_combine_compiles(tmp_path, dtype, block_n):
+    op = _combine(dtype, block_n)
+    batch = op._word_unroll() * TOP_K  # gathers a thread issues at once
+    ptx = _compile_ptx(op, tmp_path)
     # one barrier: after the tile's slot rows and weights are staged in shared memory
     assert _count(r"\bbar\.sync\b", ptx) == 1
     assert _count(r"\bfma\.rn\.f32\b|\bmul\.(rn\.)?f32\b", ptx) >= TOP_K
     if dtype == torch.bfloat16:
-        # 16-bit rows move as 8-byte words of 4 columns: vector loads and stores, packed casts
-        assert _count(r"\bld\.global\.v4\.b16\b", ptx) >= TOP_K
-        assert _count(r"\bst\.global\.v2\.b32\b", ptx) >= 1
+        # 16-bit rows move as words of 8 columns (H and block_n multiples of 8: 16 bytes) or
+        # of 4 (8 bytes): vector loads and stores, packed casts
+        if block_n % 8 == 0:
+            assert op._words() == 8
+            assert _count(r"\bld\.global\.v4\.b32\b", ptx) >= batch
+            assert _count(r"\bst\.global\.v4\.b32\b", ptx) >= 1
+        else:
+            assert op._words() == 4
+            assert _count(r"\bld\.global\.v4\.b16\b", ptx) >= batch
+            assert _count(r"\bst\.global\.v2\.b32\b", ptx) >= 1
         assert re.search(r"\bcvt\.rn\.bf16x2\.f32\b", ptx)
+
+
+@pytest.mark.parametrize(
+    "dtype, hidden, word",
+    [(torch.bfloat16, 40, 16), (torch.bfloat16, 36, 8), (torch.float32, 3, 4)],
+    ids=["16B_words", "8B_words", "elements"],
+)
+def test_moe_permute_moves_the_widest_words_its_rows_allow(tmp_path, dtype, hidden, word):
+    """A row of a whole number of 16-byte words is copied as 16-byte words (one vector load
+    and store each, ``UNROLL_BYTES`` of loads in flight a thread before the stores), of 8-byte words as
+    8-byte ones, else an element at a time."""
+    op = _permute(dtype, hidden)
+    assert op._word() == word
+    ptx = _compile_ptx(op, tmp_path)
+    vec = {16: r"\b(ld|st)\.global\.v(2\.b64|4\.b32)\b", 8: r"\b(ld|st)\.global\.(b64|v2\.b32)\b"}
+    if word in vec:
+        assert _count(vec[word], ptx) >= 2 * op._unroll()
 
 
 @FLOATS
@@ -423,10 +456,36 @@ def _stream():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, hidden", [(torch.bfloat16, 40), (torch.bfloat16, 36), (torch.float32, 3)]
+)
+def test_moe_permute_matches_reference(dtype, hidden):
+    """Every word width of the permute (16 and 8 bytes, elements): the valid rows of each
+    existing tile bit for bit, nothing else written."""
+    gen = torch.Generator().manual_seed(15)
+    op = _permute(dtype, hidden)
+    compiled = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS):
+        env = _env(t)
+        r = _routing(t, routing, gen)
+        inputs = {
+            "x": torch.randn(t, hidden, generator=gen).to(dtype),
+            "tile_info": r["tile_info"],
+            "row_token": r["row_token"],
+        }
+        compiled = compiled or _compile_live(op, inputs, env)
+        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+        valid = ~torch.isnan(ref["xp"])  # the reference poisons padding rows: unspecified
+        assert torch.equal(got["xp"][valid], ref["xp"].to(dtype)[valid]), f"T={t} {routing}"
+        assert torch.isnan(got["xp"][~valid]).all(), f"T={t} {routing}: padding written"
+
+
+@pytest.mark.gpu
 @FLOATS
-def test_moe_combine_matches_reference(dtype):
+@pytest.mark.parametrize("block_n", [BN, 20], ids=["16B_words", "8B_words"])
+def test_moe_combine_matches_reference(dtype, block_n):
     gen = torch.Generator().manual_seed(14)
-    op = _combine(dtype)
+    op = _combine(dtype, block_n)
     compiled = None
     for t, routing in itertools.product(TOKENS, ROUTINGS):
         env = _env(t)
