@@ -269,6 +269,12 @@ class TileOp:
     """Ring ops: inputs :meth:`device_load_independent` loads. The megakernel issues those loads
     before the task's events only where no node of the graph produces these inputs."""
 
+    simt_threads: ClassVar[int] = 128
+    """SIMT ops: the threads :meth:`device_tile` runs on (``tidx`` below it), 128 (the SIMT
+    group, ``cutemk.device.config.NUM_THREADS``) or 256 (``SIMT_WIDE_THREADS``: both consumer
+    warpgroups, for a latency-bound body that wants twice the loads in flight). The body
+    strides by it and syncs with ``simt_sync(simt_threads)``."""
+
     def ring_tile(self) -> RingTile | None:
         """None for a SIMT op; a ring op's use of the ring."""
         return None

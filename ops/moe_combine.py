@@ -19,7 +19,7 @@ import torch
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.device.config import SIMT_WIDE_THREADS, simt_sync
 from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
@@ -61,6 +61,8 @@ class MoeCombineTile(TileOp):
 
     name: ClassVar[str] = "moe_combine"
     token_local: ClassVar[bool] = True
+    # a latency-bound gather: both consumer warpgroups, twice the loads in flight an SM
+    simt_threads: ClassVar[int] = SIMT_WIDE_THREADS
     outputs: ClassVar[tuple[str, ...]] = ("y",)
     data_inputs: ClassVar[tuple[str, ...]] = ("slot_row",)
 
@@ -229,7 +231,7 @@ class MoeCombineTile(TileOp):
             cute.recast_ptr(smem_ptr + 4 * bm * k, dtype=Float32),
             cute.make_layout((bm, k), stride=(k, 1)),
         )
-        for i in range(tidx, (t_end - t0) * k, NUM_THREADS):
+        for i in range(tidx, (t_end - t0) * k, self.simt_threads):
             tl = i // k
             r = mSlotRow[t0 + tl, i - tl * k]
             if cutlass.const_expr(self.slot_block_m):  # an id: its slot's row, or none
@@ -240,16 +242,16 @@ class MoeCombineTile(TileOp):
                     r = Int32(-1)
             sRow[tl, i - tl * k] = r
             sW[tl, i - tl * k] = mWeights[t0 + tl, i - tl * k].to(Float32)
-        simt_sync()
+        simt_sync(self.simt_threads)
         if cutlass.const_expr(self._words()):
             self._combine_words(mRows, sRow, sW, mR, mY, t0, t_end, c0, width, tidx)
         else:
             total = (t_end - t0) * width
-            for base in range(0, total, NUM_THREADS * UNROLL):
+            for base in range(0, total, self.simt_threads * UNROLL):
                 got = []  # every load of the batch before any sum (see _combine_words)
                 res = []
                 for u in cutlass.range_constexpr(UNROLL):
-                    idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
+                    idx = cute.min(base + u * self.simt_threads + tidx, total - 1)
                     tok = t0 + idx // width
                     c = c0 + idx % width
                     for j in cutlass.range_constexpr(k):
@@ -271,7 +273,7 @@ class MoeCombineTile(TileOp):
                         acc = acc + res[u].to(Float32)
                     accs.append(acc)
                 for u in cutlass.range_constexpr(UNROLL):
-                    idx = base + u * NUM_THREADS + tidx
+                    idx = base + u * self.simt_threads + tidx
                     if idx < total:
                         mY[t0 + idx // width, c0 + idx % width] = accs[u].to(mY.element_type)
 
@@ -317,13 +319,13 @@ class MoeCombineTile(TileOp):
         w0 = c0 // cols
         words = width // cols
         total = (t_end - t0) * words
-        for base in range(0, total, NUM_THREADS * unroll):
+        for base in range(0, total, self.simt_threads * unroll):
             # every load of the batch first (the slot rows from shared memory, then the
             # words), the sums after: no branch between two loads, so all are in flight
             got = []
             res = []
             for u in cutlass.range_constexpr(unroll):
-                idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
+                idx = cute.min(base + u * self.simt_threads + tidx, total - 1)
                 tok = t0 + idx // words
                 cw = w0 + idx % words
                 for j in cutlass.range_constexpr(k):
@@ -352,7 +354,7 @@ class MoeCombineTile(TileOp):
                         acc[q] = acc[q] + res[u][q].to(Float32)
                 accs.append(acc)
             for u in cutlass.range_constexpr(unroll):
-                idx = base + u * NUM_THREADS + tidx
+                idx = base + u * self.simt_threads + tidx
                 if idx < total:
                     out = cute.make_rmem_tensor((cols,), mY.element_type)
                     for q in cutlass.range_constexpr(cols):

@@ -21,7 +21,7 @@ import torch
 from cutlass import Boolean, Int32, Int64, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.device.config import SIMT_WIDE_THREADS, simt_sync
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -52,6 +52,8 @@ class MoePermuteTile(TileOp):
 
     name: ClassVar[str] = "moe_permute"
     token_local: ClassVar[bool] = True
+    # a latency-bound gather: both consumer warpgroups, twice the loads in flight an SM
+    simt_threads: ClassVar[int] = SIMT_WIDE_THREADS
     inputs: ClassVar[tuple[str, ...]] = ("x", "tile_info", "row_token")
     outputs: ClassVar[tuple[str, ...]] = ("xp",)
     data_inputs: ClassVar[tuple[str, ...]] = ("tile_info", "row_token")
@@ -166,9 +168,9 @@ class MoePermuteTile(TileOp):
         sSrc = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=Int32), cute.make_layout(bm))
         valid = mTileInfo[coord0, 1]
         r0 = coord0 * bm
-        for m in range(tidx, valid, NUM_THREADS):
+        for m in range(tidx, valid, self.simt_threads):
             sSrc[m] = mRowToken[r0 + m]
-        simt_sync()
+        simt_sync(self.simt_threads)
         word = self._word()
         lanes = max(word // 8, 1)  # 8-byte lanes of a word (a 16-byte word: two)
         src, dst = mX, mXp
@@ -185,12 +187,12 @@ class MoePermuteTile(TileOp):
             )
         total = valid * width
         unroll = self._unroll()
-        step = NUM_THREADS * unroll
+        step = self.simt_threads * unroll
         for base in range(0, total, step):
             # unconditional loads (clamped into the range) so all of them are in flight at once
             vals = []
             for u in cutlass.range_constexpr(unroll):
-                idx = cute.min(base + u * NUM_THREADS + tidx, total - 1)
+                idx = cute.min(base + u * self.simt_threads + tidx, total - 1)
                 if cutlass.const_expr(word >= 8):
                     v = cute.make_rmem_tensor((lanes,), Int64)
                     cute.autovec_copy(src[sSrc[idx // width], idx % width, None], v)
@@ -198,7 +200,7 @@ class MoePermuteTile(TileOp):
                 else:
                     vals.append(src[sSrc[idx // width], idx % width])
             for u in cutlass.range_constexpr(unroll):
-                idx = base + u * NUM_THREADS + tidx
+                idx = base + u * self.simt_threads + tidx
                 if idx < total:
                     if cutlass.const_expr(word >= 8):
                         cute.autovec_copy(vals[u], dst[r0 + idx // width, idx % width, None])

@@ -14,6 +14,7 @@ from ..device.config import (
     EPI_EMPTY_BARRIER,
     EPI_FULL_BARRIER,
     NUM_THREADS,
+    SIMT_WIDE_THREADS,
     WARP_SIZE as WARP,
     simt_sync,
 )
@@ -113,7 +114,7 @@ class ConsumerRoles:
                     if ctid < NUM_THREADS:  # the SIMT group
                         if self._exists(tensors, node, c0, c1):
                             for k in cutlass.range_constexpr(self.num_nodes):
-                                if cutlass.const_expr(self.ring_of[k] is None):
+                                if cutlass.const_expr(self._simt(k, NUM_THREADS)):
                                     if node == k:
                                         self.spec.ops[k].device_tile(
                                             tensors[k], c0, c1, ctid, scratch
@@ -121,6 +122,16 @@ class ConsumerRoles:
                             if cutlass.const_expr(self.fence_async):
                                 cute.arch.fence_proxy("async.global")
                         simt_sync()
+                    # a wide body (``TileOp.simt_threads``): both consumer warpgroups, after
+                    # the SIMT group's barrier above; consumer warp 0 publishes after its own
+                    for k in cutlass.range_constexpr(self.num_nodes):
+                        if cutlass.const_expr(self._simt(k, SIMT_WIDE_THREADS)):
+                            if node == k:
+                                if self._exists(tensors, node, c0, c1):
+                                    self.spec.ops[k].device_tile(tensors[k], c0, c1, ctid, scratch)
+                                    if cutlass.const_expr(self.fence_async):
+                                        cute.arch.fence_proxy("async.global")
+                                simt_sync(SIMT_WIDE_THREADS)
                     if ctid < WARP:  # consumer warp 0 publishes a SIMT tile
                         if ctid == 0:
                             self._publish_static(prog, dev, mProf, rec, start)
@@ -141,6 +152,10 @@ class ConsumerRoles:
             if ctid == 0:
                 sEpiRec[R_TASK] = Int32(-1)
             cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+
+    def _simt(self, k: int, threads: int) -> bool:
+        """Whether node ``k`` is a SIMT op whose body runs on ``threads`` threads."""
+        return self.ring_of[k] is None and self.spec.ops[k].simt_threads == threads
 
     @cute.jit
     def _publish_static(self, prog, dev, mProf, rec, start: Int64):

@@ -53,6 +53,8 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 
 from ..device.config import (
+    NUM_THREADS,
+    SIMT_WIDE_THREADS,
     STORER_WARP,
     WARP_SIZE as WARP,
     WARPGROUP,
@@ -268,6 +270,11 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             ), op.name
             # a slice count read from launch data is read with the existence verdict
             assert not self.dynamic_slices[k] or op.exists_on_device, op.name
+            # a SIMT body runs on the SIMT group or on both consumer warpgroups
+            assert self.ring_of[k] or op.simt_threads in (NUM_THREADS, SIMT_WIDE_THREADS), (
+                op.name,
+                op.simt_threads,
+            )
         # some tile reads global memory through the async proxy (TMA): every task's stores
         # are fenced into it before they are notified
         self.fence_async = any(op.reads_async_proxy() for op in spec.ops)

@@ -5,7 +5,9 @@ The megakernel's CTA is warp-specialized (see :class:`WorkerShape`): one produce
 epilogues). A SIMT tile body (``TileOp.device_tile``) runs on one group of ``NUM_THREADS``
 threads, the *SIMT group*, and synchronises with :func:`simt_sync` (a named barrier of exactly
 those threads), never with a whole-CTA barrier: the producer warps do not take part. The op
-test harness (``cutemk.device.harness``) runs the same bodies on CTAs of ``NUM_THREADS``.
+test harness (``cutemk.device.harness``) runs the same bodies on CTAs of ``NUM_THREADS``. A
+*wide* body (``TileOp.simt_threads`` = ``SIMT_WIDE_THREADS``) runs on both consumer warpgroups
+and syncs with ``simt_sync(SIMT_WIDE_THREADS)``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ WARP_SIZE: int = 32
 NUM_WARPS: int = NUM_THREADS // WARP_SIZE
 WARPGROUP: int = 128
 
+SIMT_WIDE_THREADS: int = 2 * WARPGROUP
+"""Threads of a *wide* SIMT body (``TileOp.simt_threads``): both consumer warpgroups, for
+latency-bound copies and gathers that want twice the loads in flight an SM without more
+registers a thread."""
+
 # Named barrier ids (0 is the whole CTA, used only at kernel entry and exit).
 SIMT_BARRIER = 1
 """The SIMT group's barrier (``NUM_THREADS`` threads)."""
+SIMT_WIDE_BARRIER = 2
+"""A wide SIMT body's barrier (``SIMT_WIDE_THREADS`` threads)."""
 EPI_FULL_BARRIER = 3
 """Consumers -> storer warp: a tile's output is staged in shared memory (sync on both sides)."""
 EPI_EMPTY_BARRIER = 4
@@ -41,9 +50,14 @@ REGISTER_FILE = 65536
 """32-bit registers per SM (Hopper)."""
 
 
-def simt_sync() -> None:
-    """Barrier of the SIMT group: what ``sync_threads`` was for a tile body."""
-    cute.arch.barrier(barrier_id=SIMT_BARRIER, number_of_threads=NUM_THREADS)
+def simt_sync(threads: int = NUM_THREADS) -> None:
+    """Barrier of a SIMT body's threads (``TileOp.simt_threads``: the SIMT group, or both
+    consumer warpgroups for a wide body): what ``sync_threads`` was for a tile body."""
+    if threads == NUM_THREADS:
+        cute.arch.barrier(barrier_id=SIMT_BARRIER, number_of_threads=NUM_THREADS)
+    else:
+        assert threads == SIMT_WIDE_THREADS, threads
+        cute.arch.barrier(barrier_id=SIMT_WIDE_BARRIER, number_of_threads=SIMT_WIDE_THREADS)
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,7 @@ class WorkerShape:
     def check(self) -> None:
         """Host-side invariants; a violation here would be a hang or a bad launch on the GPU."""
         assert self.consumer_warpgroups >= 1
+        assert self.consumer_threads >= SIMT_WIDE_THREADS, "wide SIMT bodies take two warpgroups"
         assert NUM_THREADS == WARPGROUP, "the SIMT group is one consumer warpgroup"
         regs = WARPGROUP * self.producer_regs + self.consumer_threads * self.consumer_regs
         assert regs <= REGISTER_FILE, f"setmaxnreg split needs {regs} > {REGISTER_FILE} registers"

@@ -1,6 +1,6 @@
 """Standalone kernel that runs one tile op's ``device_tile`` for every tile of its grid.
 
-It is the op-level test bench of the megakernel contract: one CTA of ``NUM_THREADS`` threads per
+It is the op-level test bench of the megakernel contract: one CTA of ``op.simt_threads`` threads per
 tile, ``coord = blockIdx``, the op's ``device_smem_bytes()`` of dynamic shared memory handed over
 as a pointer, tensors in ``op.inputs + op.outputs`` order. Nothing here is on the megakernel's
 path; it exists so a device function can be compiled (CPU, sm_90a) and checked against the op's
@@ -22,7 +22,6 @@ from cutlass.cute.runtime import from_dlpack, make_fake_stream
 from cutemk.symbolic import evaluate
 from cutemk.tileop import TileOp
 
-from .config import NUM_THREADS
 
 SMEM_ALIGN = 1024
 """Byte alignment of the scratch handed to ``device_tile`` (128-byte swizzled TMA tiles need
@@ -48,7 +47,7 @@ class TileHarness:
     @cute.jit
     def launch(self, tensors: tuple, g0: Int32, g1: Int32, stream: cuda.CUstream):
         self.kernel(tensors, self.op.host_args(tensors)).launch(
-            grid=(g0, g1, 1), block=(NUM_THREADS, 1, 1), stream=stream
+            grid=(g0, g1, 1), block=(self.op.simt_threads, 1, 1), stream=stream
         )
 
 
