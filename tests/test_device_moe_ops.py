@@ -333,6 +333,18 @@ def _compile_live(op: TileOp, inputs: dict[str, torch.Tensor], env):
     return compile_tile(op, [inputs[n].cuda() for n in op.inputs] + outs)
 
 
+def _runs(op: TileOp, seed: int, inputs_of):
+    """(case, device outputs, reference outputs) of ``op`` at every token count and routing,
+    one compile: ``inputs_of(t, routing tensors, generator, env)`` makes a case's inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    compiled = None
+    for t, routing in itertools.product(TOKENS, ROUTINGS):
+        env = _env(t)
+        inputs = inputs_of(t, _routing(t, routing, gen), gen, env)
+        compiled = compiled or _compile_live(op, inputs, env)
+        yield f"T={t} {routing}", _device(op, compiled, inputs, env), _reference(op, inputs, env)
+
+
 def _routing(t: int, routing: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """weights, ids, tile_info, row_token, slot_row from the torch references."""
     env = _env(t)
@@ -462,39 +474,27 @@ def _stream():
 def test_moe_permute_matches_reference(dtype, hidden):
     """Every word width of the permute (16 and 8 bytes, elements): the valid rows of each
     existing tile bit for bit, nothing else written."""
-    gen = torch.Generator().manual_seed(15)
     op = _permute(dtype, hidden)
-    compiled = None
-    for t, routing in itertools.product(TOKENS, ROUTINGS):
-        env = _env(t)
-        r = _routing(t, routing, gen)
-        inputs = {
-            "x": torch.randn(t, hidden, generator=gen).to(dtype),
-            "tile_info": r["tile_info"],
-            "row_token": r["row_token"],
-        }
-        compiled = compiled or _compile_live(op, inputs, env)
-        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
+
+    def inputs_of(t, r, gen, env):
+        x = torch.randn(t, hidden, generator=gen).to(dtype)
+        return {"x": x, "tile_info": r["tile_info"], "row_token": r["row_token"]}
+
+    for case, got, ref in _runs(op, 15, inputs_of):
         valid = ~torch.isnan(ref["xp"])  # the reference poisons padding rows: unspecified
-        assert torch.equal(got["xp"][valid], ref["xp"].to(dtype)[valid]), f"T={t} {routing}"
-        assert torch.isnan(got["xp"][~valid]).all(), f"T={t} {routing}: padding written"
+        assert torch.equal(got["xp"][valid], ref["xp"].to(dtype)[valid]), case
+        assert torch.isnan(got["xp"][~valid]).all(), f"{case}: padding written"
 
 
 @pytest.mark.gpu
 @FLOATS
 @pytest.mark.parametrize("block_n", [BN, 20], ids=["16B_words", "8B_words"])
 def test_moe_combine_matches_reference(dtype, block_n):
-    gen = torch.Generator().manual_seed(14)
     op = _combine(dtype, block_n)
-    compiled = None
-    for t, routing in itertools.product(TOKENS, ROUTINGS):
-        env = _env(t)
-        r = _routing(t, routing, gen)
-        inputs = {
-            "rows": torch.randn(op.rows.concrete(env), generator=gen).to(dtype),
-            "weights": r["weights"],
-            "slot_row": r["slot_row"],
-        }
-        compiled = compiled or _compile_live(op, inputs, env)
-        got, ref = _device(op, compiled, inputs, env), _reference(op, inputs, env)
-        _check(f"y T={t} {routing}", got["y"], ref["y"], TOL[dtype])
+
+    def inputs_of(t, r, gen, env):
+        rows = torch.randn(op.rows.concrete(env), generator=gen).to(dtype)
+        return {"rows": rows, "weights": r["weights"], "slot_row": r["slot_row"]}
+
+    for case, got, ref in _runs(op, 14, inputs_of):
+        _check(f"y {case}", got["y"], ref["y"], TOL[dtype])
