@@ -120,14 +120,15 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
         )
         topk_args = {"logits_dtype": None if logits_dtype == torch.float32 else logits_dtype}
     # a warp per token and a few tokens a tile: one token's picks are a ~2 us chain of shuffles,
-    # so tokens go to many SMs rather than one after another through a warp
+    # so tokens go to many SMs rather than one after another through a warp; past a wave of
+    # 4-row tiles, a row for each of the tile's 8 warps (half the tiles, the same chain each)
     if fused is None:
         weights, ids = g.call(
             ops.topk_softmax,
             logits,
             k=cfg.top_k,
             renormalize=cfg.norm_topk_prob,
-            block_m=4,
+            block_m=4 if upper(x.spec.shape[0]) <= TOPK_WIDE_FROM else 8,
             **topk_args,
         )
     if cfg.slots:
@@ -183,6 +184,10 @@ def moe_block(g: Graph, x, tokens: Sym, cfg: MoeConfig, dtype: torch.dtype, resi
         ops.moe_combine, down, weights, slot_row, *res, block_m=cfg.combine_block_m, block_n=512
     )
 
+
+TOPK_WIDE_FROM = 512
+"""A block of more tokens than this (the prefill regime's) takes the top-k 8 rows a tile, one
+for each warp of its body, where smaller ones take 4 (more tiles, on more SMs)."""
 
 ROUTER_TOPK_MAX_ROWS = 2
 """Most tokens a graph whose router runs the top-k in its last tile may have (the 'slots'

@@ -19,7 +19,7 @@ import torch
 from cutlass import BFloat16, Float16, Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import NUM_THREADS
+from cutemk.device.config import SIMT_WIDE_THREADS
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.device.select import warp_topk_softmax
 from cutemk.symbolic import cdiv
@@ -70,6 +70,8 @@ class TopkSoftmaxTile(TileOp):
 
     name: ClassVar[str] = "topk_softmax"
     token_local: ClassVar[bool] = True
+    # a warp a row, each row a latency chain: both consumer warpgroups, 8 rows at once
+    simt_threads: ClassVar[int] = SIMT_WIDE_THREADS
     live_rows_inputs: ClassVar[tuple[str, ...]] = ("logits",)
     inputs: ClassVar[tuple[str, ...]] = ("logits",)
     outputs: ClassVar[tuple[str, ...]] = ("weights", "ids")
@@ -191,7 +193,7 @@ class TopkSoftmaxTile(TileOp):
         """Rows ``[coord0 * block_m, +block_m)``; ``tensors`` = (mLogits, mWeights, mIds).
 
         mLogits: (T, E) float, mWeights: (T, k) fp32, mIds: (T, k) int32. One warp per token
-        row (rows strided by the SIMT group's warps): lane l holds experts l, l + 32, ... in
+        row (rows strided by the body's 8 warps): lane l holds experts l, l + 32, ... in
         registers (one coalesced load each); max and sum are butterfly reductions, and each of
         the k picks is two warp reductions (``redux.sync``) over the lanes' best untaken
         logits as order-preserving integer keys: the largest key, then the lowest id holding
@@ -204,7 +206,7 @@ class TopkSoftmaxTile(TileOp):
         mLogits, mWeights, mIds = tensors[0], tensors[1], tensors[2]
         num_experts = self.num_experts
         per_lane = (num_experts + WARP - 1) // WARP
-        warps = NUM_THREADS // WARP
+        warps = self.simt_threads // WARP
         tokens = mWeights.shape[0]
         # a live launch binds the logits' token dim to the live count (``live_rows_inputs``):
         # rows past it are absent, their picks "no expert" (-1) like an all-NaN row's
