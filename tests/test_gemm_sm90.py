@@ -247,6 +247,24 @@ def test_worker_shape_checks_its_register_split():
         WorkerShape(ring_stages=1, slot_bytes=1024).check()
 
 
+def test_the_kernels_own_shared_memory_and_the_reserve(monkeypatch):
+    """The kernel's own pieces ahead of the ring fit one 1024-byte block at any ring depth, so
+    a reserve of 1024 (``CUTEMK_SMEM_RESERVED``, a tuning knob until run on a GPU) is exact:
+    the MoE prefill kernel then takes a sixth 32 KB slot (232,448 B in all, the limit)."""
+    from cutemk.codegen import megakernel as mkm
+    from cutemk.kernels import kernel_spec
+    from cutemk.regimes import moe_regime_graph
+
+    assert mkm.own_smem_bytes(4, mkm.MAX_RING_STAGES) <= 1024
+    g = moe_regime_graph(2048, 768, 128, 8, True, "prefill", torch.bfloat16, 4096)
+    w = kernel_spec(g, False).worker
+    assert (w.ring_stages, w.slot_bytes, w.epi_bytes) == (5, 32768, 32768)
+    monkeypatch.setattr(mkm, "SMEM_RESERVED", 1024)
+    w = kernel_spec(g, False).worker
+    assert w.ring_stages == 6
+    assert 1024 + w.ring_bytes + w.epi_bytes + w.scratch_bytes == mkm.SMEM_LIMIT
+
+
 def test_an_op_whose_scratch_passes_the_sm_is_refused_by_name():
     """moe_route's counting scratch grows with E: at 1024 experts (16-bit counters) it passes
     Hopper's 227 KB, which the kernel used to find out only at launch."""

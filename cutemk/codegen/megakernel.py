@@ -96,8 +96,24 @@ __all__ = ["DEVICE_STATE", "PROF_WIDTH", "PROGRAM", "KernelSpec", "Megakernel", 
 
 SMEM_ALIGN = 1024  # 128-byte swizzled TMA tiles need 1024-byte aligned shared memory
 SMEM_LIMIT = 232448  # Hopper: shared memory one CTA may use
-SMEM_RESERVED = 4096  # the kernel's own state, barriers and alignment padding
+SMEM_RESERVED = int(os.environ.get("CUTEMK_SMEM_RESERVED", 4096))
+"""Bytes kept for the kernel's own state and barriers before the 1024-aligned ring
+(:func:`own_smem_bytes`: 720 B at 16 ring slots, so 1024 is exact; the DSL's count for the MoE
+prefill kernel is then 232,448 B with a sixth 32 KB slot, its limit to the byte).
+``CUTEMK_SMEM_RESERVED`` overrides it for a tuning run on a GPU; 4096 until one has run
+the kernels with 1024 (an op that writes past its declared shared memory would now fault
+where 3 KB of slack hid it)."""
 MAX_RING_STAGES = 16
+
+
+def own_smem_bytes(task_slots: int, ring_stages: int) -> int:
+    """The kernel's own shared memory ahead of the ring, as :meth:`Megakernel.kernel`
+    allocates it (16-byte aligned pieces): control words, the record staging, the task queue,
+    the done queue, the staged record (Int32s) and the mbarriers (their count as the kernel's,
+    with the staging buffer's release barrier)."""
+    words = (4, WARP, task_slots * REC_WIDTH, task_slots, REC_WIDTH)
+    bars = 4 * task_slots + 2 * max(ring_stages, 1) + 1
+    return sum(-(-4 * n // 16) * 16 for n in words) + -(-8 * bars // 16) * 16
 
 
 def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
@@ -137,6 +153,8 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
             )
     shape = WorkerShape(ring_stages=stages, slot_bytes=slot, epi_bytes=epi, scratch_bytes=scratch)
     shape.check()
+    own = own_smem_bytes(shape.task_slots, shape.ring_stages)
+    assert -(-own // SMEM_ALIGN) * SMEM_ALIGN <= SMEM_RESERVED, (own, SMEM_RESERVED)
     return shape
 
 
