@@ -50,7 +50,7 @@ def direct(x: torch.Tensor) -> bool:
     return (
         type(x) is torch.Tensor
         and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        and not torch._C._is_tracing()  # torch.jit.is_tracing() past its scripting check
         and _current_dispatch_mode() is None
     )
 

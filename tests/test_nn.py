@@ -240,10 +240,24 @@ def test_eager_fast_path_is_keyed_by_shape_dtype_and_the_weights(hf_mlp):
     assert rel_err(mlp(x2), fp32_reference(hf_mlp, x2)) < TOL[torch.float32]
     assert len(calls) == 1 and calls[0][0] is x2  # the fast path ran
     assert "_fast" not in copy.deepcopy(mlp).__dict__  # a copy remembers no launch
-    mlp.scheduler = "dynamic"  # another configuration: the full path
+    mlp.scheduler = "dynamic"  # another configuration: the launches remembered go
+    assert "_fast" not in mlp.__dict__
     mlp(x2)
     assert len(calls) == 1
+    for name, value in (("num_sms", 3), ("backend", "interpret"), ("profile", False)):
+        mlp(x2)
+        assert x2.shape in mlp._fast
+        setattr(mlp, name, value)  # each forgets them: the fast path compares none per call
+        assert "_fast" not in mlp.__dict__, name
+    mlp.num_sms = None
     mlp.scheduler = "static"
+    mlp.w_down = mlp.w_down.clone()  # a buffer replaced: its identity differs from the kept one
+    mlp(x2)
+    kept = mlp._fast[x2.shape]
+    mlp._buffers["w_down"] = mlp.w_down.clone()  # even behind setattr's back
+    mlp._fast[x2.shape] = (lambda a: calls.append(a), *kept[1:])
+    mlp(x2)
+    assert len(calls) == 1
     with pytest.raises(mk.errors.DTypeError):
         mlp(x.bfloat16())
     mlp(x)

@@ -3,6 +3,7 @@ base (regimes, backend, pickling), and the checks of an input and of an activati
 
 from __future__ import annotations
 
+import operator
 import weakref
 from functools import partial
 from typing import Any
@@ -137,16 +138,14 @@ class _LiveModule(_KeyedModule):
         fast = self.__dict__.get("_fast") if FAST_PATH else None
         hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
         if hit is not None:  # rows of a shape an earlier eager call launched (see below)
-            run, current, weights, dtype, device, config = hit
+            run, current, weights, dtype, device, laid_out, buffers_of = hit
             if (
                 x.dtype is dtype
                 and x.get_device() == device
                 and not x.requires_grad
-                and x.stride() == (x.shape[1], 1)  # row-major, size-1 dims too (TMA strides)
+                and laid_out(x)
                 and current()
-                and all(w is self._buffers[n] for n, w in zip(self._weight_names, weights))
-                and config == (self.backend, self.scheduler, self.num_sms)
-                and not self.__dict__.get("profile")
+                and all(map(operator.is_, buffers_of(self._buffers), weights))
                 and torch_ops.direct(x)
             ):
                 return run((_aligned(x), *weights))
@@ -184,8 +183,20 @@ class _LiveModule(_KeyedModule):
             run, current = (lambda args, g=graph: g(*args)), (lambda: True)
         else:  # a runner of replaced plans (CuteGraph.load_plan) is dropped
             current = partial(_same_generation, weakref.ref(graph), run.generation)
-        config = (self.backend, self.scheduler, self.num_sms)
-        fast[x.shape] = (run, current, weights, x.dtype, x.get_device(), config)
+        # row-major with size-1 dims too (TMA strides): for more than one row, contiguity
+        laid_out = torch.Tensor.is_contiguous
+        if x.shape[0] == 1:
+            laid_out = partial(_row_major, (x.shape[1], 1))
+        names = self._weight_names
+        buffers_of = operator.itemgetter(*names) if len(names) > 1 else _one_of(names[0])
+        fast[x.shape] = (run, current, weights, x.dtype, x.get_device(), laid_out, buffers_of)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the launches remembered were chosen with these: another value forgets them (the
+        # fast path compares neither per call)
+        if name in ("backend", "scheduler", "num_sms", "profile"):
+            self.__dict__.pop("_fast", None)
+        super().__setattr__(name, value)
 
     def _launch(self, x2: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         """The megakernel call behind the module's custom op (real tensors): rows ``x2``
@@ -426,6 +437,14 @@ def _token_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if x.dim() == 2 and not x.requires_grad and x.is_contiguous():
         return x  # already rows (the common case: no view to make per call)
     return x.detach().reshape(tokens, module.hidden).contiguous()
+
+
+def _row_major(stride: tuple[int, int], x: torch.Tensor) -> bool:
+    return x.stride() == stride
+
+
+def _one_of(name: str):
+    return lambda buffers: (buffers[name],)
 
 
 def _aligned(x2: torch.Tensor) -> torch.Tensor:
