@@ -316,7 +316,7 @@ class TileOp:
         raise NotImplementedError(f"{self.name}: dynamic_slices without device_slices")
 
     def device_tile(self, tensors, coord0, coord1, tidx, smem_ptr) -> None:
-        """SIMT op: one tile on the SIMT group; ``tidx`` in ``[0, NUM_THREADS)``, ``smem_ptr``
+        """SIMT op: one tile on its :attr:`simt_threads` (``tidx`` below it), ``smem_ptr``
         1024-byte aligned scratch of :meth:`device_smem_bytes`. ``tensors`` are the op's
         ``inputs + outputs`` (+ peer tables) + ``host_args``."""
         raise NotImplementedError(f"op {self.name} has no device function")

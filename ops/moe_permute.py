@@ -206,8 +206,8 @@ class MoePermuteTile(TileOp):
                         cute.autovec_copy(vals[u], dst[r0 + idx // width, idx % width, None])
                     else:
                         dst[r0 + idx // width, idx % width] = vals[u]
-        # no barrier here: the worker meets the SIMT group after every tile, before the next
-        # task's sSrc writes
+        # no barrier here: the worker meets the body's threads after every tile, and before a
+        # wide body with scratch (both warpgroups), so no next task writes sSrc early
 
 
 def moe_permute(

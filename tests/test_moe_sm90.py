@@ -55,6 +55,13 @@ def test_moe_megakernel_compiles_for_hopper(tmp_path, scheduler, regime):
     inits = [m.start() for m in re.finditer(r"mbarrier\.init\.", ptx)]
     waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait", ptx)]
     assert inits and waits and max(inits) < min(waits)
+    # the wide SIMT bodies (both consumer warpgroups, barrier 2): top-k, permute and combine
+    # each end on it; permute and combine stage their slot rows in the shared scratch once
+    # inside, and meet before the body (the second warpgroup may be tasks ahead of the first,
+    # which may still use the scratch in an earlier 128-thread body)
+    wide = {n.op.name for n in g.nodes if n.op.ring_tile() is None and n.op.simt_threads == 256}
+    assert wide == {"topk_softmax", "moe_permute", "moe_combine"}, wide
+    assert _count(r"bar\.sync\s+2,\s*256", ptx) == 3 + 2 + 2
 
 
 def _weights(cfg: MoeConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -123,10 +123,15 @@ class ConsumerRoles:
                                 cute.arch.fence_proxy("async.global")
                         simt_sync()
                     # a wide body (``TileOp.simt_threads``): both consumer warpgroups, after
-                    # the SIMT group's barrier above; consumer warp 0 publishes after its own
+                    # the SIMT group's barrier above; consumer warp 0 publishes after its own.
+                    # The second warpgroup skips the SIMT group's tiles and may be tasks ahead:
+                    # a body with scratch meets the first one before writing it (the first may
+                    # still be in an earlier SIMT body using the same scratch)
                     for k in cutlass.range_constexpr(self.num_nodes):
                         if cutlass.const_expr(self._simt(k, SIMT_WIDE_THREADS)):
                             if node == k:
+                                if cutlass.const_expr(self.spec.ops[k].device_smem_bytes() > 0):
+                                    simt_sync(SIMT_WIDE_THREADS)
                                 if self._exists(tensors, node, c0, c1):
                                     self.spec.ops[k].device_tile(tensors[k], c0, c1, ctid, scratch)
                                     if cutlass.const_expr(self.fence_async):

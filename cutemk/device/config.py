@@ -111,7 +111,9 @@ class WorkerShape:
     def check(self) -> None:
         """Host-side invariants; a violation here would be a hang or a bad launch on the GPU."""
         assert self.consumer_warpgroups >= 1
-        assert self.consumer_threads >= SIMT_WIDE_THREADS, "wide SIMT bodies take two warpgroups"
+        # the ring ops' consumer barriers and the wide SIMT bodies' (``SIMT_WIDE_THREADS``)
+        # count exactly two consumer warpgroups
+        assert self.consumer_warpgroups == 2, "the worker has two consumer warpgroups"
         assert NUM_THREADS == WARPGROUP, "the SIMT group is one consumer warpgroup"
         regs = WARPGROUP * self.producer_regs + self.consumer_threads * self.consumer_regs
         assert regs <= REGISTER_FILE, f"setmaxnreg split needs {regs} > {REGISTER_FILE} registers"
