@@ -111,7 +111,12 @@ class ConsumerRoles:
                             mProf[t * PROF_WIDTH + PROF_STAGED] = cute.arch.globaltimer()
                     ecount = ecount + 1
                 else:  # a SIMT tile, or a ring tile that does not exist (nothing to store)
-                    if ctid < NUM_THREADS:  # the SIMT group
+                    wide = Boolean(False)  # a wide body's task: the SIMT group runs it below
+                    for k in cutlass.range_constexpr(self.num_nodes):
+                        if cutlass.const_expr(self._simt(k, SIMT_WIDE_THREADS)):
+                            if node == k:
+                                wide = Boolean(True)
+                    if ctid < NUM_THREADS and not wide:  # the SIMT group
                         if self._exists(tensors, node, c0, c1):
                             for k in cutlass.range_constexpr(self.num_nodes):
                                 if cutlass.const_expr(self._simt(k, NUM_THREADS)):
@@ -122,8 +127,8 @@ class ConsumerRoles:
                             if cutlass.const_expr(self.fence_async):
                                 cute.arch.fence_proxy("async.global")
                         simt_sync()
-                    # a wide body (``TileOp.simt_threads``): both consumer warpgroups, after
-                    # the SIMT group's barrier above; consumer warp 0 publishes after its own.
+                    # a wide body (``TileOp.simt_threads``): both consumer warpgroups;
+                    # consumer warp 0 publishes after its closing barrier.
                     # The second warpgroup skips the SIMT group's tiles and may be tasks ahead:
                     # a body with scratch meets the first one before writing it (the first may
                     # still be in an earlier SIMT body using the same scratch)

@@ -110,7 +110,6 @@ class WorkerShape:
 
     def check(self) -> None:
         """Host-side invariants; a violation here would be a hang or a bad launch on the GPU."""
-        assert self.consumer_warpgroups >= 1
         # the ring ops' consumer barriers and the wide SIMT bodies' (``SIMT_WIDE_THREADS``)
         # count exactly two consumer warpgroups
         assert self.consumer_warpgroups == 2, "the worker has two consumer warpgroups"
