@@ -33,7 +33,7 @@ MAX_B = 64
 PREFILL_CASES = ((1, 8192, 0), (4, 2048, 0), (1, 1024, 4096))  # (batch, new tokens, cached)
 
 
-def _graph(splits: int, target_tiles: int, align: int, max_len: int, merge_batched=False):
+def _graph(splits: int, target_tiles: int, align: int, max_len: int, merge_batched=None):
     import cutemk as mk
     from cutemk import ops
 
@@ -203,9 +203,10 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true", help="a profiled launch's summary per case")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
     p.add_argument(
-        "--merge-batched",
+        "--one-pass",
         action="store_true",
-        help="also time the two-step merge of the ranges (cutemk_merge_batched, same process)",
+        help="also time the one-pass merge of the ranges (cutemk_one_pass, same process; the "
+        "default is the two-step merge wherever the Hopper tile takes it)",
     )
     args = p.parse_args(argv)
     PAGE = args.page
@@ -225,9 +226,9 @@ def main(argv=None) -> int:
         profiled = _graph(args.splits, args.target_tiles, args.align, max_len).compile(
             "cute", scheduler=args.scheduler, profile=True
         )
-    batched = None
-    if args.merge_batched:
-        batched = _graph(args.splits, args.target_tiles, args.align, max_len, True).compile(
+    one_pass = None
+    if args.one_pass:
+        one_pass = _graph(args.splits, args.target_tiles, args.align, max_len, False).compile(
             "cute", scheduler=args.scheduler
         )
     fa4 = _fa4()
@@ -269,8 +270,8 @@ def main(argv=None) -> int:
                 enable_gqa=True,
             ).reshape(b, HQ * D),
         }
-        if batched is not None:
-            impls["cutemk_merge_batched"] = lambda: batched(q, kc, vc, table, lens)
+        if one_pass is not None:
+            impls["cutemk_one_pass"] = lambda: one_pass(q, kc, vc, table, lens)
         if fa4 is not None:
             impls["fa4"] = lambda: fa4(q.unsqueeze(1), k_flat, v_flat)[0].reshape(b, HQ * D)
         nbytes = 2.0 * (2 * b * n * HKV * D + 2 * b * HQ * D)

@@ -338,9 +338,10 @@ class DecoderConfig:
     attention_align: int = kv_split.ALIGN
     # decode attention's last range merges the ranges in two steps (the factors once per
     # range through shared memory, then a chunk of partials at once; the same result for
-    # finite partials, up to the sign of a zero; the split count a power of two up to 32):
-    # off until timed against the one-pass merge on the GPU
-    attention_merge_batched: bool = False
+    # finite partials, up to the sign of a zero; the split count a power of two up to 32).
+    # None: wherever the Hopper tile takes it (measured faster than the one-pass merge on the
+    # H200 at every case of ``benchmarks/attention.py``); False: the one-pass merge
+    attention_merge_batched: bool | None = None
     # K ranges of the projections (see ``linear``): None picks them per GEMM, 1 never splits
     split_k: int | None = None
     # the RMSNorm weights are folded into the projections after them (``fold_norm``): the
@@ -376,8 +377,9 @@ class DecoderConfig:
     # it (to measure; off)
     moe_residual_in_combine: bool = False
     # with a MoE block: the router's last partial tile runs the top-k (``MoeConfig.router_topk``
-    # over the tiles MegaDecoderLayer takes from MegaMoE's regimes; to measure; off)
-    moe_router_topk: bool = False
+    # over the tiles MegaDecoderLayer takes from MegaMoE's regimes); None: as those tiles say
+    # (on in the 'slots' regime, :data:`cutemk.regimes.MOE_TILES`), True / False: forced
+    moe_router_topk: bool | None = None
 
 
 def decoder_layer_graph(

@@ -54,7 +54,7 @@ class MoeConfig:
     # with ``router_split`` > 1: the router's last partial tile of a row block sums the ranges
     # and runs the top-k itself (``ops.gemm_split(topk=k)``: no top-k phase, no hand-over),
     # where the Hopper tile runs it, the experts fill one 128-wide block and the graph has at
-    # most ``ROUTER_TOPK_MAX_ROWS`` tokens; else the top-k phase (to measure; off)
+    # most ``ROUTER_TOPK_MAX_ROWS`` tokens; else the top-k phase (MegaMoE's 'slots' tiles: on)
     router_topk: bool = False
 
 

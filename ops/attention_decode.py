@@ -102,8 +102,10 @@ class AttentionDecodeTile(TileOp):
     target_tiles: int = kvs.TARGET_TILES
     align: int = kvs.ALIGN  # tokens a range is a multiple of
     scale: float | None = None  # softmax scale (default 1/sqrt(D))
-    # the Hopper tile's last range merges in two steps (``Sm90DecodeConfig.merge_batched``)
-    merge_batched: bool = False
+    # the Hopper tile's last range merges in two steps (``Sm90DecodeConfig.merge_batched``):
+    # None takes it wherever that tile runs and the split fits it (faster on the H200 at every
+    # measured batch), False keeps the one-pass merge, True refuses shapes it does not take
+    merge_batched: bool | None = None
 
     name: ClassVar[str] = "attention_decode"
     token_local: ClassVar[bool] = True
@@ -128,6 +130,10 @@ class AttentionDecodeTile(TileOp):
         if not isinstance(self.page_table.shape[1], int):
             raise ShapeError("attention: the page table's width must be a static int")
         kvs.check_policy(self.splits, self.target_tiles, self.align, "attention")
+        if self.merge_batched is None:
+            object.__setattr__(self, "merge_batched", False)
+            fits = kvs.batched_merge_fits(self.q.shape[2], self.splits)
+            object.__setattr__(self, "merge_batched", fits and self._sm90_config() is not None)
         if self.merge_batched and not kvs.batched_merge_fits(self.q.shape[2], self.splits):
             raise ValueError(
                 "attention merge_batched needs splits a power of two up to 32 and a head dim "
@@ -548,10 +554,11 @@ def attention_decode(
     target_tiles: int = kvs.TARGET_TILES,
     align: int = kvs.ALIGN,
     scale: float | None = None,
-    merge_batched: bool = False,
+    merge_batched: bool | None = None,
 ) -> AttentionDecodeTile:
     """Split-KV decode attention (see the module doc and ``ops.kv_split``); ``g.call`` gives
-    ``(out, part_o, part_ml, merges)``: use ``out``."""
+    ``(out, part_o, part_ml, merges)``: use ``out``. ``merge_batched``: the last range's merge
+    in two steps (None: wherever the Hopper tile takes it; see :class:`AttentionDecodeTile`)."""
     return AttentionDecodeTile(
         q,
         k_cache,

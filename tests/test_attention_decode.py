@@ -216,6 +216,31 @@ def test_batched_merge_refuses_shapes_without_the_hopper_tile(dtype, page):
     _graph(32, 8, 128, page, 2048, 64, dtype)  # the portable tile takes these shapes
 
 
+@pytest.mark.parametrize(
+    "dtype, page, splits, expect",
+    [(torch.bfloat16, 16, 16, True), (torch.float16, 64, 32, True), (torch.bfloat16, 16, 12, False)]
+    + [(torch.float32, 16, 16, False), (torch.bfloat16, 4, 16, False)],
+)
+def test_the_default_merge_is_the_batched_one_where_the_hopper_tile_takes_it(
+    dtype, page, splits, expect
+):
+    """``merge_batched=None`` (the default) is the two-step merge wherever the Hopper tile runs
+    and the split count fits it (a power of two up to 32), and the one-pass merge elsewhere (a
+    split of 12, an fp32 cache, 4-token pages): never a refusal."""
+    g = mk.Graph("decode_attention")
+    B = mk.sym("B", min=1, max=8)
+    q = g.input("q", (B, 32, 128), dtype)
+    k = g.input("k_cache", (mk.sym("P", min=1, max=1 << 16), page, 8, 128), dtype)
+    v = g.input("v_cache", (k.spec.shape[0], page, 8, 128), dtype)
+    pt = g.input("page_table", (B, 4096 // page), torch.int32)
+    lens = g.input("seq_lens", (B,), torch.int32)
+    g.call(ops.attention_decode, q, k, v, pt, lens, splits=splits)
+    op = g.nodes[0].op
+    assert op.merge_batched is expect
+    cfg = op._sm90_config()
+    assert (cfg is not None and cfg.merge_batched) == expect
+
+
 def test_hopper_tile_config():
     from cutemk.ops.attention_decode_sm90 import sm90_decode_config
 

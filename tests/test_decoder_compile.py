@@ -231,6 +231,20 @@ def test_decode_layer_with_the_batched_merge_compiles_for_hopper(tmp_path, spill
         assert spills(True) == 0
 
 
+def test_moe_decode_layer_defaults_take_the_measured_switches():
+    """By default (``moe_router_topk`` and ``attention_merge_batched`` None) the Qwen3-30B-A3B
+    layer's 'slots' regime has the router pick in its last tile (MegaMoE's 'slots' tiles) and
+    the 'gemv' regime keeps the top-k phase; decode attention merges in two steps."""
+    from cutemk.layers import MoeConfig
+
+    block = MoeConfig(2048, 768, 128, 8, router_dtype=None, block_m=64, block_n=64)
+    for regime, topk_phase in (("slots", False), ("gemv", True)):
+        g = bare_decoder(QWEN3_30B_DECODE, block).regime_graph(regime, torch.bfloat16)
+        assert ("topk_softmax" in {n.op.name for n in g.nodes}) == topk_phase, regime
+        (att,) = [n.op for n in g.nodes if n.op.name == "attention_decode"]
+        assert att.merge_batched and att.sm90().merge_batched
+
+
 @pytest.mark.parametrize("regime", ["slots", "gemv"])
 def test_moe_decode_layer_with_the_norm_in_o_proj_reduce_compiles_for_hopper(
     tmp_path, spill_stores, regime

@@ -235,15 +235,11 @@ SLOTS = MoeConfig(
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_moe_slot_layout_compiles_for_hopper(tmp_path, scheduler, spill_stores):
     """MegaMoE's 'slots' graph (``MoeConfig.slots``: the grouped GEMMs on the top-k's ids)
-    at Qwen3-30B-A3B's size: no routing node and no combine node (the down tiles sum the
-    picks), the expert a TMA coordinate, no spills."""
+    at Qwen3-30B-A3B's size: no routing node, no top-k node (the router's last tile picks)
+    and no combine node (the down tiles sum the picks), the expert a TMA coordinate, no
+    spills."""
     g = moe_graph(mk.sym("T", max=2), SLOTS, torch.bfloat16)
-    assert [n.op.name for n in g.nodes] == [
-        "gemm_partial",
-        "topk_softmax",
-        "moe_grouped_gemm",
-        "moe_grouped_gemm",
-    ]
+    assert [n.op.name for n in g.nodes] == ["gemm_split", "moe_grouped_gemm", "moe_grouped_gemm"]
     compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()

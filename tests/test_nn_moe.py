@@ -133,24 +133,31 @@ def test_eager_fast_path_serves_the_block_too():
     assert len(calls) == 1
 
 
-def test_options_switch_the_router_topk_in_every_regime_graph():
-    """``MegaMoE(options={"router_topk": True})``: the cute regimes' routers (split along K,
-    128 experts, bf16, at most two tokens) run the top-k in their last tile; the option is part of the key (a
-    module without it compiles graphs of its own); unknown or non-bool options are refused."""
+def test_the_slots_router_runs_the_topk_and_options_switch_it():
+    """The cute 'slots' regime's router (split along K, 128 experts, bf16, at most two tokens)
+    runs the top-k in its last tile by default (``MOE_TILES``); ``options={"router_topk":
+    False}`` keeps the top-k phase there and ``True`` cannot add it where it does not apply
+    (more tokens); a given option is part of the key (its module compiles graphs of its own);
+    unknown or non-bool options are refused."""
     from cutemk.regimes import moe_regime_graph
 
-    for regime in ("slots", "gemv", "decode"):
-        g = moe_regime_graph(2048, 768, 128, 8, True, regime, torch.bfloat16, 512)
-        assert "topk_softmax" in {n.op.name for n in g.nodes}
+    def has_topk_phase(regime, **options):
         g = moe_regime_graph(
-            2048, 768, 128, 8, True, regime, torch.bfloat16, 512, options={"router_topk": True}
+            2048, 768, 128, 8, True, regime, torch.bfloat16, 512, options=options or None
         )
+        return "topk_softmax" in {n.op.name for n in g.nodes}
+
+    for regime in ("slots", "gemv", "decode"):
         # only the slots regime's one or two tokens (layers.ROUTER_TOPK_MAX_ROWS)
-        fused = "topk_softmax" not in {n.op.name for n in g.nodes}
-        assert fused == (regime == "slots"), regime
+        assert has_topk_phase(regime) == (regime != "slots"), regime
+        assert has_topk_phase(regime, router_topk=True) == (regime != "slots"), regime
+        assert has_topk_phase(regime, router_topk=False), regime
     block = hf_block(64, 32, 8, 2, True, torch.float32)
-    plain, fused = MegaMoE.from_hf(block), MegaMoE.from_hf(block, options={"router_topk": True})
-    assert plain._cutemk_key != fused._cutemk_key
+    keys = {
+        MegaMoE.from_hf(block, options=o)._cutemk_key
+        for o in (None, {"router_topk": True}, {"router_topk": False})
+    }
+    assert len(keys) == 3
     with pytest.raises(ValueError, match="unknown"):
         MegaMoE.from_hf(block, options={"router_top_k": True})
     with pytest.raises(TypeError, match="bool"):

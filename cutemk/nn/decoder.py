@@ -257,8 +257,8 @@ class MegaDecoderLayer(_KeyedModule):
             sms = num_sms or self.num_sms
             sizes = {"intermediate": moe.intermediate, "top_k": moe.top_k, "num_sms": sms}
             moe = replace(moe, **moe_tiles(block_regime, moe.hidden, backend, dtype, **sizes))
-            if self.cfg.moe_router_topk:
-                moe = replace(moe, router_topk=True)
+            if self.cfg.moe_router_topk is not None:
+                moe = replace(moe, router_topk=self.cfg.moe_router_topk)
         chosen = DECODER_REGIME_CONFIG.get(regime, {})
         cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
         if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):

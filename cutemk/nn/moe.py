@@ -25,10 +25,12 @@ MOE_OPTIONS = ("router_topk",)
 
 
 def _moe_options(options: dict[str, Any] | None) -> dict[str, bool]:
-    """``options`` checked: known switches (:data:`MOE_OPTIONS`), bool values."""
+    """``options`` checked: known switches (:data:`MOE_OPTIONS`), bool values. A switch
+    given either way overrides the regime's tiles (:data:`cutemk.regimes.MOE_TILES`), so it is
+    kept (and is part of the module's key) even where it repeats them."""
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"MegaMoE options must be a dict of switches, got {type(options).__name__}")
-    options = {k: v for k, v in (options or {}).items() if v is not False}  # False: the default
+    options = dict(options or {})
     for name, value in options.items():
         if name not in MOE_OPTIONS:
             raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
@@ -48,7 +50,8 @@ class MegaMoE(_LiveModule):
     first use: ``slots`` for one or two tokens (the experts on the top-k's ids, no routing
     step), ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill``
     above (tiles in :data:`MOE_TILES`). ``options``: :class:`cutemk.layers.MoeConfig` switches
-    over every regime's tiles (``{"router_topk": True}``; part of the module's key).
+    over every regime's tiles (``{"router_topk": False}`` keeps the top-k phase in the 'slots'
+    regime, where the router's last tile runs it by default; part of the module's key).
     Inference only (no backward).
     """
 
