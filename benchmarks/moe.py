@@ -27,7 +27,7 @@ against an fp32 reference on the same bf16 inputs (``cutemk.layers.moe_reference
 ``speedup_vs_torch_graph``. A megakernel error above 2e-2 is reported and makes the script
 exit non-zero after writing the results.
 
-Run: python benchmarks/moe.py [--tokens 1 16 128] [--quick] [--trace] [--ab router_topk=off]
+Run: python benchmarks/moe.py [--tokens 1 16 128] [--quick] [--trace] [--ab router_topk=off block_m=64]
 """
 
 from __future__ import annotations
@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="OPTION",
-        help="also a static MegaMoE with this option on, or off as OPTION=off (MegaMoE options, "
-        "e.g. router_topk=off): a same-process A/B column mk_static_OPTION",
+        help="also a static MegaMoE with these tile fields (MegaMoE options): a switch on, or "
+        "off as NAME=off, a size as NAME=INT, several joined by + (e.g. router_topk=off, "
+        "block_m=64+combine_block_m=8): a same-process A/B column mk_static_OPTION",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -208,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         f"mk_{s}": MegaMoE(**w, top_k=TOP_K, max_tokens=MAX_TOKENS, scheduler=s)
         for s in ("static", "dynamic")
     }
-    for opt in args.ab:  # same-process A/Bs of MegaMoE's switches
-        name, _, value = opt.partition("=")
+    for opt in args.ab:  # same-process A/Bs of MegaMoE's tile fields
+        options = {}
+        for item in opt.split("+"):
+            name, _, value = item.partition("=")
+            options[name] = value != "off" if not value.isdigit() else int(value)
         megas[f"mk_static_{opt.replace('=', '_')}"] = MegaMoE(
-            **w, top_k=TOP_K, max_tokens=MAX_TOKENS, options={name: value != "off"}
+            **w, top_k=TOP_K, max_tokens=MAX_TOKENS, options=options
         )
     # first_call_s_*: the first call at a token count plans it, and the first call of a regime
     # also compiles its kernel (compiled() only builds the graph; the kernel compiles on launch)

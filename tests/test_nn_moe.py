@@ -164,6 +164,29 @@ def test_the_slots_router_runs_the_topk_and_options_switch_it():
         MegaMoE.from_hf(block, options={"router_topk": 1})
 
 
+def test_options_set_tile_sizes_in_every_regime():
+    """A size among the options (``block_m``: the grouped GEMMs' rows a tile) overrides every
+    regime's tiles, is part of the key, and is checked: a positive int (None where the field
+    takes it), not a bool or a string."""
+    from cutemk.regimes import moe_regime_graph
+
+    g = moe_regime_graph(
+        2048, 768, 128, 8, True, "prefill", torch.bfloat16, 4096, options={"block_m": 64}
+    )
+    ops = {n.name: n.op for n in g.nodes}
+    assert ops["experts_gate_up"].block_m == ops["experts_down"].block_m == 64
+    plain = moe_regime_graph(2048, 768, 128, 8, True, "prefill", torch.bfloat16, 4096)
+    assert next(n.op for n in plain.nodes if n.name == "experts_gate_up").block_m == 128
+    block = hf_block(64, 32, 8, 2, True, torch.float32)
+    sized = MegaMoE.from_hf(block, options={"block_m": 32, "route_chunk": None})
+    assert (
+        "block_m" in sized._cutemk_key and sized._cutemk_key != MegaMoE.from_hf(block)._cutemk_key
+    )
+    for bad, err in ((0, ValueError), (True, TypeError), ("64", TypeError), (None, TypeError)):
+        with pytest.raises(err, match="block_m"):
+            MegaMoE.from_hf(block, options={"block_m": bad})
+
+
 def test_constructor_and_from_hf_refuse_what_the_block_does_not_compute():
     """Biases (the gate's, or 4.x expert MLPs') are refused, not dropped (they changed the
     output silently); zero-size blocks, a bool top_k, a non-bool norm flag, options that are

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -9,7 +10,8 @@ from torch import nn
 
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
-from ..regimes import MOE_REGIME_LIMITS, moe_regime_graph
+from ..layers import MoeConfig
+from ..regimes import MOE_REGIME_LIMITS, MOE_TILE_DEFAULTS, moe_regime_graph
 from .base import (
     _check_no_bias,
     _check_options,
@@ -19,23 +21,36 @@ from .base import (
     _sm_count,
 )
 
+MOE_OPTIONS = tuple(MOE_TILE_DEFAULTS)
+""":class:`MegaMoE`'s ``options``: the :class:`cutemk.layers.MoeConfig` tile fields it takes
+(switches such as ``router_topk``, sizes such as ``block_m``), over every regime's tiles."""
 
-MOE_OPTIONS = ("router_topk",)
-""":class:`MegaMoE`'s ``options``: the :class:`cutemk.layers.MoeConfig` switches it takes."""
 
-
-def _moe_options(options: dict[str, Any] | None) -> dict[str, bool]:
-    """``options`` checked: known switches (:data:`MOE_OPTIONS`), bool values. A switch
-    given either way overrides the regime's tiles (:data:`cutemk.regimes.MOE_TILES`), so it is
-    kept (and is part of the module's key) even where it repeats them."""
+def _moe_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` checked: known tile fields (:data:`MOE_OPTIONS`), a bool for a switch, a
+    positive int (or None where the field takes it) for a size. A field given either way
+    overrides the regime's tiles (:data:`cutemk.regimes.MOE_TILES`), so it is kept (and is
+    part of the module's key) even where it repeats them; shapes a tile cannot take are refused
+    when its regime's graph is built."""
     if options is not None and not isinstance(options, dict):
-        raise TypeError(f"MegaMoE options must be a dict of switches, got {type(options).__name__}")
+        raise TypeError(
+            f"MegaMoE options must be a dict of tile fields, got {type(options).__name__}"
+        )
     options = dict(options or {})
+    kinds = {f.name: str(f.type) for f in fields(MoeConfig)}
     for name, value in options.items():
         if name not in MOE_OPTIONS:
             raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
-        if not isinstance(value, bool):
-            raise TypeError(f"MegaMoE options: {name} must be a bool, got {value!r}")
+        kind = kinds[name]
+        if kind.startswith("bool"):
+            if not isinstance(value, bool):
+                raise TypeError(f"MegaMoE options: {name} must be a bool, got {value!r}")
+        elif value is None and "None" in kind:
+            continue
+        elif not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"MegaMoE options: {name} must be an int, got {value!r}")
+        elif value < 1:
+            raise ValueError(f"MegaMoE options: {name} must be positive, got {value}")
     return options
 
 
@@ -50,8 +65,9 @@ class MegaMoE(_LiveModule):
     first use: ``slots`` for one or two tokens (the experts on the top-k's ids, no routing
     step), ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill``
     above (tiles in :data:`MOE_TILES`). ``options``: :class:`cutemk.layers.MoeConfig` switches
-    over every regime's tiles (``{"router_topk": False}`` keeps the top-k phase in the 'slots'
-    regime, where the router's last tile runs it by default; part of the module's key).
+    over every regime's tiles (:data:`MOE_OPTIONS`; ``{"router_topk": False}`` keeps the top-k
+    phase in the 'slots' regime, where the router's last tile runs it by default; ``{"block_m":
+    64}`` gives every grouped GEMM 64-row tiles; part of the module's key).
     Inference only (no backward).
     """
 
