@@ -14,7 +14,11 @@ sequence is split into a share of its live length per tile (``ops.kv_split``).
 prefix or none) vs SDPA (a mask aligning the new tokens to the cache's end) and FA4 (causal),
 results/attention_prefill.json; rel_err against SDPA; floor from the causal FLOPs at 790 TFLOP/s.
 
+``--one-pass``: also the one-pass merge of the ranges (the default is the two-step merge
+wherever the Hopper tile takes it).
+
 Run: python benchmarks/attention.py [--splits 16] [--target-tiles 264] [--quick] [--prefill]
+[--one-pass] [--trace]
 """
 
 from __future__ import annotations
@@ -244,6 +248,7 @@ def main(argv=None) -> int:
             "page_table_tokens": max_len,
             "scheduler": args.scheduler,
             "rep": rep,
+            "cutemk_merge": "two-step" if mk_attn.graph.nodes[0].op.batched_merge else "one-pass",
         },
     )
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -152,6 +152,23 @@ def hf_block(w_router, w_gate_up, w_down):
     return block
 
 
+def _ab_options(p: argparse.ArgumentParser, opt: str) -> dict:
+    """``--ab`` item ``NAME[=VALUE][+NAME...]`` as MegaMoE options: a name alone or ``=on`` a
+    switch on, ``=off`` off, digits a size, ``=none`` None; anything else is an error (a typo
+    must not become an A/B column identical to the default)."""
+    words = {"": True, "on": True, "off": False, "none": None}
+    options = {}
+    for item in opt.split("+"):
+        name, _, value = item.partition("=")
+        if value.isdigit():
+            options[name] = int(value)
+        elif value in words:
+            options[name] = words[value]
+        else:
+            p.error(f"--ab {opt}: {value!r} is not on, off, none or a positive int")
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
@@ -165,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="OPTION",
-        help="also a static MegaMoE with these tile fields (MegaMoE options): a switch on, or "
-        "off as NAME=off, a size as NAME=INT, several joined by + (e.g. router_topk=off, "
-        "block_m=64+combine_block_m=8): a same-process A/B column mk_static_OPTION",
+        help="also a static MegaMoE with these tile fields (MegaMoE options): NAME or NAME=on a "
+        "switch on, NAME=off off, NAME=INT a size, NAME=none None, several joined by + (e.g. "
+        "router_topk=off, block_m=64+combine_block_m=8): a same-process A/B column "
+        "mk_static_OPTION",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -210,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in ("static", "dynamic")
     }
     for opt in args.ab:  # same-process A/Bs of MegaMoE's tile fields
-        options = {}
-        for item in opt.split("+"):
-            name, _, value = item.partition("=")
-            options[name] = value != "off" if not value.isdigit() else int(value)
+        options = _ab_options(p, opt)
         megas[f"mk_static_{opt.replace('=', '_')}"] = MegaMoE(
             **w, top_k=TOP_K, max_tokens=MAX_TOKENS, options=options
         )

@@ -298,6 +298,7 @@ def moe_tiles(
     intermediate: int | None = None,
     top_k: int | None = None,
     num_sms: int | None = None,
+    overrides: dict | None = None,
 ) -> dict:
     """Every tile field of :class:`MoeConfig` for a regime's block of ``hidden`` columns:
     :data:`MOE_TILES`' entry over the fields' defaults, the router's K split halved until it
@@ -308,8 +309,9 @@ def moe_tiles(
     ``top_k``, the one of :data:`SLOT_GATE_UP_WIDTHS` that fits one token's tiles best in waves
     over ``num_sms`` (default: the H200's 132; :func:`wave_fit_width`); 64 without them. One
     token, not two: at two, 48 columns (256 tiles, two waves) stream as many columns an SM as
-    96 (128 tiles, one wave)."""
-    tiles = {**MOE_TILE_DEFAULTS, **MOE_TILES[(backend, regime)]}
+    96 (128 tiles, one wave). ``overrides`` (``MegaMoE``'s options) go over the table's entry
+    before those rules, so they are held to them too."""
+    tiles = {**MOE_TILE_DEFAULTS, **MOE_TILES[(backend, regime)], **(overrides or {})}
     if tiles["block_n"] is None:
         tiles["block_n"] = 64
         if intermediate and top_k:
@@ -344,7 +346,7 @@ def moe_regime_graph(
     limit = MOE_REGIME_LIMITS[regime]
     limit = max_tokens if limit is None else min(max_tokens, limit)
     sizes = {"intermediate": intermediate, "top_k": top_k, "num_sms": num_sms}
-    tiles = {**moe_tiles(regime, hidden, backend, dtype, **sizes), **(options or {})}
+    tiles = moe_tiles(regime, hidden, backend, dtype, overrides=options, **sizes)
     cfg = MoeConfig(
         hidden,
         intermediate,

@@ -130,10 +130,6 @@ class AttentionDecodeTile(TileOp):
         if not isinstance(self.page_table.shape[1], int):
             raise ShapeError("attention: the page table's width must be a static int")
         kvs.check_policy(self.splits, self.target_tiles, self.align, "attention")
-        if self.merge_batched is None:
-            object.__setattr__(self, "merge_batched", False)
-            fits = kvs.batched_merge_fits(self.q.shape[2], self.splits)
-            object.__setattr__(self, "merge_batched", fits and self._sm90_config() is not None)
         if self.merge_batched and not kvs.batched_merge_fits(self.q.shape[2], self.splits):
             raise ValueError(
                 "attention merge_batched needs splits a power of two up to 32 and a head dim "
@@ -141,7 +137,7 @@ class AttentionDecodeTile(TileOp):
             )
         if self.align % UNROLL:
             raise ValueError(f"attention align must be a multiple of {UNROLL}, got {self.align}")
-        if self.merge_batched and self._sm90_config() is None:  # no silent one-pass merge
+        if self.merge_batched and self._sm90_config(True) is None:  # no silent one-pass merge
             raise ValueError(
                 "attention merge_batched is the Hopper tile's merge: it needs a 16-bit cache, a "
                 "head dim a multiple of 64 up to 256, a power-of-two page of 8 to 256 tokens, at "
@@ -301,8 +297,22 @@ class AttentionDecodeTile(TileOp):
             return None
         return self._sm90_config()
 
-    def _sm90_config(self) -> dsm90.Sm90DecodeConfig | None:
-        """The Hopper tile's config for these shapes, whatever the target arch."""
+    @property
+    def batched_merge(self) -> bool:
+        """Whether the Hopper tile's last range merges in two steps: ``merge_batched``, or
+        where that is None (the default) wherever the tile runs these shapes and the split
+        fits the merge. The field itself keeps None, so a ``dataclasses.replace`` of the op
+        decides again for its own shapes."""
+        if self.merge_batched is not None:
+            return self.merge_batched
+        fits = kvs.batched_merge_fits(self.q.shape[2], self.splits)
+        return fits and self._sm90_config(False) is not None
+
+    def _sm90_config(self, merge_batched: bool | None = None) -> dsm90.Sm90DecodeConfig | None:
+        """The Hopper tile's config for these shapes, whatever the target arch (its merge:
+        :attr:`batched_merge`, or ``merge_batched`` where given)."""
+        if merge_batched is None:
+            merge_batched = self.batched_merge
         return dsm90.sm90_decode_config(
             self.q.dtype,
             self.group,
@@ -314,7 +324,7 @@ class AttentionDecodeTile(TileOp):
             self.align,
             self.max_tokens,
             self.softmax_scale,
-            self.merge_batched,
+            merge_batched,
         )
 
     def ring_tile(self) -> RingTile | None:

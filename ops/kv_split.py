@@ -149,7 +149,8 @@ def merge_ranges(
     thread's loads for one output are issued before their use (the loops over ranges are
     unrolled up to ``splits``); outputs follow one another, ``group * head_dim / nthreads``
     round trips (a merging tile took ~13 us more than its siblings at G = 8, 16 ranges, in a
-    B=1 trace on the H200; :func:`merge_ranges_batched` is the alternative to measure)."""
+    B=1 trace on the H200; :func:`merge_ranges_batched`, faster there, is the default where
+    the split fits it)."""
     for k in cutlass.range_constexpr(-(-group * head_dim // nthreads)):
         idx = tid + k * nthreads
         if idx < group * head_dim:

@@ -7,6 +7,7 @@ schedulers, NaN-poisoned outputs, bit-identical reruns."""
 
 import os
 import re
+from dataclasses import replace
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -19,7 +20,7 @@ from cutemk.runtime import compile_offline
 from cutemk.ops.attention_decode import decode_attention_reference
 
 
-def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264, merge=False):
+def _graph(hq, hkv, d, page, max_pages, align, dtype, max_b=8, target_tiles=264, merge=None):
     g = mk.Graph("decode_attention")
     B = mk.sym("B", min=1, max=max_b)
     q = g.input("q", (B, hq, d), dtype)
@@ -175,8 +176,8 @@ def test_batched_merge_loads_a_batch_of_partials_at_once(tmp_path, hq, hkv):
     assert cfg is not None and cfg.merge_batched
     (tmp_path / "batched").mkdir()
     assert v4_runs(g, tmp_path / "batched") >= min(cfg.splits, MERGE_CHUNK)
-    # without the switch the op and its kernel are what they were
-    plain = _graph(hq, hkv, 128, 16, 2048, 64, torch.bfloat16, max_b=64)
+    # the one-pass merge: 4-byte words
+    plain = _graph(hq, hkv, 128, 16, 2048, 64, torch.bfloat16, max_b=64, merge=False)
     assert not plain.nodes[0].op.sm90().merge_batched
     (tmp_path / "plain").mkdir()
     assert v4_runs(plain, tmp_path / "plain") < min(cfg.splits, MERGE_CHUNK)
@@ -236,9 +237,11 @@ def test_the_default_merge_is_the_batched_one_where_the_hopper_tile_takes_it(
     lens = g.input("seq_lens", (B,), torch.int32)
     g.call(ops.attention_decode, q, k, v, pt, lens, splits=splits)
     op = g.nodes[0].op
-    assert op.merge_batched is expect
+    assert op.merge_batched is None and op.batched_merge is expect
     cfg = op._sm90_config()
     assert (cfg is not None and cfg.merge_batched) == expect
+    # the field keeps None: a copy with a split the two-step merge cannot reduce decides again
+    assert replace(op, splits=12).batched_merge is False
 
 
 def test_hopper_tile_config():

@@ -242,7 +242,7 @@ def test_moe_decode_layer_defaults_take_the_measured_switches():
         g = bare_decoder(QWEN3_30B_DECODE, block).regime_graph(regime, torch.bfloat16)
         assert ("topk_softmax" in {n.op.name for n in g.nodes}) == topk_phase, regime
         (att,) = [n.op for n in g.nodes if n.op.name == "attention_decode"]
-        assert att.merge_batched and att.sm90().merge_batched
+        assert att.batched_merge and att.sm90().merge_batched
 
 
 @pytest.mark.parametrize("regime", ["slots", "gemv"])

@@ -185,6 +185,13 @@ def test_options_set_tile_sizes_in_every_regime():
     for bad, err in ((0, ValueError), (True, TypeError), ("64", TypeError), (None, TypeError)):
         with pytest.raises(err, match="block_m"):
             MegaMoE.from_hf(block, options={"block_m": bad})
+    # options go through the regimes' rules: fp32 weights keep the combine step
+    from cutemk.regimes import moe_regime_graph as regime_graph
+
+    g = regime_graph(
+        256, 128, 8, 2, True, "slots", torch.float32, 2, options={"fused_combine": True}
+    )
+    assert "moe_combine" in {n.op.name for n in g.nodes}
 
 
 def test_constructor_and_from_hf_refuse_what_the_block_does_not_compute():

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import torch
 from torch import nn
@@ -37,15 +36,14 @@ def _moe_options(options: dict[str, Any] | None) -> dict[str, Any]:
             f"MegaMoE options must be a dict of tile fields, got {type(options).__name__}"
         )
     options = dict(options or {})
-    kinds = {f.name: str(f.type) for f in fields(MoeConfig)}
+    hints = get_type_hints(MoeConfig)
     for name, value in options.items():
         if name not in MOE_OPTIONS:
             raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
-        kind = kinds[name]
-        if kind.startswith("bool"):
+        if isinstance(MOE_TILE_DEFAULTS[name], bool):
             if not isinstance(value, bool):
                 raise TypeError(f"MegaMoE options: {name} must be a bool, got {value!r}")
-        elif value is None and "None" in kind:
+        elif value is None and type(None) in get_args(hints[name]):
             continue
         elif not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"MegaMoE options: {name} must be an int, got {value!r}")
@@ -64,10 +62,12 @@ class MegaMoE(_LiveModule):
     the lower expert id. Four regimes (:data:`MOE_REGIME_LIMITS`), each one graph compiled on
     first use: ``slots`` for one or two tokens (the experts on the top-k's ids, no routing
     step), ``gemv`` for T <= 16, ``decode`` for T <= :data:`MOE_DECODE_MAX_TOKENS`, ``prefill``
-    above (tiles in :data:`MOE_TILES`). ``options``: :class:`cutemk.layers.MoeConfig` switches
-    over every regime's tiles (:data:`MOE_OPTIONS`; ``{"router_topk": False}`` keeps the top-k
-    phase in the 'slots' regime, where the router's last tile runs it by default; ``{"block_m":
-    64}`` gives every grouped GEMM 64-row tiles; part of the module's key).
+    above (tiles in :data:`MOE_TILES`). ``options``: :class:`cutemk.layers.MoeConfig` tile
+    fields, switches or sizes, over every regime's tiles (:data:`MOE_OPTIONS`; part of the
+    module's key): ``{"router_topk": False}`` keeps the top-k phase in the 'slots' regime,
+    whose router runs it in its last tile by default where the Hopper tile takes the router
+    (16-bit weights, 128 experts, top-k up to 32); ``{"block_m": 64}`` gives every grouped
+    GEMM 64-row tiles.
     Inference only (no backward).
     """
 
