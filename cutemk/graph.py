@@ -18,7 +18,7 @@ from . import registry
 from .errors import GraphError, ShapeError
 from .events import EventMap, EventTensor, IndexMap
 from .symbolic import Expr, IntLike, Sym, const, free_syms
-from .tileop import TensorSpec, TileOp
+from .tileop import TensorSpec, TileOp, check_call_types, check_field_types
 
 
 @dataclass(eq=False)
@@ -120,9 +120,11 @@ class Graph:
                 )
             inst = op
         else:
+            check_call_types(op, config, getattr(op, "__name__", str(op)))
             inst = op(*[a.spec for a in args], **config)
         if not isinstance(inst, TileOp):
             raise GraphError(f"{op} did not build a TileOp")
+        check_field_types(inst, inst.name)
         if len(args) != len(inst.inputs):
             raise GraphError(
                 f"{inst.name} takes {len(inst.inputs)} inputs {inst.inputs}, got {len(args)}"

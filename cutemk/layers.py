@@ -34,7 +34,7 @@ from cutemk.moe_layers import (  # noqa: F401
 )
 from cutemk.ops import kv_split
 from cutemk.symbolic import Sym, upper
-from cutemk.tileop import expect_positive_int, expect_positive_sizes
+from cutemk.tileop import check_field_types, expect_positive_int, expect_positive_sizes
 
 SPLIT_BLOCK_N = 256
 """Columns of a split-K partial tile where the split is given (``linear``; a chosen split
@@ -380,6 +380,9 @@ class DecoderConfig:
     # over the tiles MegaDecoderLayer takes from MegaMoE's regimes); None: as those tiles say
     # (on in the 'slots' regime, :data:`cutemk.regimes.MOE_TILES`), True / False: forced
     moe_router_topk: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "DecoderConfig")
 
 
 def decoder_layer_graph(

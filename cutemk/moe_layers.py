@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from cutemk import ops
+from cutemk.arch import pin_arch
 from cutemk.errors import ShapeError
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym, upper
-from cutemk.tileop import expect_positive_sizes
+from cutemk.tileop import check_field_types, expect_positive_sizes
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class MoeConfig:
     # where the Hopper tile runs it, the experts fill one 128-wide block and the graph has at
     # most ``ROUTER_TOPK_MAX_ROWS`` tokens; else the top-k phase (MegaMoE's 'slots' tiles: on)
     router_topk: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "MoeConfig")
 
 
 ROUTER_BLOCK_N = 64
@@ -222,6 +226,39 @@ def _router_with_topk(x, w_router, cfg: MoeConfig, logits_dtype: torch.dtype):
     return op if op.sm90() is not None else None
 
 
+def _fused_combine_down(cfg: MoeConfig, act, w_down, ids, weights, res, down_n: int):
+    """The slot layout's down projection with the combine in its tiles (``cfg.fused_combine``),
+    or None, so the combine stays a step of its own: the switch off or shapes the op refuses
+    (whether a kernel's tile takes them is the backend's call: :func:`fused_combine_has_tile`)."""
+    if not cfg.fused_combine:
+        return None
+    try:
+        op = ops.moe_slot_gemm(
+            act.spec,
+            w_down.spec,
+            ids.spec,
+            weights.spec,
+            *(r.spec for r in res),
+            slot_input="slots",
+            block_m=cfg.block_m,
+            block_n=down_n,
+        )
+    except (ShapeError, ValueError):
+        return None
+    return op
+
+
+def fused_combine_has_tile(g: Graph) -> bool:
+    """Whether a graph's fused combine (the 'slots' down projection summing the picks, node
+    ``experts_down``), if it has one, has a device tile for the target: only the Hopper tile
+    runs it, so a kernel for sm_90a needs that tile to take its shapes. A backend-aware
+    caller rebuilds the graph with the combine step where this is False."""
+    for n in g.nodes:
+        if n.name == "experts_down" and getattr(n.op, "combine", None) is not None:
+            return pin_arch() == "sm_90a" and n.op.sm90() is not None
+    return True
+
+
 def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, w_down, res=()):
     """The experts and the combine of :func:`moe_block` on the slot layout (``cfg.slots``),
     ``res`` the residual added by the combine (or nothing)."""
@@ -237,19 +274,9 @@ def _slot_experts(g: Graph, x, tokens: Sym, cfg: MoeConfig, weights, ids, w_gu, 
         name="experts_gate_up",
     )
     down_n = cfg.down_block_n or cfg.block_n
-    if cfg.fused_combine:
-        y, _, _ = g.call(
-            ops.moe_slot_gemm,
-            act,
-            w_down,
-            ids,
-            weights,
-            *res,
-            slot_input="slots",
-            block_m=cfg.block_m,
-            block_n=down_n,
-            name="experts_down",
-        )
+    fused = _fused_combine_down(cfg, act, w_down, ids, weights, res, down_n)
+    if fused is not None:
+        y, _, _ = g.call(fused, act, w_down, ids, weights, *res, name="experts_down")
         return y
     down = g.call(
         ops.moe_slot_gemm,

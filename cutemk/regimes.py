@@ -23,6 +23,7 @@ from .arch import pin_arch
 from .costmodel import H200
 from .graph import Graph
 from .layers import MoeConfig, mlp_graph, moe_graph
+from .moe_layers import fused_combine_has_tile
 from .ops import DECODE_GATE_UP_WIDTHS, wave_fit_width  # noqa: F401 (re-exported)
 from .ops.gemm_splitk import SLICE as SPLIT_SLICE
 from .symbolic import sym
@@ -356,4 +357,8 @@ def moe_regime_graph(
         router_dtype=None,
         **tiles,
     )
-    return moe_graph(sym("T", max=limit), cfg, dtype)
+    g = moe_graph(sym("T", max=limit), cfg, dtype)
+    if backend == "cute" and cfg.fused_combine and not fused_combine_has_tile(g):
+        # shapes the fused combine's only (Hopper) tile does not take: the combine step
+        g = moe_graph(sym("T", max=limit), dataclasses.replace(cfg, fused_combine=False), dtype)
+    return g

@@ -442,3 +442,84 @@ def expect_same_dim(a: IntLike, b: IntLike, what: str) -> None:
                 "dim once and use it everywhere"
             )
         raise ShapeError(f"{what}: {a} != {b}")
+
+
+_FIELD_KINDS: dict[type, dict[str, tuple[str, bool]]] = {}
+_A = {"bool": "a bool", "int": "an int", "float": "a number"}
+
+
+def _kind_of(annotation: Any) -> tuple[str, bool] | None:
+    """(``bool`` / ``int`` / ``float``, None allowed) of an annotation naming one of them
+    (alone or with None), from its text; None for any other annotation."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    text = text.replace(" ", "")
+    for kind in ("bool", "int", "float"):
+        if text == kind:
+            return kind, False
+        if text in (f"{kind}|None", f"None|{kind}", f"Optional[{kind}]"):
+            return kind, True
+    return None
+
+
+def check_call_types(builder: Any, config: Mapping[str, Any], what: str) -> None:
+    """:func:`check_field_types` for the keyword arguments of an op builder, by its
+    signature's annotations, before it runs (its own checks may compare a value first)."""
+    import inspect
+
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        return
+    for name, value in config.items():
+        p = params.get(name)
+        kind = None if p is None else _kind_of(p.annotation)
+        if kind is not None:
+            _check_value(value, name, *kind, what)
+
+
+def _field_kinds(cls: type) -> dict[str, tuple[str, bool]]:
+    """Per dataclass field annotated ``bool``, ``int`` or ``float`` (or one of them or None):
+    its kind and whether None is allowed; other fields are not listed. Read from the
+    annotations' text (modules here use postponed annotations), so names imported only for
+    type checking do not matter."""
+    kinds = _FIELD_KINDS.get(cls)
+    if kinds is None:
+        import dataclasses
+
+        kinds = {}
+        for f in dataclasses.fields(cls):
+            kind = _kind_of(f.type)
+            if kind is not None:
+                kinds[f.name] = kind
+        _FIELD_KINDS[cls] = kinds
+    return kinds
+
+
+def check_field_types(obj: Any, what: str) -> None:
+    """A dataclass's ``bool`` / ``int`` / ``float`` fields hold values of those types: a
+    switch takes a bool (``"no"`` or ``1`` would be read as on), a size an int that is not a
+    bool, a float a finite number; None only where the field allows it. ``TypeError`` /
+    ``ValueError`` naming ``what`` and the field."""
+    for name, (kind, optional) in _field_kinds(type(obj)).items():
+        _check_value(getattr(obj, name), name, kind, optional, what)
+
+
+def _check_value(value: Any, name: str, kind: str, optional: bool, what: str) -> None:
+    import math
+
+    if value is None:
+        if not optional:
+            raise TypeError(f"{what}: {name} must be {_A[kind]}, got None")
+        return
+    if kind == "bool":
+        ok = isinstance(value, (bool, np.bool_))
+    elif kind == "int":
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    else:
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+            value, (bool, np.bool_)
+        )
+        if ok and not math.isfinite(value):
+            raise ValueError(f"{what}: {name} must be finite, got {value!r}")
+    if not ok:
+        raise TypeError(f"{what}: {name} must be {_A[kind]}, got {value!r}")

@@ -194,6 +194,31 @@ def test_options_set_tile_sizes_in_every_regime():
     assert "moe_combine" in {n.op.name for n in g.nodes}
 
 
+def test_slots_keep_a_combine_step_where_the_fused_combine_cannot_run():
+    """The 'slots' regime fuses the combine into the down tiles only where that tile runs:
+    bf16 shapes the Hopper tile does not take (64-row-aligned tiles, a down width or an
+    intermediate size TMA cannot box) and sizes the op refuses keep the combine step, so a
+    module whose tiles or sizes rule the fused combine out still runs one or two tokens; the
+    Qwen3-30B-A3B block keeps it fused."""
+    from cutemk.regimes import moe_regime_graph
+
+    def combine_step(h, i, dtype=torch.bfloat16, **options):
+        g = moe_regime_graph(h, i, 8, 2, True, "slots", dtype, 64, options=options or None)
+        return "moe_combine" in {n.op.name for n in g.nodes}
+
+    assert not combine_step(2048, 768)
+    assert combine_step(256, 128, block_m=32)
+    assert combine_step(256, 128, down_block_n=24)
+    assert combine_step(256, 100)
+    assert combine_step(36, 128)
+    # the interpreter: a hidden size the fused combine refuses (not a multiple of 4)
+    block = hf_block(37, 16, 8, 2, True, torch.float32)
+    mega = MegaMoE.from_hf(block, max_tokens=8, backend="interpret")
+    for t in (1, 2, 5):
+        x = torch.randn(t, 37, generator=torch.Generator().manual_seed(t))
+        assert rel_err(mega(x), hf_forward(block, x)) < 1e-5, t
+
+
 def test_constructor_and_from_hf_refuse_what_the_block_does_not_compute():
     """Biases (the gate's, or 4.x expert MLPs') are refused, not dropped (they changed the
     output silently); zero-size blocks, a bool top_k, a non-bool norm flag, options that are

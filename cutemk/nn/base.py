@@ -364,6 +364,18 @@ def _check_options(max_tokens: Any, backend: Any) -> None:
         raise ValueError(f"backend must be None, 'cute' or 'interpret', got {backend!r}")
 
 
+def _check_launch(scheduler: Any, num_sms: Any) -> None:
+    """A module's scheduler (a registered name or a Scheduler) and SM count (None or a
+    positive int), checked when it is built rather than at its first call."""
+    from ..scheduling import resolve_scheduler
+
+    resolve_scheduler(scheduler)
+    if num_sms is not None and (
+        not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1
+    ):
+        raise ValueError(f"num_sms must be None or a positive int, got {num_sms!r}")
+
+
 def _check_profile(profile: Any) -> None:
     if profile not in (False, True, "slices"):
         raise ValueError(f"profile must be False, True or 'slices', got {profile!r}")

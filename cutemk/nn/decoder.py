@@ -21,9 +21,17 @@ from ..regimes import (
     regime_of,
     split_reduce_in_tiles,
 )
+from ..moe_layers import fused_combine_has_tile
 from ..symbolic import sym
 from ..tileop import expect_positive_int
-from .base import _check_no_bias, _check_silu, _KeyedModule, _sm_count, check_live_reference_args
+from .base import (
+    _check_launch,
+    _check_no_bias,
+    _check_silu,
+    _KeyedModule,
+    _sm_count,
+    check_live_reference_args,
+)
 from .moe import MegaMoE
 
 
@@ -80,6 +88,7 @@ class MegaDecoderLayer(_KeyedModule):
         self.cfg, self.moe, self.max_batch = cfg, moe, max_batch
         if moe is not None:
             self.regime_limits = DECODER_MOE_REGIME_LIMITS
+        _check_launch(scheduler, num_sms)
         self.backend, self.scheduler, self.num_sms = backend, scheduler, num_sms
         if not isinstance(weights, dict) or not all(
             isinstance(k, str) and isinstance(w, torch.Tensor) for k, w in weights.items()
@@ -263,7 +272,13 @@ class MegaDecoderLayer(_KeyedModule):
         cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
         if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
             cfg = replace(cfg, fused_reduce=True)
-        return decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
+        g = decoder_layer_graph(sym("B", max=limit), cfg, dtype, moe)
+        if backend == "cute" and moe is not None and moe.fused_combine:
+            if not fused_combine_has_tile(g):  # its only (Hopper) tile: the combine step
+                g = decoder_layer_graph(
+                    sym("B", max=limit), cfg, dtype, replace(moe, fused_combine=False)
+                )
+        return g
 
     def warm_inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
         """A decode step of ``batch`` sequences for :func:`cutemk.warmup`: one token each, at

@@ -11,7 +11,7 @@ from torch import nn
 from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..regimes import REGIME_LIMITS, mlp_regime_graph
-from .base import _check_options, _check_silu, _LiveModule, _sm_count
+from .base import _check_launch, _check_options, _check_silu, _LiveModule, _sm_count
 
 
 class MegaMLP(_LiveModule):
@@ -40,6 +40,7 @@ class MegaMLP(_LiveModule):
     ) -> None:
         super().__init__()
         _check_options(max_tokens, backend)
+        _check_launch(scheduler, num_sms)
         _check_weights(w_gate, w_up, w_down)
         inter, hidden = w_gate.shape
         self.hidden, self.intermediate, self.max_tokens = int(hidden), int(inter), max_tokens

@@ -13,6 +13,7 @@ from ..layers import MoeConfig
 from ..regimes import MOE_REGIME_LIMITS, MOE_TILE_DEFAULTS, moe_regime_graph
 from .base import (
     _check_no_bias,
+    _check_launch,
     _check_options,
     _check_profile,
     _check_silu,
@@ -23,6 +24,14 @@ from .base import (
 MOE_OPTIONS = tuple(MOE_TILE_DEFAULTS)
 """:class:`MegaMoE`'s ``options``: the :class:`cutemk.layers.MoeConfig` tile fields it takes
 (switches such as ``router_topk``, sizes such as ``block_m``), over every regime's tiles."""
+
+
+TOPK_MAX = 32
+"""Most experts a token picks (the top-k's picks are one a lane of a warp)."""
+
+OPTION_SIZE_MAX = {"block_m": 256, "block_n": 256, "down_block_n": 256, "router_block_n": 256}
+"""Largest GEMM tile sizes the options take: no wgmma tile is wider, and the SIMT tile of a
+larger one would take minutes to compile."""
 
 
 def _moe_options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -49,6 +58,10 @@ def _moe_options(options: dict[str, Any] | None) -> dict[str, Any]:
             raise TypeError(f"MegaMoE options: {name} must be an int, got {value!r}")
         elif value < 1:
             raise ValueError(f"MegaMoE options: {name} must be positive, got {value}")
+        elif value > OPTION_SIZE_MAX.get(name, value):
+            raise ValueError(
+                f"MegaMoE options: {name} must be at most {OPTION_SIZE_MAX[name]}, got {value}"
+            )
     return options
 
 
@@ -89,6 +102,7 @@ class MegaMoE(_LiveModule):
     ) -> None:
         super().__init__()
         _check_options(max_tokens, backend)
+        _check_launch(scheduler, num_sms)
         self.options = _moe_options(options)
         for name, w, nd in (("w_router", w_router, 2), ("w_gate_up", w_gate_up, 3)):
             if not isinstance(w, torch.Tensor) or w.dim() != nd:
@@ -107,8 +121,9 @@ class MegaMoE(_LiveModule):
                 f"MegaMoE needs at least one expert, hidden and intermediate column, got E={e}, "
                 f"H={h}, I={inter}"
             )
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= e:
-            raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
+        k_max = min(e, TOPK_MAX)  # the top-k picks one expert a lane of a warp
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= k_max:
+            raise ValueError(f"top_k must be an int in [1, {k_max}], got {top_k!r}")
         if not isinstance(norm_topk_prob, bool):
             raise TypeError(f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
         _check_profile(profile)
