@@ -63,7 +63,8 @@ def warmup(
     ``obj``: a ``MegaMLP`` / ``MegaMoE`` / ``MegaDecoderLayer`` (every regime's kernel is
     compiled by one launch at its smallest token count, on zeros; a decoder layer's on its
     ``warm_inputs``), a graph compiled with one symbolic dim (nothing to launch), or a list of
-    these. ``tokens``: token counts to plan now (each at most the module's or graph's max).
+    these. ``tokens``: token counts to plan now, an int or ints (each at most the module's or
+    graph's max).
     ``progress``: a tqdm bar (None: when stderr is a terminal). ``parallel``: first compile
     every kernel not yet compiled or cached, in worker processes at once, into the on-disk
     cache (``cutemk.kernels.compile_many``), so the launches load them. ``live``: also
@@ -73,6 +74,10 @@ def warmup(
     caches' page count (its first live launch then loads the kernels: make it before a
     capture)."""
     objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+        tokens = (tokens,)  # one count
+    if not hasattr(tokens, "__iter__") or isinstance(tokens, (str, bytes)):
+        raise TypeError(f"warmup tokens must be an int or ints, got {tokens!r}")
     tokens = list(tokens)
     bad = [t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")]
     if bad or any(int(t) < 1 for t in tokens):  # an int or numpy int; 2.7 is not a count

@@ -104,3 +104,21 @@ def test_modules_check_their_launch_settings_when_built():
         with pytest.raises(ValueError, match=match):
             MegaMoE(*w, **kw)
     MegaMoE(*w, top_k=32, num_sms=8, scheduler="dynamic", options={"block_m": 256})
+
+
+def test_warmup_takes_one_count_and_the_decoder_layer_its_configs():
+    """``warmup(module, tokens=5)`` plans one count (an int or ints, not a string); a
+    ``MegaDecoderLayer`` built directly takes a DecoderConfig and None or a MoeConfig."""
+    import cutemk
+    from cutemk.nn import MegaDecoderLayer, MegaMLP
+
+    w = torch.randn(32, 64), torch.randn(32, 64), torch.randn(64, 32)
+    mlp = MegaMLP(*w, max_tokens=8, backend="interpret")
+    cutemk.warmup(mlp, tokens=5)
+    with pytest.raises(TypeError, match="warmup tokens"):
+        cutemk.warmup(mlp, tokens="5")
+    for cfg, moe in (({"hidden": 64}, None), (None, None)):
+        with pytest.raises(TypeError, match="cfg must be a DecoderConfig"):
+            MegaDecoderLayer({}, cfg, moe)
+    with pytest.raises(TypeError, match="moe must be None or a MoeConfig"):
+        MegaDecoderLayer({}, DecoderConfig(64, 128, 4, 2, 16), {"num_experts": 8})

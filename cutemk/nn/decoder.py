@@ -73,6 +73,12 @@ class MegaDecoderLayer(_KeyedModule):
         prefill_tiles: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        from ..layers import DecoderConfig, MoeConfig
+
+        if not isinstance(cfg, DecoderConfig):
+            raise TypeError(f"cfg must be a DecoderConfig, got {type(cfg).__name__}")
+        if moe is not None and not isinstance(moe, MoeConfig):
+            raise TypeError(f"moe must be None or a MoeConfig, got {type(moe).__name__}")
         expect_positive_int(max_batch, "max_batch")
         if max_prefill_tokens:
             expect_positive_int(max_prefill_tokens, "max_prefill_tokens")
