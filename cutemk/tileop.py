@@ -495,6 +495,13 @@ def _field_kinds(cls: type) -> dict[str, tuple[str, bool]]:
     return kinds
 
 
+def check_field_value(cls: type, name: str, value: Any, what: str) -> None:
+    """:func:`check_field_types` for one value of field ``name`` of dataclass ``cls``."""
+    kind = _field_kinds(cls).get(name)
+    if kind is not None:
+        _check_value(value, name, *kind, what)
+
+
 def check_field_types(obj: Any, what: str) -> None:
     """A dataclass's ``bool`` / ``int`` / ``float`` fields hold values of those types: a
     switch takes a bool (``"no"`` or ``1`` would be read as on), a size an int that is not a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, get_args, get_type_hints
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,9 +11,10 @@ from .. import torch_ops
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..layers import MoeConfig
 from ..regimes import MOE_REGIME_LIMITS, MOE_TILE_DEFAULTS, moe_regime_graph
+from ..tileop import check_field_value
 from .base import (
-    _check_no_bias,
     _check_launch,
+    _check_no_bias,
     _check_options,
     _check_profile,
     _check_silu,
@@ -38,27 +39,22 @@ def _moe_options(options: dict[str, Any] | None) -> dict[str, Any]:
     """``options`` checked: known tile fields (:data:`MOE_OPTIONS`), a bool for a switch, a
     positive int (or None where the field takes it) for a size. A field given either way
     overrides the regime's tiles (:data:`cutemk.regimes.MOE_TILES`), so it is kept (and is
-    part of the module's key) even where it repeats them; shapes a tile cannot take are refused
-    when its regime's graph is built."""
+    part of the module's key) even where it repeats them; they pass through ``moe_tiles``' rules,
+    and shapes an op refuses are refused when its regime's graph is built."""
     if options is not None and not isinstance(options, dict):
         raise TypeError(
             f"MegaMoE options must be a dict of tile fields, got {type(options).__name__}"
         )
     options = dict(options or {})
-    hints = get_type_hints(MoeConfig)
     for name, value in options.items():
         if name not in MOE_OPTIONS:
             raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
-        if isinstance(MOE_TILE_DEFAULTS[name], bool):
-            if not isinstance(value, bool):
-                raise TypeError(f"MegaMoE options: {name} must be a bool, got {value!r}")
-        elif value is None and type(None) in get_args(hints[name]):
+        check_field_value(MoeConfig, name, value, "MegaMoE options")  # the field's type
+        if value is None or isinstance(value, bool):
             continue
-        elif not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"MegaMoE options: {name} must be an int, got {value!r}")
-        elif value < 1:
+        if value < 1:
             raise ValueError(f"MegaMoE options: {name} must be positive, got {value}")
-        elif value > OPTION_SIZE_MAX.get(name, value):
+        if value > OPTION_SIZE_MAX.get(name, value):
             raise ValueError(
                 f"MegaMoE options: {name} must be at most {OPTION_SIZE_MAX[name]}, got {value}"
             )
