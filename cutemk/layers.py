@@ -370,12 +370,15 @@ class DecoderConfig:
     o_proj_l2_prefetch: bool = False
     # a decode step whose post-attention norm is not folded (the MoE block): the split o_proj's
     # reduce node also writes the norm of the rows it stores (``linear(out_norm=...)``: whole
-    # rows a tile), so there is no mlp_norm phase and no hand-over to it (to measure; off)
-    post_norm_in_reduce: bool = False
+    # rows a tile), so there is no mlp_norm phase and no hand-over to it; None: off in a graph
+    # built from this config directly, on in MegaDecoderLayer's decode regimes
+    # (``cutemk.regimes.DECODER_MOE_CONFIG``)
+    post_norm_in_reduce: bool | None = None
     # with a MoE block: its combine adds the residual (``moe_block(residual=...)``, the sum and
     # the add rounded once), so a decode or prefill step has no add phase and no hand-over to
-    # it (to measure; off)
-    moe_residual_in_combine: bool = False
+    # it; None: as ``post_norm_in_reduce`` (on in MegaDecoderLayer's decode regimes, off in
+    # its prefill graph and in a graph built from this config directly)
+    moe_residual_in_combine: bool | None = None
     # with a MoE block: the router's last partial tile runs the top-k (``MoeConfig.router_topk``
     # over the tiles MegaDecoderLayer takes from MegaMoE's regimes); None: as those tiles say
     # (on in the 'slots' regime, :data:`cutemk.regimes.MOE_TILES`), True / False: forced

@@ -125,7 +125,7 @@ permute step before the expert weights stream; an expert two tokens pick streams
 MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
     # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
-    # router's 128 expert columns over 8 SMs and its K over 8 ranges (64 SMs, a few slices
+    # router's 128 expert columns over 8 SMs and its K over 8 ranges (16 in 'slots'; 64 SMs, a few slices
     # each, where one range was a 32-slice latency chain; ``moe_regime_graph`` halves the split
     # until it divides the hidden size into whole slices). Prefill: 128-row tiles, wider
     # columns, the routing spread over SMs in chunks of 64 tokens (one task routes 32K slots
@@ -135,7 +135,10 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
         block_n=None,  # fitted to the SMs (``moe_tiles``; 64 where the sizes are not given)
         down_block_n=128,
         router_block_n=16,
-        router_split=8,
+        # 16 K ranges: the Qwen3-30B-A3B router is 128 tiles of 32 KB (H200, ``moe.py --tokens
+        # 1 2 --ab router_split=16 router_split=32``, us: 8 ranges T=1 42.4 / T=2 64.8, 16
+        # ranges 39.5 / 61.4, 32 ranges 39.5 / 61.1)
+        router_split=16,
         slots=True,
         fused_combine=True,
         # the router's last partial tile runs the top-k: no top-k phase (H200, Qwen3-30B-A3B
@@ -188,6 +191,18 @@ B=4 168.6 / 162.3 / 166.5, B=8 180.6 / 176.9 / 179.8, B=16 204.6 / 219.8 / 207.9
 sequences the fused tile's longer items delay the attention tiles queued behind them, so the
 batches past 8 keep three phases in a graph of their own. A MoE layer's 'slots' regime (one or
 two sequences) takes the fused tail too; its 'gemv' regime (3 to 16) keeps three phases."""
+
+DECODER_MOE_CONFIG: dict[str, bool] = {
+    "post_norm_in_reduce": True,
+    "moe_residual_in_combine": True,
+}
+"""The :class:`cutemk.layers.DecoderConfig` switches a layer with a MoE block sets in every
+decode regime where the module's config leaves them None: o_proj's split reduce writes the
+block's normalised rows (no mlp_norm phase) and the combine adds the residual (no add phase).
+Measured on the H200 (Qwen3-30B-A3B layer, KV 4096, one process, ``benchmarks/decoder_layer.py
+--moe --batch 1 16 64 --quick --ab post_norm_in_reduce+moe_residual_in_combine``), us, off / on:
+B=1 98.3 / 90.9, B=16 396.2 / 369.3, B=64 621.8 / 587.3. The prefill graph keeps them off
+(not measured there)."""
 
 DECODER_FUSED_REDUCE: dict[tuple[str, str], bool] = {
     ("cute", "gemv_tail"): False,

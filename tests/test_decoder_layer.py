@@ -265,6 +265,9 @@ def test_moe_layer_decodes_on_megamoe_tiles():
         assert nodes["experts_gate_up"].block_n == want["block_n"], regime
         assert ("moe_route0" in nodes) == (not want["slots"]), regime
         assert "moe_route_count0" not in nodes, regime  # no routing over SMs below 512
+        # DECODER_MOE_CONFIG: o_proj's reduce writes the block's norm, the combine adds the
+        # residual: no mlp_norm phase and no add phase in any decode regime
+        assert "mlp_norm" not in nodes and "residual" not in nodes, (regime, sorted(nodes))
         seen.append(block)
     assert seen == ["slots", "gemv", "decode"]
     # one token's 8 experts x 768 columns: 128 gate/up tiles of 48 for the 132 SMs; on 66
@@ -273,6 +276,21 @@ def test_moe_layer_decodes_on_megamoe_tiles():
     assert moe_tiles("slots", 2048, **fit)["block_n"] == 48
     assert moe_tiles("slots", 2048, **fit, num_sms=66)["block_n"] == 96
     assert moe_tiles("slots", 2048)["block_n"] == 64  # sizes not given
+
+
+def test_moe_layer_keeps_norm_and_add_phases_when_told():
+    """The MoE decode regimes' ``DECODER_MOE_CONFIG`` switches follow the module's config only
+    where it leaves them None: explicit False keeps the mlp_norm and residual phases."""
+    from decoder_cases import QWEN3_30B_DECODE, bare_decoder
+
+    from cutemk.layers import MoeConfig
+
+    moe = MoeConfig(2048, 768, 128, 8, router_dtype=None)
+    cfg = replace(QWEN3_30B_DECODE, post_norm_in_reduce=False, moe_residual_in_combine=False)
+    mega = bare_decoder(cfg, moe)
+    for regime, _ in mega.decode_regime_starts():
+        nodes = {n.name for n in mega.regime_graph(regime, torch.bfloat16).nodes}
+        assert "mlp_norm" in nodes and "residual" in nodes, (regime, sorted(nodes))
     g = mega.regime_graph("slots", torch.bfloat16, num_sms=66)
     assert next(n.op for n in g.nodes if n.name == "experts_gate_up").block_n == 96
 

@@ -11,8 +11,10 @@ from torch import nn
 
 from .. import torch_ops
 from ..errors import CuteMKError, DataError, LayoutError, ShapeError
+from ..moe_layers import fused_combine_has_tile
 from ..regimes import (
     DECODER_FUSED_REDUCE,
+    DECODER_MOE_CONFIG,
     DECODER_MOE_REGIME_LIMITS,
     DECODER_REGIME_CONFIG,
     DECODER_REGIME_LIMITS,
@@ -21,7 +23,6 @@ from ..regimes import (
     regime_of,
     split_reduce_in_tiles,
 )
-from ..moe_layers import fused_combine_has_tile
 from ..symbolic import sym
 from ..tileop import expect_positive_int
 from .base import (
@@ -274,7 +275,9 @@ class MegaDecoderLayer(_KeyedModule):
             moe = replace(moe, **moe_tiles(block_regime, moe.hidden, backend, dtype, **sizes))
             if self.cfg.moe_router_topk is not None:
                 moe = replace(moe, router_topk=self.cfg.moe_router_topk)
-        chosen = DECODER_REGIME_CONFIG.get(regime, {})
+        chosen = dict(DECODER_REGIME_CONFIG.get(regime, {}))
+        if moe is not None:
+            chosen.update(DECODER_MOE_CONFIG)
         cfg = replace(cfg, **{k: v for k, v in chosen.items() if getattr(cfg, k) is None})
         if split_reduce_in_tiles(DECODER_FUSED_REDUCE.get((backend, regime))):
             cfg = replace(cfg, fused_reduce=True)
