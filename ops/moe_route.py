@@ -25,15 +25,11 @@ import torch
 from cutlass import Int16, Int32, cute
 
 from cutemk.costmodel import tile_time_us
+from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import DataError, GraphError
-from cutemk.device.config import NUM_THREADS, WARP_SIZE as WARP, simt_sync
 from cutemk.symbolic import IntLike, smin, upper
 from cutemk.tileop import TensorSpec, TileOp, expect_dtype, expect_ndim, full_box, register_op
-
-
-ID_BATCH = 16
-"""Routed ids a thread loads at once (its chunk is read in batches: the loads are in flight
-together instead of one token's after another's)."""
 
 
 def max_tiles(tokens: IntLike, k: int, num_experts: int, block_m: int) -> IntLike:
@@ -167,8 +163,9 @@ class MoeRouteTile(TileOp):
         mSlotRow: (T, k), mIndptr: (E+1,), all int32. Stable without sorting: thread c owns the
         c-th contiguous chunk of tokens, so (chunk, token) order is token order.
 
-        1. each thread counts its chunk per expert into its own smem row (no atomics), while
-           row_token is filled with -1;
+        1. the threads zero the counter table and fill row_token with -1; each thread counts
+           its chunk per expert into its own smem row (no atomics), a token's k ids loaded
+           together;
         2. thread e scans column e over the chunks that hold tokens: sCnt[c, e] becomes the rank
            of chunk c's first row within expert e, and sCount[e] the expert's total;
         3. warp 0 scans the experts (shuffle scan): tile starts and exp_indptr;
@@ -199,24 +196,32 @@ class MoeRouteTile(TileOp):
         chunks = (tokens + chunk - 1) // chunk  # the chunks that hold tokens
         tok_lo = cute.min(tidx * chunk, tokens)
         tok_hi = cute.min(tok_lo + chunk, tokens)
-        id0 = tok_lo * k
-        n_ids = (tok_hi - tok_lo) * k
 
-        for e in cutlass.range(num_e):
-            sCnt[tidx, e] = cnt_t(0)
-        for r in range(tidx, mRowToken.shape[0], NUM_THREADS):
+        # the counter table zeroed by all threads, four words an iteration (the table is
+        # rounded to 16 bytes), and row_token filled with -1; every loop here stays rolled:
+        # the routing runs on one SM, often from a cold instruction cache, and its code
+        # (fetched from HBM after a flushed L2) is most of its time
+        sZero = cute.make_tensor(
+            cute.recast_ptr(smem_ptr, dtype=Int32),
+            cute.make_layout(self._table_bytes() // 4),
+        )
+        for w in cutlass.range(tidx, self._table_bytes() // 16, NUM_THREADS, unroll=1):
+            for q in cutlass.range_constexpr(4):
+                sZero[w * 4 + q] = Int32(0)
+        for r in cutlass.range(tidx, mRowToken.shape[0], NUM_THREADS, unroll=1):
             mRowToken[r] = Int32(-1)
-        for b0 in range(0, n_ids, ID_BATCH):
-            ids = self._load_ids(mIds, id0, b0, n_ids)
-            for u in cutlass.range_constexpr(ID_BATCH):
-                e = ids[u]
-                if b0 + u < n_ids and e >= 0 and e < num_e:
+        simt_sync()
+        for tok in cutlass.range(tok_lo, tok_hi, unroll=1):
+            ids = self._token_ids(mIds, tok)
+            for j in cutlass.range_constexpr(k):
+                e = ids[j]
+                if e >= 0 and e < num_e:
                     sCnt[tidx, e] = sCnt[tidx, e] + cnt_t(1)
         simt_sync()
 
-        for e in range(tidx, num_e, NUM_THREADS):
+        for e in cutlass.range(tidx, num_e, NUM_THREADS, unroll=1):
             run = Int32(0)
-            for c in range(chunks):
+            for c in cutlass.range(chunks, unroll=1):
                 n = Int32(sCnt[c, e])
                 sCnt[c, e] = cnt_t(run)
                 run = run + n
@@ -227,35 +232,28 @@ class MoeRouteTile(TileOp):
         simt_sync()
         write_tile_info(mTileInfo, sCount, sTileStart, num_e, bm, tidx)
 
-        for b0 in range(0, n_ids, ID_BATCH):
-            ids = self._load_ids(mIds, id0, b0, n_ids)
-            for u in cutlass.range_constexpr(ID_BATCH):
-                if b0 + u < n_ids:
-                    e = ids[u]
-                    flat = id0 + b0 + u
-                    tok = flat // k
-                    row = Int32(-1)
-                    if e >= 0 and e < num_e:
-                        rank = Int32(sCnt[tidx, e])
-                        sCnt[tidx, e] = cnt_t(rank + 1)
-                        row = sTileStart[e] * bm + rank
-                        # ids that break distinct_ids can wrap a 16-bit rank: never out of bounds
-                        if row < 0 or row >= mRowToken.shape[0]:
-                            row = Int32(-1)
-                        else:
-                            mRowToken[row] = tok
-                    mSlotRow[tok, flat - tok * k] = row
+        for tok in cutlass.range(tok_lo, tok_hi, unroll=1):
+            ids = self._token_ids(mIds, tok)
+            for j in cutlass.range_constexpr(k):
+                e = ids[j]
+                row = Int32(-1)
+                if e >= 0 and e < num_e:
+                    rank = Int32(sCnt[tidx, e])
+                    sCnt[tidx, e] = cnt_t(rank + 1)
+                    row = sTileStart[e] * bm + rank
+                    # ids that break distinct_ids can wrap a 16-bit rank: never out of bounds
+                    if row < 0 or row >= mRowToken.shape[0]:
+                        row = Int32(-1)
+                    else:
+                        mRowToken[row] = tok
+                mSlotRow[tok, j] = row
 
     @cute.jit
-    def _load_ids(self, mIds, id0: Int32, base: Int32, n_ids: Int32):
-        """``ID_BATCH`` ids of this thread's chunk from flat index ``id0 + base``, loaded
-        unconditionally (indices clamped into the chunk) so they are all in flight at once."""
-        k = self.ids.shape[1]
+    def _token_ids(self, mIds, tok: Int32):
+        """Token ``tok``'s k ids, loaded together (all in flight before the first is used)."""
         ids = []
-        for u in cutlass.range_constexpr(ID_BATCH):
-            flat = id0 + cute.min(base + u, n_ids - 1)
-            tok = flat // k
-            ids.append(mIds[tok, flat - tok * k])
+        for j in cutlass.range_constexpr(self.ids.shape[1]):
+            ids.append(mIds[tok, j])
         return ids
 
 
@@ -349,13 +347,13 @@ def write_tile_info(
 ):
     """SIMT group, after :func:`scan_experts`: thread e writes expert e's ``[e, valid]`` tile
     rows, all threads the ``[-1, 0]`` rows past the last tile."""
-    for e in range(tidx, num_e, NUM_THREADS):
+    for e in cutlass.range(tidx, num_e, NUM_THREADS, unroll=1):  # rolled: small code
         n = sCount[e]
         t0 = sTileStart[e]
-        for i in range((n + bm - 1) // bm):
+        for i in cutlass.range((n + bm - 1) // bm, unroll=1):
             mTileInfo[t0 + i, 0] = e
             mTileInfo[t0 + i, 1] = cute.min(n - i * bm, bm)
-    for i in range(sTileStart[num_e] + tidx, mTileInfo.shape[0], NUM_THREADS):
+    for i in cutlass.range(sTileStart[num_e] + tidx, mTileInfo.shape[0], NUM_THREADS, unroll=1):
         mTileInfo[i, 0] = Int32(-1)
         mTileInfo[i, 1] = Int32(0)
 
