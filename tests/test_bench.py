@@ -326,3 +326,28 @@ def test_profile_levels():
     assert spec.profile and spec.profile_slices
     with pytest.raises(ValueError, match="profile must be"):
         kernel_spec(g, False, profile="slice")
+
+
+def test_code_size_measures_one_op_kernels(benchmark_script):
+    """``benchmarks/code_size.py``: a node's op stands alone as a graph of its arguments, and
+    a kernel's SASS bytes grow with the op it runs (a norm's body over a one-row add's)."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas is not installed")
+    import torch
+
+    import cutemk as mk
+    from cutemk import ops
+
+    cs = benchmark_script("code_size")
+    g = mk.Graph("norm")
+    x = g.input("x", (mk.sym("T", max=4), 2048), torch.bfloat16)
+    w = g.weight("w", (2048,), torch.bfloat16)
+    g.output(g.call(ops.rmsnorm, x, w, block_m=1, name="n"), "y")
+    alone = cs.one_op_graph(g.nodes[0])
+    assert [n.name for n in alone.nodes] == ["n"] and len(alone.outputs) == 1
+    base = cs.text_bytes(cs.baseline_graph())
+    assert 4096 < base < cs.text_bytes(alone)
