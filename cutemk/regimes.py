@@ -135,9 +135,9 @@ MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
         block_n=None,  # fitted to the SMs (``moe_tiles``; 64 where the sizes are not given)
         down_block_n=128,
         router_block_n=16,
-        # 16 K ranges: the Qwen3-30B-A3B router is 128 tiles of 32 KB (H200, ``moe.py --tokens
-        # 1 2 --ab router_split=16 router_split=32``, us: 8 ranges T=1 42.4 / T=2 64.8, 16
-        # ranges 39.5 / 61.4, 32 ranges 39.5 / 61.1)
+        # 16 K ranges: the Qwen3-30B-A3B router (one 128-expert block, for the top-k) is 16
+        # tiles of 32 KB (H200, ``moe.py --tokens 1 2 --ab router_split=16 router_split=32``,
+        # us: 8 ranges T=1 42.4 / T=2 64.8, 16 ranges 39.5 / 61.4, 32 ranges 39.5 / 61.1)
         router_split=16,
         slots=True,
         fused_combine=True,
