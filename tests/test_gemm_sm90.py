@@ -89,7 +89,14 @@ def test_a_graph_of_forty_rows_compiles(tmp_path):
         "static",
         options=f"--keep-ptx --dump-dir={tmp_path}",
     )
-    assert list(tmp_path.glob("*.ptx"))
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    # every TMA descriptor parameter (128 bytes, 64-aligned: A, B, B's up-projection slot,
+    # C) is prefetched once at launch, before any task's first box
+    descriptors = re.findall(r"\.param \.align 64 \.b8 \w+\[128\]", ptx)
+    prefetched = re.findall(r"prefetch\.tensormap\s+\[(%rd\d+)\]", ptx)
+    assert len(descriptors) == 4 and len(set(prefetched)) == len(prefetched) == 4, prefetched
+    assert ptx.index("prefetch.tensormap") < ptx.index("cp.async.bulk.tensor")
 
 
 def test_worker_shape_fits_shared_memory_and_counts_agree():

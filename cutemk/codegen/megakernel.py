@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Boolean, Int32, Int64, cute
+from cutlass.cute.nvgpu import cpasync
 
 from ..device.config import (
     NUM_THREADS,
@@ -156,6 +157,19 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
     own = own_smem_bytes(shape.task_slots, shape.ring_stages)
     assert -(-own // SMEM_ALIGN) * SMEM_ALIGN <= SMEM_RESERVED, (own, SMEM_RESERVED)
     return shape
+
+
+def tma_atoms(extras: tuple) -> list:
+    """The TMA copy atoms among the nodes' launch-time extras (``TileOp.host_args``), each once
+    (an op may pass one atom twice, e.g. a GEMM without a separate up projection)."""
+    seen, out = set(), []
+    for node_extras in extras:
+        for x in node_extras:
+            if isinstance(x, cute.CopyAtom) and isinstance(x.op, cpasync.TmaCopyOp):
+                if id(x) not in seen:
+                    seen.add(id(x))
+                    out.append(x)
+    return out
 
 
 @dataclass(frozen=True)
@@ -490,6 +504,11 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         tensors = tuple(
             self._node_args(graph_tensors, k) + extras[k] for k in range(self.num_nodes)
         )
+        # every TMA descriptor of the launch fetched now, by the producer warp, so that no
+        # node's first box waits for its descriptor's round trip (from HBM after a flushed L2)
+        if tidx < WARP:
+            for atom in tma_atoms(extras):
+                cpasync.prefetch_descriptor(atom)
         # read first and at fixed offsets, so all in one round trip (the views below need
         # their buffer's header first): the epoch, and (static) this CTA's row of queue_head,
         # its queue's range and first records (a word a producer lane)
