@@ -351,3 +351,27 @@ def test_code_size_measures_one_op_kernels(benchmark_script):
     assert [n.name for n in alone.nodes] == ["n"] and len(alone.outputs) == 1
     base = cs.text_bytes(cs.baseline_graph())
     assert 4096 < base < cs.text_bytes(alone)
+
+
+def test_small_tasks_chain_matches_torch(benchmark_script):
+    """``benchmarks/small_tasks.py``'s chain (norm, then add, a link) on the interpreter, with
+    the concurrent GEMV: the chain's result comes back first and matches torch in fp32."""
+    import torch
+
+    st = benchmark_script("small_tasks")
+    g = st.chain_graph(3, 256, stream_mb=1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 256, generator=gen)
+    ws = {f"w{i}": 1 + 0.1 * torch.randn(256, generator=gen) for i in range(3)}
+    xs = torch.randn(2, st.STREAM_K, generator=gen)
+    w_s = torch.randn(st.stream_rows(1), st.STREAM_K, generator=gen)
+    bf = {k: v.bfloat16() for k, v in ws.items()}
+    x, xs, w_s = x.bfloat16(), xs.bfloat16(), w_s.bfloat16()
+    y, ys = g.compile("interpret", scheduler="static")(x, xs=xs, ws=w_s, **bf)
+    want = x.float()
+    for i in range(3):  # each op's output rounded to bf16, as the graph stores it
+        w = bf[f"w{i}"].float()
+        n = (want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * w).bfloat16()
+        want = (n.float() + want).bfloat16().float()
+    assert torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(ys.float(), xs.float() @ w_s.float().T, rtol=2e-2, atol=0.5)
