@@ -86,8 +86,16 @@ def main(argv=None) -> int:
     p.add_argument(
         "--layer", default="moe-decoder", choices=("moe-decoder", "dense-decoder", "moe")
     )
-    p.add_argument("--regime", default="gemv")
+    p.add_argument("--regime", default="gemv", help="slots, gemv, decode (or prefill: moe)")
     args = p.parse_args(argv)
+    regimes = {"moe": ("slots", "gemv", "decode", "prefill")}.get(
+        args.layer,
+        ("gemv_tail", "gemv", "batch")
+        if args.layer == "dense-decoder"
+        else ("slots", "gemv", "batch"),
+    )
+    if args.regime not in regimes:
+        p.error(f"--regime for {args.layer}: one of {', '.join(regimes)}")
     g = layer_graph(args.layer, args.regime)
     base = text_bytes(baseline_graph())
     print(f"{args.layer} '{args.regime}': whole kernel {text_bytes(g) / 1024:.1f} KB of SASS")

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--ties", default="index", choices=["index", "idle"])
     args = p.parse_args(argv)
+    if args.batch < 1 or args.sms < 1:
+        p.error("--batch and --sms must be at least 1")
     pin_arch()  # the graphs take the Hopper tiles' shapes (sm_90a unless set)
     from cutemk.plan import instantiate
     from cutemk.scheduling import check_static_schedule

@@ -304,6 +304,8 @@ class Graph:
         self._check_open()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(shape, (tuple, list, torch.Size)):
+            raise TypeError(f"{name}: shape must be a tuple of ints and syms, got {shape!r}")
         for d, dim in enumerate(shape):
             if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
                 raise TypeError(f"{name}.shape[{d}] must be an int or a sym, got {dim!r}")
@@ -320,6 +322,8 @@ class Graph:
         return v
 
     def _claim(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"a name in graph {self.name!r} must be a non-empty str, got {name!r}")
         if name in self._names:
             raise GraphError(f"name {name!r} is used twice in graph {self.name!r}")
         self._names.add(name)

@@ -34,7 +34,12 @@ from cutemk.moe_layers import (  # noqa: F401
 )
 from cutemk.ops import kv_split
 from cutemk.symbolic import Sym, upper
-from cutemk.tileop import check_field_types, expect_positive_int, expect_positive_sizes
+from cutemk.tileop import (
+    check_field_types,
+    check_positive_fields,
+    expect_positive_int,
+    expect_positive_sizes,
+)
 
 SPLIT_BLOCK_N = 256
 """Columns of a split-K partial tile where the split is given (``linear``; a chosen split
@@ -386,6 +391,7 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "DecoderConfig")
+        check_positive_fields(self, "DecoderConfig")
 
 
 def decoder_layer_graph(

@@ -17,7 +17,7 @@ from cutemk.arch import pin_arch
 from cutemk.errors import ShapeError
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym, upper
-from cutemk.tileop import check_field_types, expect_positive_sizes
+from cutemk.tileop import check_field_types, check_positive_fields, expect_positive_sizes
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class MoeConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "MoeConfig")
+        check_positive_fields(self, "MoeConfig")
 
 
 ROUTER_BLOCK_N = 64

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import native
-from .errors import GraphError
+from .errors import GraphError, ShapeError
 from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
 from .symbolic import Bindings
@@ -454,9 +454,23 @@ def no_gc():
 
 
 def instantiate(graph: Graph, env: Bindings) -> Plan:
-    """Bind every sym of ``graph`` to a value and build the concrete task graph."""
+    """Bind every sym of ``graph`` to a value and build the concrete task graph. Each sym's
+    value must be an int within its declared [min, max] (a ``ShapeError`` otherwise, as a
+    call at that size gives): a plan past a sym's max would outgrow buffers sized for it."""
+    check_env(graph, env)
     with no_gc():
         return _instantiate(graph, env)
+
+
+def check_env(graph: Graph, env: Bindings) -> None:
+    """Every sym of ``graph`` bound in ``env`` to an int within its bounds."""
+    if not isinstance(env, dict):
+        raise TypeError(f"a plan's bindings are a dict of sym name -> int, got {env!r}")
+    for name, s in graph.syms().items():
+        if name not in env:
+            raise ShapeError(f"symbolic dim {name} is not bound")
+        v = env[name]
+        s.check(int(v) if isinstance(v, np.integer) else v, "the plan's bindings")
 
 
 def _instantiate(graph: Graph, env: Bindings) -> Plan:

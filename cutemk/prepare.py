@@ -84,6 +84,11 @@ def warmup(
         raise ValueError(f"warmup tokens must be positive ints, got {bad or tokens}")
     tokens = [int(t) for t in tokens]
     for o in objs:  # before any work
+        if isinstance(o, type):
+            raise TypeError(
+                f"warmup takes a cutemk.nn module or a compiled graph, got the class "
+                f"{o.__name__} (build the module first)"
+            )
         if live and pages is None and hasattr(o, "decode_regime_starts"):
             raise ValueError(
                 "warmup(live=True) of a MegaDecoderLayer needs pages= (its caches' page "

@@ -511,6 +511,19 @@ def check_field_types(obj: Any, what: str) -> None:
         _check_value(getattr(obj, name), name, kind, optional, what)
 
 
+def check_positive_fields(obj: Any, what: str) -> None:
+    """A config dataclass's sizes (``int`` fields) are at least 1 and its ``float`` fields above
+    0 where set: a negative tile or head count would otherwise pass until a graph at some
+    batch size builds an op from it. ``ValueError`` naming ``what`` and the field."""
+    for name, (kind, _) in _field_kinds(type(obj)).items():
+        value = getattr(obj, name)
+        if value is None or kind == "bool":
+            continue
+        if (kind == "int" and value < 1) or (kind == "float" and not value > 0):
+            need = "a positive int" if kind == "int" else "above 0"
+            raise ValueError(f"{what}: {name} must be {need}, got {value!r}")
+
+
 def _check_value(value: Any, name: str, kind: str, optional: bool, what: str) -> None:
     import math
 

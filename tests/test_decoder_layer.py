@@ -539,3 +539,23 @@ def test_mega_moe_decoder_layer_on_the_gpu(scheduler, ends):
         inputs, want = step_case(layer, rotary, cfg, lens, gen)
         err = _gpu_step_err(mega, inputs, want)
         assert err < 3e-2, (lens, err)
+
+
+def test_layer_refuses_weights_it_does_not_take():
+    """``MegaDecoderLayer`` built directly: its weights are exactly its decode graph's (a
+    missing one used to surface at the first call as a KeyError, an extra one as a clash with
+    a call argument or a module attribute), and ``prefill_tiles`` is a pair."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, _ = hf_layer(CFG_SPLIT)
+    w = folded(layer_weights(layer, CFG_SPLIT))
+    MegaDecoderLayer(w, CFG_SPLIT, max_batch=4, backend="interpret")
+    less = {k: v for k, v in w.items() if k != "w_down"}
+    with pytest.raises(ValueError, match=r"missing \['w_down'\], unexpected \[\]"):
+        MegaDecoderLayer(less, CFG_SPLIT, max_batch=4, backend="interpret")
+    for extra in ("x", "cfg", "forward"):
+        with pytest.raises(ValueError, match=rf"missing \[\], unexpected \['{extra}'\]"):
+            MegaDecoderLayer({**w, extra: w["w_down"]}, CFG_SPLIT, max_batch=4, backend="interpret")
+    with pytest.raises(ValueError, match="prefill_tiles must be"):
+        MegaDecoderLayer(w, CFG_SPLIT, max_prefill_tokens=8, prefill_tiles=5, backend="interpret")

@@ -2,6 +2,7 @@
 off), a size an int that is not a bool, a float a finite number; refused when the op is called
 or the config built, naming the field, not at the first launch."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,3 +123,84 @@ def test_warmup_takes_one_count_and_the_decoder_layer_its_configs():
             MegaDecoderLayer({}, cfg, moe)
     with pytest.raises(TypeError, match="moe must be None or a MoeConfig"):
         MegaDecoderLayer({}, DecoderConfig(64, 128, 4, 2, 16), {"num_experts": 8})
+
+
+def test_a_plan_refuses_bindings_outside_its_syms_bounds():
+    """``CompiledGraph.plan`` / ``instantiate`` hold each sym's binding to an int within its
+    [min, max], as a call does: a plan past the max would outgrow buffers sized for it."""
+    import cutemk as mk
+    from cutemk import ops
+    from cutemk.errors import ShapeError
+    from cutemk.plan import instantiate
+
+    t = mk.sym("T", max=32)
+    g = mk.Graph("g")
+    x = g.input("x", (t, 64), torch.float32)
+    w = g.weight("w", (64, 64), torch.float32)
+    g.output(g.call(ops.gemm, x, w, block_m=16, block_n=16), "y")
+    c = g.compile("interpret", num_sms=2)
+    for env, msg in (
+        ({"T": 33}, "exceeds its declared max 32"),
+        ({"T": 0}, "below its declared min 1"),
+        ({"T": -5}, "below its declared min 1"),
+        ({"T": 2.5}, "must be an int"),
+        ({"T": True}, "must be an int"),
+        ({"T": "3"}, "must be an int"),
+        ({}, "is not bound"),
+    ):
+        with pytest.raises(ShapeError, match=msg):
+            c.plan(env)
+        with pytest.raises(ShapeError, match=msg):
+            instantiate(g, env)
+    assert c.plan({"T": np.int64(4)}).env["T"] == 4
+
+
+def test_configs_refuse_sizes_below_one():
+    """``DecoderConfig`` / ``MoeConfig``: a size below 1 (or a float not above 0) is refused when
+    the config is made, not at the batch size whose graph first builds an op from it."""
+    from cutemk.layers import DecoderConfig, MoeConfig
+
+    with pytest.raises(ValueError, match="DecoderConfig: block_n must be a positive int, got -1"):
+        DecoderConfig(64, 128, 4, 2, 16, block_n=-1)
+    with pytest.raises(ValueError, match="DecoderConfig: eps must be above 0"):
+        DecoderConfig(64, 128, 4, 2, 16, eps=0.0)
+    with pytest.raises(ValueError, match="MoeConfig: combine_block_m must be a positive int"):
+        MoeConfig(64, 32, 8, 2, combine_block_m=0)
+    DecoderConfig(64, 128, 4, 2, 16, split_k=None)  # None: the per-regime choice
+
+
+def test_graph_names_and_shapes_are_checked_when_built():
+    import cutemk as mk
+    from cutemk import ops
+    from cutemk.errors import GraphError
+
+    g = mk.Graph("g")
+    for bad in (None, 5, "", ("a",)):
+        with pytest.raises(GraphError, match="must be a non-empty str"):
+            g.input(bad, (4, 8), torch.float32)
+    with pytest.raises(TypeError, match="shape must be a tuple"):
+        g.input("x", 64, torch.float32)
+    x = g.input("x", (4, 8), torch.float32)
+    y = g.call(ops.rmsnorm, x, block_m=1)
+    with pytest.raises(GraphError, match="must be a non-empty str"):
+        g.output(y, 5)
+    with pytest.raises(GraphError, match="must be a non-empty str"):
+        g.call(ops.rmsnorm, x, block_m=1, name=7)
+
+
+def test_module_regime_and_warmup_refuse_bad_arguments():
+    import cutemk as mk
+    from cutemk.nn import MegaMLP
+
+    m = MegaMLP(
+        torch.randn(32, 64),
+        torch.randn(32, 64),
+        torch.randn(64, 32),
+        max_tokens=8,
+        backend="interpret",
+    )
+    for bad in (-1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="tokens must be a positive int"):
+            m.regime(bad)
+    with pytest.raises(TypeError, match="got the class MegaMLP"):
+        mk.warmup(MegaMLP)

@@ -263,3 +263,16 @@ def test_constructor_and_from_hf_refuse_what_the_block_does_not_compute():
         MegaMoE(wr, wgu, wd, top_k=2, profile="x")
     with pytest.raises(CuteMKError, match="'cute' backend"):
         MegaMoE(wr, wgu, wd, top_k=2, profile=True, backend="interpret")(torch.randn(3, h))
+
+
+def test_options_an_op_refuses_in_one_regime_are_refused_when_built():
+    """MegaMoE options that one regime's op refuses (a block_m below the slot layout's rows,
+    the slot layout past 16 tokens) fail at construction, naming the regime, not at the first
+    token count that reaches it."""
+    e, h, i = 8, 64, 32
+    w = (torch.randn(e, h), torch.randn(e, 2 * i, h), torch.randn(e, h, i))
+    with pytest.raises(ValueError, match=r"the 'slots' regime \(up to 2 tokens\) refuses"):
+        MegaMoE(*w, top_k=2, max_tokens=40, backend="interpret", options={"block_m": 1})
+    with pytest.raises(ValueError, match=r"the 'decode' regime \(up to 40 tokens\) refuses"):
+        MegaMoE(*w, top_k=2, max_tokens=40, backend="interpret", options={"slots": True})
+    MegaMoE(*w, top_k=2, max_tokens=16, backend="interpret", options={"slots": True})

@@ -15,6 +15,7 @@ from torch import nn
 from .. import torch_ops
 from ..errors import CuteMKError, DeviceError, DTypeError, LayoutError, ShapeError
 from ..regimes import regime_of, regime_starts
+from ..tileop import expect_positive_int
 
 _SILU_NAMES = ("silu", "swish")
 
@@ -85,6 +86,7 @@ class _KeyedModule(nn.Module):
 
     def regime(self, tokens: int) -> str:
         """The regime whose graph runs ``tokens`` rows."""
+        expect_positive_int(tokens, "tokens")
         return regime_of(self.regime_limits, tokens)
 
     def regimes(self) -> tuple[str, ...]:

@@ -84,7 +84,7 @@ class MegaDecoderLayer(_KeyedModule):
         if max_prefill_tokens:
             expect_positive_int(max_prefill_tokens, "max_prefill_tokens")
         if prefill_tiles is not None:
-            if len(tuple(prefill_tiles)) != 2:
+            if not isinstance(prefill_tiles, (tuple, list)) or len(prefill_tiles) != 2:
                 raise ValueError(f"prefill_tiles must be (block_m, block_n), got {prefill_tiles}")
             for v in prefill_tiles:
                 expect_positive_int(v, "prefill_tiles")
@@ -101,6 +101,7 @@ class MegaDecoderLayer(_KeyedModule):
             isinstance(k, str) and isinstance(w, torch.Tensor) for k, w in weights.items()
         ):
             raise TypeError("weights must be a dict of name -> torch.Tensor")
+        self._check_weight_names(weights)
         self._names = list(weights)
         for name, w in weights.items():
             self.register_buffer(name, w.detach().contiguous())
@@ -110,6 +111,21 @@ class MegaDecoderLayer(_KeyedModule):
             f"prefill={max_prefill_tokens}, prefill_tiles={prefill_tiles})"
         )
         torch_ops.key_of(self)
+
+    def _check_weight_names(self, weights: dict[str, torch.Tensor]) -> None:
+        """The weights are exactly the decode graph's (a missing one would surface at the first
+        call, an extra one clash with a call argument or a module attribute)."""
+        first = next(iter(self.regime_limits))
+        dtype = next(iter(weights.values())).dtype if weights else torch.float32
+        graph = self.regime_graph(first, dtype, "interpret")
+        want = {v.name for v in graph.leaves if v.kind == "weight"}
+        missing = sorted(want - set(weights))
+        extra = sorted(set(weights) - want)
+        if missing or extra:
+            raise ValueError(
+                f"MegaDecoderLayer weights: missing {missing}, unexpected {extra} (this "
+                f"configuration takes {sorted(want)})"
+            )
 
     @classmethod
     def from_hf(

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import torch_ops
-from ..errors import DeviceError, DTypeError, ShapeError
+from ..errors import CuteMKError, DeviceError, DTypeError, ShapeError
 from ..layers import MoeConfig
 from ..regimes import MOE_REGIME_LIMITS, MOE_TILE_DEFAULTS, moe_regime_graph
 from ..tileop import check_field_value
@@ -136,6 +136,8 @@ class MegaMoE(_LiveModule):
         self.register_buffer("w_router", w_router.detach().contiguous())
         self.register_buffer("w_gate_up", w_gate_up.detach().contiguous())
         self.register_buffer("w_down", w_down.detach().contiguous())
+        if self.options:
+            self._check_options_in_every_regime()
         self._cutemk_key = (
             f"MegaMoE(h={self.hidden}, i={self.intermediate}, e={self.num_experts}, "
             f"k={top_k}, norm={self.norm_topk_prob}, max={max_tokens}, backend={backend}, "
@@ -144,6 +146,35 @@ class MegaMoE(_LiveModule):
             + ")"
         )
         torch_ops.key_of(self)
+
+    def _check_options_in_every_regime(self) -> None:
+        """Options an op refuses in one regime only (a ``block_m`` below the slot layout's
+        rows, say) are refused here, naming the regime, not at the first token count that
+        reaches it: every regime's graph is built (no kernel is compiled)."""
+        backend = self.resolved_backend()
+        for regime in self.regimes():
+            try:
+                moe_regime_graph(
+                    self.hidden,
+                    self.intermediate,
+                    self.num_experts,
+                    self.top_k,
+                    self.norm_topk_prob,
+                    regime,
+                    self.w_down.dtype,
+                    self.max_tokens,
+                    backend,
+                    self.num_sms,
+                    self.options,
+                )
+            except (CuteMKError, ValueError, TypeError) as e:
+                limit = MOE_REGIME_LIMITS[regime]
+                most = self.max_tokens if limit is None else min(limit, self.max_tokens)
+                raise ValueError(
+                    f"MegaMoE options {self.options}: the '{regime}' regime "
+                    f"(up to {most} tokens) refuses "
+                    f"them: {e}"
+                ) from e
 
     @classmethod
     def from_hf(cls, block: nn.Module, max_tokens: int = 4096, **kwargs: Any) -> MegaMoE:
