@@ -154,19 +154,7 @@ class MegaMoE(_LiveModule):
         backend = self.resolved_backend()
         for regime in self.regimes():
             try:
-                moe_regime_graph(
-                    self.hidden,
-                    self.intermediate,
-                    self.num_experts,
-                    self.top_k,
-                    self.norm_topk_prob,
-                    regime,
-                    self.w_down.dtype,
-                    self.max_tokens,
-                    backend,
-                    self.num_sms,
-                    self.options,
-                )
+                self.regime_graph(regime, self.w_down.dtype, backend, self.num_sms)
             except (CuteMKError, ValueError, TypeError) as e:
                 limit = MOE_REGIME_LIMITS[regime]
                 most = self.max_tokens if limit is None else min(limit, self.max_tokens)
@@ -214,21 +202,28 @@ class MegaMoE(_LiveModule):
         then reused for every token count it serves."""
 
         def build(dtype, device, backend):
-            return moe_regime_graph(
-                self.hidden,
-                self.intermediate,
-                self.num_experts,
-                self.top_k,
-                self.norm_topk_prob,
-                regime,
-                dtype,
-                self.max_tokens,
-                backend,
-                self.num_sms or _sm_count(device),
-                self.options,
-            )
+            return self.regime_graph(regime, dtype, backend, self.num_sms or _sm_count(device))
 
         return self._graph(regime, like, build)
+
+    def regime_graph(
+        self, regime: str, dtype: torch.dtype, backend: str = "cute", num_sms: int | None = None
+    ) -> Any:
+        """The graph :meth:`compiled` compiles for ``regime`` (no weights needed), its tiles
+        fitted to ``num_sms`` SMs (default: the H200's), with this module's options."""
+        return moe_regime_graph(
+            self.hidden,
+            self.intermediate,
+            self.num_experts,
+            self.top_k,
+            self.norm_topk_prob,
+            regime,
+            dtype,
+            self.max_tokens,
+            backend,
+            num_sms,
+            self.options,
+        )
 
     _weight_names = ("w_router", "w_gate_up", "w_down")
     _op_name = "mega_moe"
