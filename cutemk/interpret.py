@@ -33,6 +33,7 @@ from .scheduling import (
     SchedulingMode,
     StaticSchedule,
     check_static_schedule,
+    checked_initial_order,
     critical_path,
     resolve_scheduler,
 )
@@ -144,7 +145,7 @@ class InterpretedGraph:
         if sched is not None:
             sim.run_static(sched)
         else:
-            sim.run_dynamic(self.scheduler.initial_order(plan))
+            sim.run_dynamic(checked_initial_order(self.scheduler, plan))
         self.last_report = sim.report(self.scheduler.name)
         for v in self.graph.values:  # an op's own counters: the GPU keeps them across launches
             if v.kind == "intermediate" and v.is_own_counter and bool(tensors[v.name].any()):

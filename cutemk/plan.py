@@ -18,6 +18,7 @@ import itertools
 import json
 import operator
 import os
+import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import native
-from .errors import GraphError, ShapeError
+from .errors import CuteMKError, GraphError, ShapeError
 from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
 from .symbolic import Bindings
@@ -471,6 +472,8 @@ def check_env(graph: Graph, env: Bindings) -> None:
             raise ShapeError(f"symbolic dim {name} is not bound")
         v = env[name]
         s.check(int(v) if isinstance(v, np.integer) else v, "the plan's bindings")
+    for node in graph.nodes:
+        node.op.check_bindings(env)
 
 
 def _instantiate(graph: Graph, env: Bindings) -> Plan:
@@ -531,8 +534,13 @@ def dump_file(name: str, payload: Any) -> Path | None:
         return None
     if callable(payload):  # built only when dumping
         payload = payload()
-    path = Path(dump_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # one file in the dump directory whatever the graph's name ("../x" or "a/b" included)
+    safe = re.sub(r"[^A-Za-z0-9_.=+-]", "_", name).lstrip(".") or "_"
+    root = Path(dump_dir)
+    if root.exists() and not root.is_dir():
+        raise CuteMKError(f"CUTEMK_DUMP={dump_dir!r} is a file, not a directory to dump into")
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / safe
     if (
         isinstance(payload, dict)
         and payload

@@ -63,7 +63,11 @@ class DynamicPolicy(Scheduler, Protocol):
 
 def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
     """'static' / 'dynamic' -> the default policy of that mode; instances pass through."""
-    if isinstance(spec, Scheduler):
+    if isinstance(spec, Scheduler) and not isinstance(spec, type):  # a class is no instance
+        if not isinstance(spec.mode, SchedulingMode):
+            raise ValueError(
+                f"scheduler {spec!r}: mode must be a SchedulingMode, got {spec.mode!r}"
+            )
         return spec
     known = scheduler_classes()
     if not isinstance(spec, str) or spec not in known:
@@ -71,6 +75,37 @@ def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
             f"scheduler must be one of {sorted(known)} or a Scheduler instance, got {spec!r}"
         )
     return known[spec]()
+
+
+def checked_initial_order(policy: Scheduler, plan: Plan) -> list[int]:
+    """A dynamic policy's ``initial_order(plan)``, checked: the tasks with no waits (events of
+    count 0 aside), each once, as ints; ``ScheduleError`` naming what is off (the GPU kernel
+    pushes exactly those tasks, so an order that differs would test something else)."""
+    order = policy.initial_order(plan)
+    try:
+        order = [int(t) for t in order]
+    except (TypeError, ValueError):
+        raise ScheduleError(
+            f"{policy.name}: initial_order must be a list of task ids, got {order!r:.200}"
+        ) from None
+    n = plan.num_tasks
+    bad = [t for t in order if not 0 <= t < n]
+    if bad:
+        raise ScheduleError(
+            f"{policy.name}: initial_order names task ids outside 0..{n - 1}: {bad[:8]}"
+        )
+    if len(set(order)) != len(order):
+        twice = sorted({t for t in order if order.count(t) > 1})[:8]
+        raise ScheduleError(f"{policy.name}: initial_order names tasks twice: {twice}")
+    ready = {t for t in range(n) if all(plan.event_count[e] == 0 for e in plan.waits[t])}
+    if set(order) != ready:
+        waiting = sorted(set(order) - ready)[:8]
+        left = sorted(ready - set(order))[:8]
+        raise ScheduleError(
+            f"{policy.name}: initial_order must be exactly the tasks with nothing to wait for "
+            f"(tasks that wait: {waiting}; ready tasks left out: {left})"
+        )
+    return order
 
 
 def topological_order(plan: Plan) -> list[int]:
@@ -81,6 +116,10 @@ def topological_order(plan: Plan) -> list[int]:
 def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None = None) -> None:
     """Raise ScheduleError unless every task is queued once, there are at most ``num_sms``
     queues (when given), and no cross-SM wait cycle exists."""
+    if not isinstance(sched, StaticSchedule):
+        raise ScheduleError(
+            f"a static policy's build() must return a StaticSchedule, got {type(sched).__name__}"
+        )
     if num_sms is not None and sched.num_sms > num_sms:
         raise ScheduleError(f"static schedule has {sched.num_sms} queues for {num_sms} SMs")
     if sched.deps is None and native.lib() is not None:

@@ -230,6 +230,11 @@ class TileOp:
         raise ``GraphError`` where they disagree on something the shapes do not show (e.g.
         the number of experts the routing and the expert weights assume)."""
 
+    def check_bindings(self, env: Mapping[str, int]) -> None:
+        """Called when a plan binds the graph's syms (``plan.instantiate``): raise
+        ``ShapeError`` where a bound size breaks a rule the builder could check only for
+        static sizes (e.g. a gate/up width that must be even)."""
+
     token_local: ClassVar[bool] = False
     """The op keeps tokens apart: whatever the other tokens' rows hold (NaN, inf, ids out of
     range), a token's final outputs in a graph of such ops depend on its own rows (and on

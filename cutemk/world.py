@@ -29,7 +29,12 @@ from .errors import CuteMKError
 from .graph import Graph
 from .interpret import _Simulation
 from .plan import Plan, instantiate
-from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
+from .scheduling import (
+    SchedulingMode,
+    check_static_schedule,
+    checked_initial_order,
+    resolve_scheduler,
+)
 
 
 def simulate_world(
@@ -79,7 +84,7 @@ def simulate_world(
             check_static_schedule(plans[r], sched, num_sms)
             sim.begin_static(sched)
         else:
-            sim.begin_dynamic(policy.initial_order(plans[r]))
+            sim.begin_dynamic(checked_initial_order(policy, plans[r]))
     while True:
         actions = [(r, a) for r, sim in enumerate(sims) for a in sim.actions()]
         if not actions:

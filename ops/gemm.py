@@ -150,6 +150,15 @@ class GemmTile(gemm_sm90.HopperGemmOp, TileOp):
             if not self.norm_eps > 0:
                 raise ValueError(f"gemm norm_eps must be > 0, got {self.norm_eps}")
 
+    def check_bindings(self, env) -> None:
+        if self.epilogue == "silu_mul":
+            rows = TensorSpec(self.b.shape, self.b.dtype).concrete(env)[0]
+            if rows % 2:
+                raise ShapeError(
+                    f"gemm silu_mul epilogue needs an even b.shape[0] = {self.b.shape[0]}, "
+                    f"got {rows}"
+                )
+
     def check_producers(self, producers) -> None:
         if not self._normed:
             return

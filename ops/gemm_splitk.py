@@ -697,6 +697,7 @@ def gemm_split_reduce(
     r = operands.pop(0) if operands else None
     if r is not None and epilogue is None:
         epilogue = "residual"
+    expect_ndim(part, 3, "gemm_split_reduce part")
     if block_n is None:
         n = part.shape[2]
         block_n = n if out_norm is not None and isinstance(n, int) else VEC * NUM_THREADS

@@ -649,6 +649,7 @@ def moe_slot_gemm(
     fused (Hopper tile only): the op's outputs are then ``(y, part, counts)``, y (T, N) the
     block's output; use ``y``. ``residual`` (T, N), with ``combine``: y = the block's output +
     residual, added in fp32 before the one rounding (a decoder layer's residual add)."""
+    expect_ndim(ids, 2, "moe_slot_gemm ids")
     if expert_rows is None:
         expert_rows = upper(ids.shape[0])
     return MoeGroupedGemmTile(

@@ -348,6 +348,8 @@ class MoeRoutePlaceTile(_ChunkedIds, TileOp):
         expect_dtype(self.ids, (torch.int32,), "moe_route_place ids")
         expect_positive_int(self.num_experts, "moe_route_place num_experts")
         _check_chunk("moe_route_place", self.chunk)
+        expect_ndim(self.chunk_base, 2, "moe_route_place chunk_base")
+        expect_ndim(self.tile_info, 2, "moe_route_place tile_info")
         if self.chunk_base.shape[1] != self.num_experts:
             raise GraphError(
                 f"moe_route_place over {self.num_experts} experts got chunk_base of "

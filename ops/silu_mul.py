@@ -60,6 +60,11 @@ class SiluMulTile(TileOp):
                 "silu_mul: h rows vs tiles*block_m (block_m must be moe_route's)",
             )
 
+    def check_bindings(self, env) -> None:
+        width = self.h.concrete(env)[1]
+        if width % 2:
+            raise ShapeError(f"silu_mul h.shape[1] = {self.h.shape[1]} must be even, got {width}")
+
     @property
     def inputs(self) -> tuple[str, ...]:
         return ("h",) if self.tile_info is None else ("h", "tile_info")

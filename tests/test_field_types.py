@@ -204,3 +204,138 @@ def test_module_regime_and_warmup_refuse_bad_arguments():
             m.regime(bad)
     with pytest.raises(TypeError, match="got the class MegaMLP"):
         mk.warmup(MegaMLP)
+
+
+def _small_gemm_graph():
+    import cutemk as mk
+    from cutemk import ops
+
+    g = mk.Graph("g")
+    x = g.input("x", (mk.sym("T", max=64), 16), torch.float32)
+    w = g.weight("w", (32, 16), torch.float32)
+    g.output(g.call(ops.gemm, x, w, block_m=16, block_n=16), "y")
+    return g
+
+
+def test_custom_scheduler_mistakes_are_named():
+    """A scheduler class for an instance, a mode that is not a SchedulingMode, a static
+    build() that returns something else, and a dynamic initial_order with ids out of range,
+    twice, or waiting tasks: each a clear error, not a raw one or a wrong run."""
+    from dataclasses import dataclass
+
+    import cutemk.schedulers as S
+    from cutemk.errors import ScheduleError
+    from cutemk.scheduling import SchedulingMode
+
+    g = _small_gemm_graph()
+    x, w = torch.randn(64, 16), torch.randn(32, 16)
+    for cls in (S.StaticScheduler, S.DynamicScheduler):
+        with pytest.raises(ValueError, match="or a Scheduler instance"):
+            g.compile("interpret", scheduler=cls)
+
+    @dataclass
+    class Order:
+        ids: list
+        mode: SchedulingMode = SchedulingMode.DYNAMIC
+        name: str = "custom"
+
+        def initial_order(self, plan):
+            return self.ids
+
+    good = list(range(8))  # 4 x 2 tiles, none waits
+    torch.testing.assert_close(g.compile("interpret", scheduler=Order(good[::-1]))(x, w=w), x @ w.T)
+    for ids, msg in (
+        (good + [8], "outside 0..7"),
+        (good[:-1] + [-1], "outside 0..7"),
+        (good + [3], "twice"),
+        (good[:-1], "ready tasks left out: \\[7\\]"),
+        ("abc", "must be a list of task ids"),
+    ):
+        with pytest.raises(ScheduleError, match=msg):
+            g.compile("interpret", scheduler=Order(ids))(x, w=w)
+    with pytest.raises(ValueError, match="mode must be a SchedulingMode"):
+        g.compile("interpret", scheduler=Order(good, mode="static"))
+
+    @dataclass
+    class ListBuilder:
+        mode: SchedulingMode = SchedulingMode.STATIC
+        name: str = "lists"
+
+        def build(self, plan, num_sms):
+            return [list(range(plan.num_tasks))]
+
+    with pytest.raises(ScheduleError, match="must return a StaticSchedule, got list"):
+        g.compile("interpret", scheduler=ListBuilder())(x, w=w)
+
+
+def test_symbolic_widths_an_op_needs_even_are_checked_when_bound():
+    """A gate/up width (the silu_mul epilogue's B rows, silu_mul's h columns) known only when
+    a call binds it: an odd value is a ShapeError, not halves cut in the wrong place."""
+    import cutemk as mk
+    from cutemk import ops
+    from cutemk.errors import ShapeError
+
+    n = mk.sym("N", max=64)
+    g = mk.Graph("g")
+    x = g.input("x", (mk.sym("T", max=8), 16), torch.float32)
+    w = g.weight("w", (n, 16), torch.float32)
+    g.output(g.call(ops.gemm, x, w, epilogue="silu_mul", block_m=16, block_n=16), "y")
+    c = g.compile("interpret")
+    with pytest.raises(ShapeError, match="needs an even b.shape\\[0\\] = N, got 5"):
+        c(torch.randn(3, 16), torch.randn(5, 16))
+    assert c(torch.randn(3, 16), torch.randn(6, 16)).shape == (3, 3)
+    g2 = mk.Graph("g2")
+    h = g2.input("h", (mk.sym("T", max=8), mk.sym("W", max=64)), torch.float32)
+    g2.output(g2.call(ops.silu_mul, h), "o")
+    with pytest.raises(ShapeError, match="must be even, got 5"):
+        g2.compile("interpret")(torch.randn(3, 5))
+
+
+def test_op_builders_name_a_wrong_rank():
+    import cutemk as mk
+    from cutemk import ops
+    from cutemk.errors import ShapeError
+
+    g = mk.Graph("g")
+    t = mk.sym("T", max=64)
+    i32 = torch.int32
+    with pytest.raises(ShapeError, match="gemm_split_reduce part must be 3-D"):
+        g.call(ops.gemm_split_reduce, g.input("part", (t, 16), torch.float32))
+    ids = g.input("ids", (t, 2), i32)
+    with pytest.raises(ShapeError, match="moe_route_place chunk_base must be 2-D"):
+        g.call(
+            ops.moe_route_place,
+            ids,
+            g.input("cb", (4,), i32),
+            g.input("ti", (8, 2), i32),
+            num_experts=4,
+            block_m=8,
+        )
+    with pytest.raises(ShapeError, match="moe_slot_gemm ids must be 2-D"):
+        g.call(
+            ops.moe_slot_gemm,
+            g.input("x", (t, 16), torch.float32),
+            g.input("w", (4, 32, 16), torch.float32),
+            g.input("i0", (), i32),
+        )
+
+
+def test_a_module_runs_the_scheduler_and_sm_count_set_after_it_was_built():
+    """Setting ``scheduler`` / ``num_sms`` on a built module takes effect (it used to keep the
+    graphs compiled for the values it was built with), and a bad value is refused."""
+    import cutemk.schedulers as S
+    from cutemk.nn import MegaMLP
+
+    w = (torch.randn(48, 32), torch.randn(48, 32), torch.randn(32, 48))
+    m = MegaMLP(*w, max_tokens=64, backend="interpret", scheduler="static", num_sms=4)
+    x = torch.randn(5, 32)
+    want = m(x)
+    m.scheduler, m.num_sms = "dynamic", 2
+    torch.testing.assert_close(m(x), want)
+    graph = m.compiled(m.regime(5))
+    assert graph.scheduler.name == "dynamic" and graph.num_sms == 2
+    with pytest.raises(ValueError, match="num_sms must be None or a positive int"):
+        m.num_sms = 0
+    with pytest.raises(ValueError, match="or a Scheduler instance"):
+        m.scheduler = S.StaticScheduler
+    assert m.compiled(m.regime(5)) is graph  # the refused values changed nothing

@@ -426,3 +426,24 @@ def test_lowering_matches_task_by_task_construction(which):
         for t in plan.tasks:
             assert rec[t.tid, R_NODE] == t.node.index
             assert rec[t.tid, R_C0 : R_C0 + len(t.coord)].tolist() == list(t.coord)
+
+
+def test_dump_stays_in_its_directory(tmp_path, monkeypatch):
+    """A graph named like a path writes its dump inside CUTEMK_DUMP, and a CUTEMK_DUMP that is
+    a file is named in the error."""
+    from cutemk import ops
+    from cutemk.errors import CuteMKError
+
+    dump = tmp_path / "dump"
+    monkeypatch.setenv("CUTEMK_DUMP", str(dump))
+    g = mk.Graph("../escape/x")
+    x = g.input("x", (mk.sym("T", max=8), 16), torch.float32)
+    g.output(g.call(ops.rmsnorm, x, block_m=1), "y")
+    g.compile("interpret", num_sms=2)(torch.randn(3, 16))
+    written = sorted(p.name for p in dump.iterdir())
+    assert written and all(not n.startswith(".") and "/" not in n for n in written), written
+    assert not (tmp_path / "escape").exists()
+    monkeypatch.setenv("CUTEMK_DUMP", str(tmp_path / "a_file"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CuteMKError, match="is a file, not a directory"):
+        g.compile("interpret", num_sms=2)(torch.randn(3, 16))

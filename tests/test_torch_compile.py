@@ -238,3 +238,16 @@ def test_eager_calls_skip_the_custom_op_and_traces_keep_it(monkeypatch):
         out = m(fx)
     assert launches == [1] and out.shape == x.shape  # the fake implementation, no launch
     torch.testing.assert_close(eager, m(x))
+
+
+@pytest.mark.parametrize("make", [_mlp, _moe], ids=["mlp", "moe"])
+def test_fullgraph_compile_after_an_eager_call_at_the_same_shape(make):
+    """A module called eagerly (a warm-up, say) keeps that launch for the shape; tracing the
+    module at the same shape must not try to trace that host state (it used to fail with
+    ``Unsupported: call to a callable object with no traceable __call__``)."""
+    torch._dynamo.reset()
+    m = make("interpret")
+    x = torch.randn(5, m.hidden, generator=torch.Generator().manual_seed(2))
+    want = m(x)
+    got = torch.compile(m, fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(got, want)

@@ -53,6 +53,20 @@ class _KeyedModule(nn.Module):
             held = self.__dict__["_compiled_held"] = (key, graphs)
         return held[1]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("scheduler", "num_sms"):
+            if "_launch_cfg" in self.__dict__:  # set again after construction: checked too
+                d = self.__dict__
+                _check_launch(
+                    value if name == "scheduler" else d.get("scheduler", "static"),
+                    value if name == "num_sms" else d.get("num_sms"),
+                )
+            super().__setattr__(name, value)
+            d = self.__dict__
+            d["_launch_cfg"] = (repr(d.get("scheduler")), d.get("num_sms"))
+            return
+        super().__setattr__(name, value)
+
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
         state.pop("_compiled_held", None)  # compiled kernels are the process's, not the module's
@@ -75,7 +89,9 @@ class _KeyedModule(nn.Module):
         makes the graph on first use, then it serves every token count of the regime."""
         like = self.w_down if like is None else like
         backend = self.resolved_backend(like)
-        key = (backend, regime, like.dtype, like.device)
+        # the scheduler and SM count as they are now (set after construction, they compile
+        # graphs of their own rather than reuse those of the values the module was built with)
+        key = (backend, regime, like.dtype, like.device, self.__dict__.get("_launch_cfg"))
         fn = self._compiled.get(key)
         if fn is None:  # only a regime of this module is ever kept
             if regime not in self.regimes():
@@ -106,6 +122,8 @@ class _KeyedModule(nn.Module):
 
 
 FAST_PATH = True
+
+_compiling = torch.compiler.is_compiling
 """The drop-in row modules' eager fast path (see ``_LiveModule.forward``); benchmarks turn it
 off to time the full path in the same process."""
 
@@ -137,7 +155,8 @@ class _LiveModule(_KeyedModule):
         for one CUDA-graph capture that replays at every count (:meth:`forward_live`)."""
         if num_tokens is not None:
             return self.forward_live(x, num_tokens)
-        fast = self.__dict__.get("_fast") if FAST_PATH else None
+        # (not while torch.compile traces: the remembered launch is host state it cannot trace)
+        fast = self.__dict__.get("_fast") if FAST_PATH and not _compiling() else None
         hit = fast.get(x.shape) if fast is not None and type(x) is torch.Tensor else None
         if hit is not None:  # rows of a shape an earlier eager call launched (see below)
             run, current, weights, dtype, device, laid_out, buffers_of = hit
