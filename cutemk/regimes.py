@@ -125,9 +125,10 @@ permute step before the expert weights stream; an expert two tokens pick streams
 MOE_TILES: dict[tuple[str, str], dict[str, int]] = {
     # (backend, regime): MoeConfig tile fields. Decode: 64-row tiles (an expert holds a few
     # tokens), narrow gate/up tiles so the touched experts' weights spread over all SMs, the
-    # router's 128 expert columns over 8 SMs and its K over 8 ranges (16 in 'slots'; 64 SMs, a few slices
-    # each, where one range was a 32-slice latency chain; ``moe_regime_graph`` halves the split
-    # until it divides the hidden size into whole slices). Prefill: 128-row tiles, wider
+    # router's 128 expert columns over 8 SMs and its K over 8 ranges (16 in 'slots'; 64 SMs, a
+    # few slices each, where one range was a 32-slice latency chain; ``moe_regime_graph``
+    # halves the split until it divides the hidden size into whole slices). Prefill: 128-row
+    # tiles, wider
     # columns, the routing spread over SMs in chunks of 64 tokens (one task routes 32K slots
     # in ~100 us).
     ("cute", "slots"): dict(

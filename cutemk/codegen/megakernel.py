@@ -160,16 +160,14 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
 
 
 def tma_atoms(extras: tuple) -> list:
-    """The TMA copy atoms among the nodes' launch-time extras (``TileOp.host_args``), each once
-    (an op may pass one atom twice, e.g. a GEMM without a separate up projection)."""
-    seen, out = set(), []
-    for node_extras in extras:
-        for x in node_extras:
-            if isinstance(x, cute.CopyAtom) and isinstance(x.op, cpasync.TmaCopyOp):
-                if id(x) not in seen:
-                    seen.add(id(x))
-                    out.append(x)
-    return out
+    """The TMA copy atoms among the nodes' launch-time extras (``TileOp.host_args``): one a
+    descriptor parameter of the kernel (an atom an op passes twice arrives as two)."""
+    return [
+        x
+        for node_extras in extras
+        for x in node_extras
+        if isinstance(x, cute.CopyAtom) and isinstance(x.op, cpasync.TmaCopyOp)
+    ]
 
 
 @dataclass(frozen=True)

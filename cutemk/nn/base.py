@@ -122,10 +122,10 @@ class _KeyedModule(nn.Module):
 
 
 FAST_PATH = True
-
-_compiling = torch.compiler.is_compiling
 """The drop-in row modules' eager fast path (see ``_LiveModule.forward``); benchmarks turn it
 off to time the full path in the same process."""
+
+_compiling = torch.compiler.is_compiling
 
 
 def _same_generation(graph_ref: Any, generation: int) -> bool:
