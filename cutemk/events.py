@@ -21,15 +21,22 @@ Events come two ways (``cutemk.plan`` turns both into concrete counters):
 from __future__ import annotations
 
 import inspect
+import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
+from .errors import GraphError
 from .symbolic import Bindings, Expr, IntLike, evaluate, shape_str
 
 Index = tuple[int, ...]
 IndexMap = Callable[..., Union[Index, Iterable[Index], None]]
-"""``f(*coord) -> index | [index, ...] | None``; receives ``env=`` if it declares that kwarg."""
+"""``f(*coord) -> index | [index, ...] | None``; receives ``env=`` if it declares that kwarg.
+
+An index is a tuple of ints, or one int for a 1-d event; several indices come as a list (or
+any other iterable, a numpy array of rows included). "Int" means an integer scalar, Python's or
+numpy's (``np.int64``; anything ``operator.index`` takes); bools and floats are refused, even
+integral floats, as are the same in a count."""
 
 CountFn = Callable[[Index, Bindings], int]
 RankIndexMap = Callable[..., Union[tuple[int, Index], Iterable[tuple[int, Index]], None]]
@@ -44,7 +51,9 @@ class EventTensor:
 
     ``count`` is the wait count of every element: an int, a symbolic expression of the launch's
     dims, a callable ``(index, env) -> int`` for per-element counts, or ``None`` to derive it as
-    the number of notifiers of each element.
+    the number of notifiers of each element. Numpy integers count as ints; a float is refused,
+    even an integral one like ``2.0`` (a constant here, a function's result when the graph is
+    instantiated), so that a count computed by true division is never silently truncated.
     """
 
     shape: tuple[IntLike, ...]
@@ -53,11 +62,15 @@ class EventTensor:
 
     def __post_init__(self) -> None:
         c = self.count
-        if isinstance(c, bool) or not (c is None or callable(c) or isinstance(c, (int, Expr))):
+        if c is None or callable(c) or isinstance(c, Expr):
+            return
+        n = _as_int(c)
+        if n is None:
             raise TypeError(
                 f"event {self.name}: count must be an int, a sym expression, a function "
                 f"(index, env) -> int or None, got {c!r}"
             )
+        self.count = n
 
     def concrete_shape(self, env: Bindings) -> tuple[int, ...]:
         return tuple(evaluate(d, env) for d in self.shape)
@@ -66,7 +79,14 @@ class EventTensor:
         if self.count is None:
             return None
         if callable(self.count):
-            return int(self.count(index, env))
+            c = self.count(index, env)
+            n = _as_int(c)
+            if n is None:
+                raise GraphError(
+                    f"event {self.name}: count at {list(index)} must be an int (numpy ints "
+                    f"too; floats are refused, even integral ones), got {c!r}"
+                )
+            return n
         return evaluate(self.count, env)
 
     def __str__(self) -> str:
@@ -83,31 +103,77 @@ class EventMap:
     remote_wait: list[tuple[object, RankIndexMap]] = field(default_factory=list)
 
 
+def _as_int(x: Any) -> int | None:
+    """``x`` as a Python int if it is an integer scalar (int, numpy integer, anything
+    ``operator.index`` takes) and not a bool; else None."""
+    if type(x) is int:  # the common case, first
+        return x
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def apply_rank_map(
-    fn: RankIndexMap, coord: Sequence[int], env: Bindings
+    fn: RankIndexMap, coord: Sequence[int], env: Bindings, what: str = "rank map"
 ) -> list[tuple[int, Index]]:
-    """Evaluate a cross-rank wait map: ``[(rank, index), ...]``."""
+    """Evaluate a cross-rank wait map: ``[(rank, index), ...]``. ``what`` names the map in
+    errors (its event and task)."""
     res = fn(*coord, env=env) if _takes_env(fn) else fn(*coord)
     if res is None:
         return []
-    if isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], int):
+    if isinstance(res, tuple) and len(res) == 2 and _as_int(res[0]) is not None:
         res = [res]
-    out = []
-    for rank, idx in res:
-        out.append((int(rank), (int(idx),) if isinstance(idx, int) else tuple(int(i) for i in idx)))
-    return out
+    try:
+        out = []
+        for rank, idx in res:
+            r = _as_int(rank)
+            if r is None:
+                raise TypeError
+            out.append((r, _index(idx)))
+        return out
+    except (TypeError, ValueError):
+        raise _bad_result(what, res, "(rank, index) pairs of ints") from None
 
 
-def apply_map(fn: IndexMap, coord: Sequence[int], env: Bindings) -> list[Index]:
-    """Evaluate an index map at a tile coordinate, normalising its result to a list."""
+def apply_map(
+    fn: IndexMap, coord: Sequence[int], env: Bindings, what: str = "index map"
+) -> list[Index]:
+    """Evaluate an index map at a tile coordinate, normalising its result to a list. ``what``
+    names the map in errors (its event and task)."""
     res = fn(*coord, env=env) if _takes_env(fn) else fn(*coord)
     if res is None:
         return []
-    if isinstance(res, tuple) and all(isinstance(i, int) for i in res):
+    if isinstance(res, tuple) and all(type(i) is int for i in res):  # the common case, first
         return [res]
-    if isinstance(res, int):
-        return [(res,)]
-    return [tuple(int(i) for i in ((r,) if isinstance(r, int) else r)) for r in res]
+    try:
+        if isinstance(res, tuple) or _as_int(res) is not None:
+            return [_index(res)]
+        return [_index(r) for r in res]
+    except TypeError:
+        raise _bad_result(
+            what, res, "an index (a tuple of ints or an int) or a list of them"
+        ) from None
+
+
+def _index(idx: Any) -> Index:
+    """One event index: an int or an iterable of ints (numpy's included), else TypeError."""
+    n = _as_int(idx)
+    if n is not None:
+        return (n,)
+    out = tuple(_as_int(i) for i in idx)
+    if None in out:
+        raise TypeError
+    return out  # type: ignore[return-value]
+
+
+def _bad_result(what: str, res: Any, want: str) -> GraphError:
+    return GraphError(
+        f"{what} returned {res!r}: expected {want} (numpy ints count as ints; floats and bools "
+        "do not)"
+    )
 
 
 @lru_cache(maxsize=None)

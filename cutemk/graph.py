@@ -236,10 +236,24 @@ class Graph:
                     raise GraphError(f"two different syms named {s.name}: {out[s.name]} and {s}")
         return out
 
+    def world_size(self) -> int | None:
+        """The number of ranks the graph's communicating ops (those that reach other ranks'
+        values: all-gather, reduce-scatter) were built for; None if it has none. Raises
+        :class:`GraphError` if two of them were built for different worlds."""
+        built = [(n.name, getattr(n.op, "world", None)) for n in self.nodes if n.op.peer_values]
+        for name, w in built[1:]:
+            if w != built[0][1]:
+                raise GraphError(
+                    f"graph {self.name!r}: {built[0][0]} is built for {built[0][1]} ranks, "
+                    f"{name} for {w}; one graph runs on one world"
+                )
+        return built[0][1] if built else None
+
     def validate(self) -> None:
         """Check the graph before instantiation; raises :class:`GraphError`."""
         if not self.outputs:
             raise GraphError(f"graph {self.name!r} has no outputs")
+        self.world_size()
         bound = {s for v in self.leaves for s in v.shape if isinstance(s, Sym)}
         for name, s in self.syms().items():
             if s not in bound:

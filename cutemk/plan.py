@@ -720,19 +720,22 @@ def _explicit_events(graph: Graph, plan: Plan) -> None:
 
         for node, fn in em.notify:
             for t in plan.node_tasks[node.index]:
-                for idx in apply_map(fn, plan.tasks[t].coord, env):
+                what = f"event {ev.name}: the notify map of {plan.tasks[t].label}"
+                for idx in apply_map(fn, plan.tasks[t].coord, env, what):
                     plan.notifies[t].append(eid_of(idx, plan.tasks[t].label))
                     notifiers[idx] = notifiers.get(idx, 0) + 1
         waited: set[tuple[int, ...]] = set()
         for node, fn in em.wait:
             for t in plan.node_tasks[node.index]:
-                for idx in apply_map(fn, plan.tasks[t].coord, env):
+                what = f"event {ev.name}: the wait map of {plan.tasks[t].label}"
+                for idx in apply_map(fn, plan.tasks[t].coord, env, what):
                     plan.waits[t].append(eid_of(idx, plan.tasks[t].label))
                     waited.add(idx)
         rank, world = env.get("RANK", 0), env.get("WORLD", 1)
         for node, fn in em.remote_wait:
             for t in plan.node_tasks[node.index]:
-                for r, idx in apply_rank_map(fn, plan.tasks[t].coord, env):
+                what = f"event {ev.name}: the remote_wait map of {plan.tasks[t].label}"
+                for r, idx in apply_rank_map(fn, plan.tasks[t].coord, env, what):
                     if not 0 <= r < world:
                         raise GraphError(
                             f"{plan.tasks[t].label} waits on {ev.name}{list(idx)} of rank {r}, "

@@ -25,7 +25,7 @@ import torch
 
 from .binding import bind, fresh_
 from .comm import PeerTable, different_plans_error, plan_digest, symmetric_values
-from .errors import CuteMKError
+from .errors import CuteMKError, GraphError
 from .graph import Graph
 from .interpret import _Simulation
 from .plan import Plan, instantiate
@@ -47,10 +47,26 @@ def simulate_world(
     check_races: bool = True,
 ) -> tuple[list[tuple[torch.Tensor, ...]], list[Plan]]:
     """Run ``graph`` on ``world`` simulated ranks; ``inputs[r]`` are rank r's leaves by name.
-    Returns every rank's outputs and plans."""
+    Returns every rank's outputs and plans.
+
+    ``world`` is an int >= 1 (TypeError / ValueError otherwise); a graph whose communicating ops
+    were built for another number of ranks is a :class:`GraphError` naming both, raised before
+    anything is bound or run."""
+    if isinstance(world, bool) or not isinstance(world, int):
+        raise TypeError(f"simulate_world: world must be an int, got {world!r}")
+    if world < 1:
+        raise ValueError(f"simulate_world: world must be at least 1 rank, got {world}")
+    graph.validate()
+    built = graph.world_size()
+    if built is not None and built != world:
+        node = next(n for n in graph.nodes if n.op.peer_values)
+        raise GraphError(
+            f"simulate_world: graph {graph.name!r} was built for {built} ranks but "
+            f"world={world} ({node.name} reaches {built} ranks' values): simulate {built} "
+            f"ranks or build the graph for {world}"
+        )
     if len(inputs) != world:
         raise ValueError(f"simulate_world: {len(inputs)} input sets for {world} ranks")
-    graph.validate()
     policy = resolve_scheduler(scheduler)
     rng = random.Random(seed)
     plans, tensors = [], []

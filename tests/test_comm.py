@@ -149,6 +149,46 @@ def test_bad_distributed_inputs():
         simulate_world(g, 2, [{}] * 3)
 
 
+@pytest.mark.parametrize(
+    "case, built, world",
+    [(rs_case, 4, 2), (rs_case, 2, 4), (ag_case, 2, 4), (ag_case, 1, 2)],
+    ids=["gemm_rs_4_on_2", "gemm_rs_2_on_4", "ag_gemm_2_on_4", "ag_gemm_1_on_2"],
+)
+def test_graph_built_for_another_world_is_refused_before_running(case, built, world):
+    """A graph's all-gather / reduce-scatter tiles were built for a fixed number of ranks: run
+    on another world they failed deep in a reference with a raw torch error (or a wait outside
+    the world); the simulator names both sizes before it binds or runs anything."""
+    g, _, _ = case(built)
+    _, inputs, _ = case(world)
+    with pytest.raises(GraphError, match=rf"was built for {built} ranks but world={world}"):
+        simulate_world(g, world, inputs)
+
+
+def test_ops_built_for_different_worlds_are_refused_by_validate():
+    g = mk.Graph("mixed_worlds")
+    x = g.input("x", (mk.sym("S", max=256), 32))
+    gathered = g.call(ops.all_gather, x, world=2, block_m=16, block_n=32)
+    partial = g.call(ops.gemm, gathered, g.weight("w", (32, 32)), block_m=16, block_n=32)
+    g.output(g.call(ops.reduce_scatter, partial, world=4, block_m=16, block_n=32), "out")
+    with pytest.raises(GraphError, match="all_gather0 is built for 2 ranks, reduce_scatter0 for 4"):
+        g.validate()
+
+
+@pytest.mark.parametrize(
+    "world, err, msg",
+    [
+        (0, ValueError, "world must be at least 1 rank, got 0"),
+        (-2, ValueError, "world must be at least 1 rank, got -2"),
+        (2.0, TypeError, "world must be an int, got 2.0"),
+        (True, TypeError, "world must be an int, got True"),
+    ],
+)
+def test_world_must_be_a_positive_int(world, err, msg):
+    g, _, _ = rs_case(2)
+    with pytest.raises(err, match=msg):
+        simulate_world(g, world, [])  # world=0 used to return two empty lists
+
+
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_distributed_megakernels_compile_with_system_scope_events(scheduler):
     from cutemk.runtime import compile_offline

@@ -1,5 +1,8 @@
 """Event derivation: automatic (from tile regions) and explicit (declared by the user)."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -175,3 +178,92 @@ def test_count_zero_event_holds_nobody_back():
     for sched in ("static", "dynamic"):
         res = g.compile("interpret", num_sms=2, scheduler=sched)(*ops.dag_inputs(deps))
         assert res.tolist() == [t * 7919 + 13 for t in range(3)]
+
+
+@pytest.mark.parametrize(
+    "wait_map",
+    [
+        lambda m, n: np.int64(m),  # one 1-d index as a numpy scalar
+        lambda m, n: (np.int32(m),),  # an index tuple of numpy ints
+        lambda m, n: [np.array([m])],  # a list of index arrays
+        lambda m, n: np.array([[m]]),  # an array of indices, one per row
+        lambda m, n, env: np.unravel_index(m, (env["T"] // 4,)),  # numpy's own index tuple
+    ],
+    ids=["scalar", "tuple", "list_of_arrays", "array", "unravel_index"],
+)
+def test_index_maps_may_compute_with_numpy(wait_map):
+    """numpy integers are ints to an index map (they raised a TypeError naming no event)."""
+    g, T, h, y = _two_gemms()
+    g.event(
+        (mk.cdiv(T, 4),),
+        name="rows",
+        notify=[(h, lambda m, n: (np.int64(m),))],
+        wait=[(y, wait_map)],
+    )
+    plan = instantiate(g, {"T": 12})
+    for t in plan.node_tasks[1]:  # each y tile waits on its row's event, notified by 2 h tiles
+        m = plan.tasks[t].coord[0]
+        (e,) = [e for e in plan.waits[t] if plan.event_label[e].startswith("rows")]
+        assert plan.event_label[e] == f"rows[{m}]" and plan.event_count[e] == 2
+
+
+def test_rank_maps_may_return_numpy_ranks():
+    from cutemk.events import apply_rank_map
+
+    env = {"RANK": 0, "WORLD": 2}
+    assert apply_rank_map(lambda i: (np.int64(1), (np.int32(i),)), (3,), env) == [(1, (3,))]
+    assert apply_rank_map(lambda i: [(np.int64(1), np.int64(i))], (3,), env) == [(1, (3,))]
+    with pytest.raises(mk.GraphError, match=r"event e: the remote_wait map of x\[3\] returned"):
+        apply_rank_map(lambda i: [(1.0, (i,))], (3,), env, "event e: the remote_wait map of x[3]")
+
+
+@pytest.mark.parametrize(
+    "wait_map, got",
+    [(lambda m, n: (m / 1,), r"\(0\.0,\)"), (lambda m, n: [("0",)], r"\[\('0',\)\]")],
+    ids=["float", "str"],
+)
+def test_index_map_returning_non_ints_is_named(wait_map, got):
+    """A float index was truncated or raised a bare TypeError; the error names the event, the
+    map, the task and what the map returned."""
+    g, T, h, y = _two_gemms()
+    g.event((mk.cdiv(T, 4),), name="rows", notify=[(h, lambda m, n: (m,))], wait=[(y, wait_map)])
+    with pytest.raises(
+        mk.GraphError, match=rf"event rows: the wait map of gemm1\[0, 0\] returned {got}"
+    ):
+        instantiate(g, {"T": 12})
+
+
+@pytest.mark.parametrize("count", [2, np.int64(2), lambda idx, env: np.int32(2)])
+def test_event_counts_may_be_numpy_ints(count):
+    g, T, h, y = _two_gemms()
+    g.event(
+        (mk.cdiv(T, 4),),
+        count=count,
+        name="rows",
+        notify=[(h, lambda m, n: (m,))],
+        wait=[(y, lambda m, n: (m,))],
+    )
+    plan = instantiate(g, {"T": 12})
+    rows = [e for e in range(plan.num_events) if plan.event_label[e].startswith("rows")]
+    assert [plan.event_count[e] for e in rows] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("bad", [2.5, 2.0, "2", True])
+def test_fractional_or_non_int_counts_are_refused_by_event(bad):
+    """A count function's 2.5 was truncated to 2 (and "2" parsed): counts are ints (numpy ints
+    too); floats are refused even when integral, as a constant ``count=2.0`` always was."""
+    g, T, h, y = _two_gemms()
+    g.event(
+        (mk.cdiv(T, 4),),
+        count=lambda idx, env: bad,
+        name="rows",
+        notify=[(h, lambda m, n: (m,))],
+        wait=[(y, lambda m, n: (m,))],
+    )
+    with pytest.raises(
+        mk.GraphError,
+        match=rf"event rows: count at \[0\] must be an int .*, got {re.escape(repr(bad))}$",
+    ):
+        instantiate(g, {"T": 12})
+    with pytest.raises(TypeError, match="event rows: count must be an int"):
+        mk.EventTensor((4,), bad, "rows")
