@@ -23,6 +23,15 @@ shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
 - ``epi_late``: the same with warp 1 sleeping ~20 us before its first write, so warp 0 waits
   long at its first barrier (in the MoE kernel the consumers run SIMT tasks before their first
   ring tile, and racecheck reports the first hand-over there).
+- ``named_skew``: ``named_sync`` where the writer also passes ``SKEW`` barriers of its own
+  (``bar.sync 3, 32``) before each write, as the megakernel's SIMT group (the first consumer
+  warpgroup) passes its own barrier in SIMT bodies the other warps never run. Every racecheck
+  report on the MoE kernels pairs a write by that warpgroup with a read by another warp across
+  a barrier both took part in.
+- ``mbarrier_skew``: ``mbarrier_all`` with the same barriers of the writer's own.
+- ``join``: no hand-over; warp 0 passes ``SKEW`` barriers of its own, then both warps meet at
+  a whole-CTA ``bar.sync 0``, as the megakernel's roles meet before its close (a target for
+  ``--tool synccheck``).
 
 PTX orders both: a ``bar.arrive`` synchronizes with the ``bar.sync`` that completes the same
 barrier phase, an ``mbarrier.arrive`` (release) with the ``mbarrier.try_wait`` (acquire) that
@@ -42,14 +51,25 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import torch  # noqa: E402
 from cutlass import Int32, cute  # noqa: E402
-from cutlass.experimental import primitives as prims  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
+from cutlass.experimental import primitives as prims  # noqa: E402
 
 from cutemk.device.ring import init_barriers  # noqa: E402
 
-PATTERNS = ("named", "named_sync", "mbarrier", "mbarrier_all", "epi", "epi_late")
+PATTERNS = (
+    "named",
+    "named_sync",
+    "mbarrier",
+    "mbarrier_all",
+    "epi",
+    "epi_late",
+    "named_skew",
+    "mbarrier_skew",
+    "join",
+)
 ROUNDS = 64
 WORDS = 32  # one word a lane
+SKEW = 3  # barriers of its own the writer passes before each write (the ``*_skew`` patterns)
 
 
 class Pattern:
@@ -66,14 +86,22 @@ class Pattern:
         buf = smem.allocate_tensor(Int32, cute.make_layout(WORDS), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(2), byte_alignment=8)
         full, empty = bars.iterator, bars.iterator + 1
-        every_lane = cutlass.const_expr(self.name in ("mbarrier_all", "epi", "epi_late"))
+        every_lane = cutlass.const_expr(
+            self.name in ("mbarrier_all", "mbarrier_skew", "epi", "epi_late")
+        )
+        skew = cutlass.const_expr(self.name.endswith("_skew"))
         if tidx == 0:
             init_barriers(full, 1, 1)
             init_barriers(empty, 1, 32 if every_lane else 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         bad = Int32(0)
-        if cutlass.const_expr(self.name in ("epi", "epi_late")):
+        if cutlass.const_expr(self.name == "join"):
+            if warp == 0:
+                for _ in cutlass.range_constexpr(SKEW):
+                    cute.arch.barrier(barrier_id=3, number_of_threads=32)
+            cute.arch.sync_threads()
+        elif cutlass.const_expr(self.name in ("epi", "epi_late")):
             if warp == 1:  # consumers: wait until the buffer is free, write, hand over
                 if cutlass.const_expr(self.name == "epi_late"):
                     for _ in cutlass.range(20, unroll=1):
@@ -89,10 +117,13 @@ class Pattern:
                     if buf[lane] != r * WORDS + lane:
                         bad = bad + 1
                     cute.arch.mbarrier_arrive(empty)
-        elif cutlass.const_expr(self.name in ("mbarrier", "mbarrier_all")):
+        elif cutlass.const_expr(self.name in ("mbarrier", "mbarrier_all", "mbarrier_skew")):
             if warp == 0:
                 for r in cutlass.range(ROUNDS, unroll=1):
                     cute.arch.mbarrier_wait(empty, (r & 1) ^ 1)
+                    if cutlass.const_expr(skew):
+                        for _ in cutlass.range_constexpr(SKEW):
+                            cute.arch.barrier(barrier_id=3, number_of_threads=32)
                     if lane == 0:
                         for j in cutlass.range_constexpr(WORDS):
                             buf[j] = r * WORDS + j
@@ -110,11 +141,14 @@ class Pattern:
                         if lane == 0:
                             cute.arch.mbarrier_arrive(empty)
         else:
-            sync = cutlass.const_expr(self.name == "named_sync")
+            sync = cutlass.const_expr(self.name in ("named_sync", "named_skew"))
             if warp == 1:  # writes, then hands the buffer over on barrier 1
                 for r in cutlass.range(ROUNDS, unroll=1):
                     if r > 0:
                         cute.arch.barrier(barrier_id=2, number_of_threads=64)
+                    if cutlass.const_expr(skew):
+                        for _ in cutlass.range_constexpr(SKEW):
+                            cute.arch.barrier(barrier_id=3, number_of_threads=32)
                     buf[lane] = r * WORDS + lane
                     if cutlass.const_expr(sync):
                         cute.arch.barrier(barrier_id=1, number_of_threads=64)

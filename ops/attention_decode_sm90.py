@@ -61,6 +61,7 @@ from cutemk.device.config import (
     CONSUMER_BARRIER,
     WARP_SIZE,
     WARPGROUP,
+    named_sync,
 )
 from cutemk.device.mma import ldmatrix_x4, mma_1688, mma_16816, pack2
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
@@ -589,7 +590,7 @@ def compute(
 
 @cute.jit
 def _consumer_sync():
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
 
 
 @cute.jit

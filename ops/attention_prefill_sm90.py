@@ -37,6 +37,8 @@ from cutemk.device.config import (
     MMA_TURN_BARRIER,
     WARP_SIZE,
     WARPGROUP,
+    named_arrive,
+    named_sync,
 )
 from cutemk.device.mma import pack2
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
@@ -276,13 +278,13 @@ def _zero_v_tail(cfg: cutlass.Constexpr, base, t0: Int32, ctid: Int32):
 @cute.jit
 def _turn_sync(wg):
     """Wait for warpgroup ``wg``'s turn (``MMA_TURN_BARRIER``)."""
-    cute.arch.barrier(barrier_id=MMA_TURN_BARRIER + wg, number_of_threads=CONSUMER_THREADS)
+    named_sync(MMA_TURN_BARRIER + wg, CONSUMER_THREADS)
 
 
 @cute.jit
 def _turn_arrive(wg):
     """Hand the turn to warpgroup ``wg``."""
-    cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER + wg, number_of_threads=CONSUMER_THREADS)
+    named_arrive(MMA_TURN_BARRIER + wg, CONSUMER_THREADS)
 
 
 @cute.jit
@@ -360,7 +362,7 @@ def compute(
     q_base = epi + wg * (WG_ROWS * d * cfg.es)
     _load_q(cfg, mQ, q_base, h, first, rows, bad, wg, wtid)
     cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
 
     mma_s, mma_o = _tiled_mmas(cfg)
     ab = dsm90._CUTE_DTYPES[cfg.dtype]
@@ -411,7 +413,7 @@ def compute(
         if kt == n - 1 and tail != 0:
             _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+            named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
         _rescale(o, scale, d // 8)  # P V of slice kt - 2 is done: o is in registers
         _turn_sync(wg)
         warpgroup.fence()

@@ -38,9 +38,9 @@ from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from cutemk.device.config import CONSUMER_BARRIER, WARP_SIZE, WARPGROUP
-from cutemk.tileop import RingTile
+from cutemk.device.config import CONSUMER_BARRIER, WARP_SIZE, WARPGROUP, named_sync
 from cutemk.device.ring import consumer_release, consumer_wait, epi_acquire, plain_wait
+from cutemk.tileop import RingTile
 
 from .moe_combine_sm90 import combine_in_tile, pick_weight
 from .split_reduce import SS_WIDTH, reduce_last_tile
@@ -624,7 +624,7 @@ def compute(
         )
         if ctid < cfg.bm:
             sScale[ctid] = rs
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+        named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, _ = tCcC[i]
             acc[i] = acc[i] * sScale[r]
@@ -689,7 +689,7 @@ def _store_partial(
 
 @cute.jit
 def _consumer_sync():
-    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+    named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
 
 
 class HopperGemmOp:

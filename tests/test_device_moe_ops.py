@@ -128,7 +128,7 @@ def _count(pattern: str, ptx: str) -> int:
 def test_topk_softmax_compiles(tmp_path, dtype):
     ptx = _compile_ptx(_topk(dtype), tmp_path)
     assert _count(r"\bex2\.approx", ptx) >= 1  # softmax exp
-    assert _count(r"\bbar\.sync\b", ptx) == 0  # thread-per-token: no barrier, no smem
+    assert _count(r"\b(?:bar|barrier)\.sync\b", ptx) == 0  # thread-per-token: no barrier, no smem
     assert _count(r"\bst\.global\.[bsu]32\b", ptx) >= 2  # weights and ids
 
 
@@ -139,7 +139,7 @@ def test_topk_softmax_over_partials_compiles(tmp_path):
     assert _count(r"\bredux\.sync\.max\.s32\b", ptx) == 1
     assert _count(r"\bredux\.sync\.min\.s32\b", ptx) == 1
     assert _count(r"\bcvt\.rn\.bf16\.f32\b", ptx) >= 1  # the sums rounded as bf16 logits
-    assert _count(r"\bbar\.sync\b", ptx) == 0
+    assert _count(r"\b(?:bar|barrier)\.sync\b", ptx) == 0
 
 
 @pytest.mark.parametrize("experts", [128, 40])
@@ -159,7 +159,7 @@ def test_topk_softmax_loads_a_row_in_one_round_trip(tmp_path, experts):
 def test_moe_route_compiles(tmp_path):
     ptx = _compile_ptx(_route(), tmp_path)
     # zero -> count -> scan over chunks -> scan over experts -> placement: four CTA barriers
-    assert _count(r"\bbar\.sync\b", ptx) == 4
+    assert _count(r"\b(?:bar|barrier)\.sync\b", ptx) == 4
     # small code (one SM runs it, its instructions often fetched from HBM): a token's k ids
     # loaded once in each of the two passes, no unrolled copies of the passes
     assert _count(r"\bld\.global\.", ptx) == 2 * TOP_K, _count(r"\bld\.global\.", ptx)
@@ -173,7 +173,7 @@ def test_moe_route_compiles(tmp_path):
 def test_moe_grouped_gemm_compiles(tmp_path, dtype, gathered):
     ptx = _compile_ptx(_grouped_gemm(dtype, gathered), tmp_path)
     # smem staging: one barrier after the row indices, two per k-slice
-    assert _count(r"\bbar\.sync\b", ptx) == 3
+    assert _count(r"\b(?:bar|barrier)\.sync\b", ptx) == 3
     # block_m*block_n/NUM_THREADS = 4 accumulators x 32-wide k-slice, unrolled
     assert _count(r"\bfma\.rn\.f32\b", ptx) >= 4 * 32
     assert _count(r"\bld\.shared\.", ptx) >= 2 * 32
@@ -188,7 +188,7 @@ def test_moe_combine_compiles(tmp_path, dtype, block_n):
     batch = op._word_unroll() * TOP_K  # gathers a thread issues at once
     ptx = _compile_ptx(op, tmp_path)
     # one barrier: after the tile's slot rows and weights are staged in shared memory
-    assert _count(r"\bbar\.sync\b", ptx) == 1
+    assert _count(r"\b(?:bar|barrier)\.sync\b", ptx) == 1
     assert _count(r"\bfma\.rn\.f32\b|\bmul\.(rn\.)?f32\b", ptx) >= TOP_K
     if dtype == torch.bfloat16:
         # 16-bit rows move as words of 8 columns (H and block_n multiples of 8: 16 bytes) or

@@ -367,8 +367,12 @@ def test_the_epi_mbarrier_is_part_of_the_kernel_spec(monkeypatch, tmp_path):
     runtime.compile_offline(mlp, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
-    assert not re.search(r"bar\.(arrive|sync)\s+4,", ptx)
-    assert re.search(r"bar\.sync\s+3,", ptx)  # the record's hand-over: a sync on both sides
+    assert not re.search(r"\b(bar|barrier)(\.cta)?\.(arrive|sync)\s+4,", ptx)
+    assert re.search(r"\bbarrier\.sync\s+3,", ptx)  # the record's hand-over: a sync on both sides
+    # every named barrier is the unaligned form (``device.config.named_sync``): its participants
+    # run different code; only the whole-CTA barriers (one instruction for all) are aligned
+    assert not re.search(r"\bbar(\.cta)?\.(sync|arrive)\s+\d+,", ptx)
+    assert not re.search(r"\bbarrier(\.cta)?\.(sync|arrive)\.aligned", ptx)
 
 
 def test_the_early_handover_is_part_of_the_kernel_spec(monkeypatch):

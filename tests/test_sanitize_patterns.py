@@ -27,6 +27,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
             [r"\bbar\.arrive", r"nanosleep"],
         ),
         ("epi_late", [r"bar\.sync\s+1, 64", r"mbarrier\.try_wait", r"nanosleep"], []),
+        ("named_skew", [r"bar\.sync\s+3, 32", r"bar\.sync\s+1, 64", r"bar\.sync\s+2, 64"], []),
+        ("mbarrier_skew", [r"bar\.sync\s+3, 32", r"mbarrier\.try_wait"], [r"bar\.sync\s+1,"]),
+        ("join", [r"bar\.sync\s+3, 32", r"bar\.sync\s+0;"], [r"mbarrier\.try_wait"]),
     ],
 )
 def test_patterns_compile_with_their_synchronisation(

@@ -15,19 +15,23 @@ from ..device.config import (
     EPI_FULL_BARRIER,
     NUM_THREADS,
     SIMT_WIDE_THREADS,
-    WARP_SIZE as WARP,
+    named_arrive,
+    named_sync,
     simt_sync,
+)
+from ..device.config import (
+    WARP_SIZE as WARP,
 )
 from ..device.ring import epi_acquire, queue_get, queue_put
 from ..device.sync import notify_event
 from .layout import (
-    D,
-    P,
     PROF_END,
     PROF_SM_NODE,
     PROF_STAGED,
     PROF_START,
     PROF_WIDTH,
+    D,
+    P,
 )
 from .lower import ABORT, R_C0, R_C1, R_LIVE, R_NHI, R_NLO, R_NODE, R_TASK, R_WORD, REC_WIDTH
 from .profiling import LandedStamps
@@ -103,9 +107,7 @@ class ConsumerRoles:
                     # published the tile before (long done by the time this one is staged),
                     # and an arrive -> sync hand-over is one compute-sanitizer's racecheck
                     # cannot follow (benchmarks/sanitize_patterns.py, pattern named)
-                    cute.arch.barrier(
-                        barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads
-                    )
+                    named_sync(EPI_FULL_BARRIER, w.store_threads)
                     if cutlass.const_expr(self.spec.profile):
                         if ctid == 0:  # every consumer thread has staged its part
                             mProf[t * PROF_WIDTH + PROF_STAGED] = cute.arch.globaltimer()
@@ -161,7 +163,7 @@ class ConsumerRoles:
             epi_acquire(self._epi_free(L, ecount, pwait), w.store_threads)
             if ctid == 0:
                 sEpiRec[R_TASK] = Int32(-1)
-            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+            named_sync(EPI_FULL_BARRIER, w.store_threads)
 
     def _simt(self, k: int, threads: int) -> bool:
         """Whether node ``k`` is a SIMT op whose body runs on ``threads`` threads."""
@@ -198,9 +200,7 @@ class ConsumerRoles:
         if cutlass.const_expr(L.epi_bar is not None):
             cute.arch.mbarrier_arrive(L.epi_bar)
         else:
-            cute.arch.barrier_arrive(
-                barrier_id=EPI_EMPTY_BARRIER, number_of_threads=self.w.store_threads
-            )
+            named_arrive(EPI_EMPTY_BARRIER, self.w.store_threads)
 
     @cute.jit
     def _storer(self, L, lane):
@@ -214,7 +214,7 @@ class ConsumerRoles:
         self._epi_release(L)
         alive = Boolean(True)
         while alive:
-            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER, number_of_threads=w.store_threads)
+            named_sync(EPI_FULL_BARRIER, w.store_threads)
             rec = tuple(sEpiRec[f] for f in range(REC_WIDTH))
             t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
             alive = t >= 0

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cutlass import cute
+from cutlass import Int32, cute
+from cutlass._mlir.dialects import nvvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 NUM_THREADS: int = 128
 """Threads of the SIMT group (one warpgroup): the thread count every ``device_tile`` sees."""
@@ -50,14 +52,38 @@ REGISTER_FILE = 65536
 """32-bit registers per SM (Hopper)."""
 
 
+@dsl_user_op
+def named_sync(barrier_id: int, threads: int, *, loc=None, ip=None) -> None:
+    """Named barrier ``barrier_id`` of ``threads`` threads, waiting: ``barrier.cta.sync`` without
+    ``.aligned``. Every named barrier of the megakernel goes through here (or
+    :func:`named_arrive`): its participants are warps of different roles, or the same warps
+    coming from different code (a SIMT body on one warpgroup, the worker's loop on another), and
+    the ``.aligned`` form (``bar.sync``) requires every participant to execute the same
+    instruction; ``compute-sanitizer --tool synccheck`` reports the aligned form there as
+    "divergent thread(s) in block" (``benchmarks/sanitize_patterns.py named_sync``)."""
+    nvvm.barrier_cta_sync(
+        Int32(barrier_id).ir_value(loc=loc, ip=ip),
+        thread_count=Int32(threads).ir_value(loc=loc, ip=ip),
+        aligned=False,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def named_arrive(barrier_id: int, threads: int) -> None:
+    """Arrive on named barrier ``barrier_id`` of ``threads`` threads without waiting
+    (``barrier.cta.arrive``, not ``.aligned``: see :func:`named_sync`)."""
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads, aligned=False)
+
+
 def simt_sync(threads: int = NUM_THREADS) -> None:
     """Barrier of a SIMT body's threads (``TileOp.simt_threads``: the SIMT group, or both
     consumer warpgroups for a wide body): what ``sync_threads`` was for a tile body."""
     if threads == NUM_THREADS:
-        cute.arch.barrier(barrier_id=SIMT_BARRIER, number_of_threads=NUM_THREADS)
+        named_sync(SIMT_BARRIER, NUM_THREADS)
     else:
         assert threads == SIMT_WIDE_THREADS, threads
-        cute.arch.barrier(barrier_id=SIMT_WIDE_BARRIER, number_of_threads=SIMT_WIDE_THREADS)
+        named_sync(SIMT_WIDE_BARRIER, SIMT_WIDE_THREADS)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Int32, cute
 
-from .config import EPI_EMPTY_BARRIER
-
+from .config import EPI_EMPTY_BARRIER, named_sync
 
 WAIT_RING_FULL, WAIT_RING_EMPTY, WAIT_QUEUE_FULL, WAIT_QUEUE_EMPTY = 1, 2, 3, 4
 WAIT_EPI_EMPTY = 5
@@ -95,7 +94,7 @@ def epi_acquire(epi_free, threads: int):
     (``KernelSpec.epi_mbarrier``: a hand-over ``compute-sanitizer --tool racecheck``
     follows, where it does not follow a named barrier's arrive -> sync)."""
     if cutlass.const_expr(epi_free is None):
-        cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER, number_of_threads=threads)
+        named_sync(EPI_EMPTY_BARRIER, threads)
     else:
         bar, count, wait = epi_free
         wait(bar, count & 1, WAIT_EPI_EMPTY)
