@@ -11,6 +11,7 @@ given, with a progress bar where ``tqdm`` is installed, and reports what it did.
 
 from __future__ import annotations
 
+import operator
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import ShapeError
+from .tileop import expect_positive_int
 
 
 @dataclass
@@ -74,15 +76,13 @@ def warmup(
     caches' page count (its first live launch then loads the kernels: make it before a
     capture)."""
     objs = list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    if isinstance(tokens, int) and not isinstance(tokens, bool):
-        tokens = (tokens,)  # one count
-    if not hasattr(tokens, "__iter__") or isinstance(tokens, (str, bytes)):
-        raise TypeError(f"warmup tokens must be an int or ints, got {tokens!r}")
-    tokens = list(tokens)
-    bad = [t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")]
-    if bad or any(int(t) < 1 for t in tokens):  # an int or numpy int; 2.7 is not a count
-        raise ValueError(f"warmup tokens must be positive ints, got {bad or tokens}")
-    tokens = [int(t) for t in tokens]
+    tokens = _counts(tokens)
+    for name, value in (("progress", progress), ("parallel", parallel), ("live", live)):
+        # a switch is a bool ("no" would be true); progress may be None (a terminal decides)
+        if not isinstance(value, bool) and not (name == "progress" and value is None):
+            raise TypeError(f"warmup {name} must be a bool, got {value!r}")
+    if pages is not None:
+        expect_positive_int(pages, "warmup pages")
     for o in objs:  # before any work
         if isinstance(o, type):
             raise TypeError(
@@ -141,6 +141,30 @@ def warmup(
                 )
             )
     return report
+
+
+def _counts(tokens: Any) -> list[int]:
+    """warmup's ``tokens`` as ints: one count or an iterable of them, each an int, a numpy
+    int or an integer tensor's element (2.7, a float tensor's 2.5 or True is not a count), at
+    least 1."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.reshape(-1).tolist()  # a 0-d tensor is one count
+    elif isinstance(tokens, (str, bytes)) or not (
+        hasattr(tokens, "__iter__") or hasattr(type(tokens), "__index__")
+    ):
+        raise TypeError(f"warmup tokens must be an int or ints, got {tokens!r}")
+    elif not hasattr(tokens, "__iter__"):
+        tokens = (tokens,)  # one count (an int, a numpy int)
+    tokens = list(tokens)
+    try:
+        if any(isinstance(t, bool) for t in tokens):
+            raise TypeError
+        counts = [operator.index(t) for t in tokens]
+    except TypeError:
+        counts = []
+    if len(counts) != len(tokens) or any(c < 1 for c in counts):
+        raise ValueError(f"warmup tokens must be positive ints, got {tokens}")
+    return counts
 
 
 def _live_specs(obj: Any) -> list:

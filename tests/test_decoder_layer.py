@@ -559,3 +559,69 @@ def test_layer_refuses_weights_it_does_not_take():
             MegaDecoderLayer({**w, extra: w["w_down"]}, CFG_SPLIT, max_batch=4, backend="interpret")
     with pytest.raises(ValueError, match="prefill_tiles must be"):
         MegaDecoderLayer(w, CFG_SPLIT, max_prefill_tokens=8, prefill_tiles=5, backend="interpret")
+
+
+def test_cast_layer_keeps_its_rotary_table_and_from_hf_copies_the_weights():
+    """``.to(torch.bfloat16)`` casts the weights and moves the fp32 rotary table without
+    casting it (the cast table was refused at the first call); ``from_hf`` copies every weight
+    as it says (``w_o``, ``q_norm``, ``k_norm``, ``w_down`` shared the HF layer's memory, so
+    loading a state dict into the module rewrote the HF layer and every module built from it)."""
+    pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = hf_layer(CFG)
+    kw = {"page_size": CFG.page_size, "max_pages": CFG.max_pages, "max_positions": 256}
+    inputs, want = step_case(layer, rotary, CFG, [3, 40], torch.Generator().manual_seed(5))
+    mega = MegaDecoderLayer.from_hf(layer, **kw, max_batch=4, backend="interpret")
+    before = {n: p.clone() for n, p in layer.state_dict().items()}
+    mega.load_state_dict({n: torch.zeros_like(w) for n, w in mega.state_dict().items()})
+    for n, p in layer.state_dict().items():
+        assert torch.equal(p, before[n]), n
+    half = MegaDecoderLayer.from_hf(layer, **kw, max_batch=4, backend="interpret")
+    half.to(torch.bfloat16)
+    assert half.cos_sin.dtype == torch.float32 and half.w_o.dtype == torch.bfloat16
+    bf = {k: v.bfloat16() if v.is_floating_point() else v for k, v in inputs.items()}
+    torch.testing.assert_close(half(**bf).float(), want, rtol=5e-2, atol=5e-2)
+
+
+def test_steps_name_bad_inputs_and_take_an_empty_batch():
+    """A step's x or prefill lengths that are not tensors are named (an AttributeError from
+    deep inside before), a batch of no sequences returns no rows (as a live count of 0 runs
+    nothing; it was 'tokens must be a positive int'), and a layer without Qwen3's q/k norms
+    (Llama's) is refused by name (an AttributeError)."""
+    transformers = pytest.importorskip("transformers")
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, rotary = hf_layer(CFG)
+    kw = {"page_size": CFG.page_size, "max_pages": CFG.max_pages, "max_positions": 256}
+    mega = MegaDecoderLayer.from_hf(
+        layer, **kw, max_batch=4, max_prefill_tokens=64, backend="interpret"
+    )
+    inputs, _ = step_case(layer, rotary, CFG, [3, 40], torch.Generator().manual_seed(5))
+    for bad in (None, inputs["x"].tolist()):
+        with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+            mega(**{**inputs, "x": bad})
+    pre, _ = case_inputs(layer, rotary, CFG, [(20, 10), (40, 7)], torch.Generator().manual_seed(6))
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor"):
+        mega(**{**pre, "seq_lens": [20, 40]})
+    k_cache = inputs["k_cache"].clone()
+    empty = {
+        "x": inputs["x"][:0],
+        "positions": inputs["positions"][:0],
+        "page_table": inputs["page_table"][:0],
+        "seq_lens": inputs["seq_lens"][:0],
+    }
+    y = mega(**{**inputs, **empty})
+    assert y.shape == (0, CFG.hidden) and torch.equal(inputs["k_cache"], k_cache)
+    llama_cfg = transformers.LlamaConfig(
+        hidden_size=CFG.hidden,
+        intermediate_size=CFG.intermediate,
+        num_attention_heads=CFG.heads,
+        num_key_value_heads=CFG.kv_heads,
+        head_dim=CFG.head_dim,
+        max_position_embeddings=256,
+    )
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    with pytest.raises(ValueError, match="LlamaAttention has no q_norm"):
+        MegaDecoderLayer.from_hf(LlamaDecoderLayer(llama_cfg, 0), **kw)

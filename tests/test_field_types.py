@@ -118,6 +118,19 @@ def test_warmup_takes_one_count_and_the_decoder_layer_its_configs():
     cutemk.warmup(mlp, tokens=5)
     with pytest.raises(TypeError, match="warmup tokens"):
         cutemk.warmup(mlp, tokens="5")
+    # a numpy int or an integer tensor is a count too (refused, or 'iteration over a 0-d
+    # tensor'); a float tensor's 2.5 is not (it planned 2)
+    for one in (np.int64(5), torch.tensor(5), torch.tensor([3, 5])):
+        cutemk.warmup(mlp, tokens=one, progress=False)
+    with pytest.raises(ValueError, match="positive ints"):
+        cutemk.warmup(mlp, tokens=torch.tensor([2.5]), progress=False)
+    # switches are bools ("no" switched them on) and pages a positive int (2.5 was taken as 2)
+    for kw in ({"progress": "no"}, {"parallel": "no"}, {"live": "yes"}):
+        with pytest.raises(TypeError, match=f"warmup {next(iter(kw))} must be a bool"):
+            cutemk.warmup(mlp, **kw)
+    for pages in (0, 2.5, "7"):
+        with pytest.raises(ValueError, match="warmup pages must be a positive int"):
+            cutemk.warmup(mlp, live=True, pages=pages, progress=False)
     for cfg, moe in (({"hidden": 64}, None), (None, None)):
         with pytest.raises(TypeError, match="cfg must be a DecoderConfig"):
             MegaDecoderLayer({}, cfg, moe)

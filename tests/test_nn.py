@@ -287,6 +287,12 @@ def test_forward_live_on_the_interpreter(hf_mlp):
     assert y3.shape == (4, 5, H)
     with pytest.raises(mk.errors.LayoutError, match="max_tokens=20"):
         mlp(x[:19], num_tokens=torch.tensor([3], dtype=torch.int32))
+    # a 0-d x (an IndexError) and one that is not a tensor (an AttributeError) are named
+    with pytest.raises(mk.errors.LayoutError, match="max_tokens=20"):
+        mlp(torch.tensor(1.0), num_tokens=torch.tensor([1], dtype=torch.int32))
+    for bad in (None, x.tolist()):
+        with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+            mlp(bad, num_tokens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(TypeError, match="int32"):
         mlp(x, num_tokens=torch.tensor([3]))
     with pytest.raises(mk.errors.CuteMKError, match="outside"):

@@ -250,6 +250,19 @@ def test_constructor_and_from_hf_refuse_what_the_block_does_not_compute():
         MegaMoE.from_hf(Block(True, False))
     with pytest.raises(ValueError, match="experts\\[2\\].gate_proj.bias"):
         MegaMoE.from_hf(Block(False, True))
+    # the HF block's values as found: a top_k of 0 (was 'cannot find top_k', as if unset) or
+    # 2.7 (was 2) and a norm flag of "no" (was on) are refused; no experts is named (a
+    # torch.stack error)
+    for attr, value, match in (
+        ("top_k", 0, "top_k must be an int"),
+        ("top_k", 2.7, "top_k must be an int"),
+        ("norm_topk_prob", "no", "norm_topk_prob must be a bool"),
+        ("experts", nn.ModuleList(), "experts is empty"),
+    ):
+        block = Block(False, False)
+        setattr(block, attr, value)
+        with pytest.raises((TypeError, ValueError), match=match):
+            MegaMoE.from_hf(block)
     wr, wgu, wd = torch.randn(e, h), torch.randn(e, 2 * i, h), torch.randn(e, h, i)
     with pytest.raises(ShapeError, match="at least one expert"):
         MegaMoE(torch.randn(e, 0), torch.randn(e, 2 * i, 0), torch.randn(e, 0, i), top_k=2)

@@ -238,8 +238,12 @@ class _LiveModule(_KeyedModule):
         and is raised by :meth:`check_live`. ``out``: a (max_tokens, H) tensor to write
         into. On the interpreter (the CPU reference) the count is read on the host and checked
         at once."""
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__} input must be a torch.Tensor, got {type(x).__name__}"
+            )
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() not in (0, 2) else x
+        if x.dim() == 0 or x.shape[-1] != self.hidden or x2.shape[0] != self.max_tokens:
             raise LayoutError(
                 f"forward_live takes x with max_tokens={self.max_tokens} rows of "
                 f"{self.hidden}, got {tuple(x.shape)}"

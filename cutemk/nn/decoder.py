@@ -172,6 +172,12 @@ class MegaDecoderLayer(_KeyedModule):
                 raise ValueError(f"MegaDecoderLayer: {name} has a bias, not supported yet")
         if getattr(a, "sliding_window", None):
             raise ValueError("MegaDecoderLayer: sliding-window attention is not supported yet")
+        for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms (Llama's layers have none)
+            if not isinstance(getattr(getattr(a, name, None), "weight", None), torch.Tensor):
+                raise ValueError(
+                    f"MegaDecoderLayer: {type(a).__name__} has no {name}; the layer computes "
+                    "Qwen3's per-head q/k RMSNorm (Qwen3DecoderLayer, Qwen3MoeDecoderLayer)"
+                )
         theta = rope_theta
         if theta is None:
             theta = params.get("rope_theta", getattr(conf, "rope_theta", 10000.0))
@@ -241,7 +247,24 @@ class MegaDecoderLayer(_KeyedModule):
                 w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
                 w_down=m.down_proj.weight,
             )
-        return cls(fold_decoder_norms(w, moe=sparse), cfg, moe=moe, **kwargs)
+        # copies, as the docstring says: a tensor taken as it is would share the HF layer's
+        # memory, so loading or editing one module would change the other
+        held = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+        w = {
+            k: v.detach().clone() if v.untyped_storage().data_ptr() in held else v
+            for k, v in fold_decoder_norms(w, moe=sparse).items()
+        }
+        return cls(w, cfg, moe=moe, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        # the rotary table stays fp32 whatever the weights are cast to (the graphs read it
+        # so): ``.to(torch.bfloat16)`` / ``.half()`` move it with them, never cast it
+        table = self._buffers.get("cos_sin")
+        out = super()._apply(fn, *args, **kwargs)
+        moved = self._buffers.get("cos_sin")
+        if table is not None and moved is not None and moved.dtype != table.dtype:
+            self._buffers["cos_sin"] = table.to(moved.device)
+        return out
 
     @property
     def max_tokens(self) -> int:
@@ -356,6 +379,7 @@ class MegaDecoderLayer(_KeyedModule):
             )
         if cu_seqlens is not None:
             return self.prefill(x, positions, k_cache, v_cache, page_table, seq_lens, cu_seqlens)
+        _expect_tensor(x, "x")
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
             raise ShapeError(f"x must be (B, {self.cfg.hidden}), got {tuple(x.shape)}")
         if x.shape[0] > self.max_batch:
@@ -479,6 +503,8 @@ class MegaDecoderLayer(_KeyedModule):
     def _launch(self, x, positions, k_cache, v_cache, page_table, seq_lens, weights):
         """The megakernel call behind ``torch.ops.cutemk.mega_decoder_layer``."""
         _check_caches(k_cache, v_cache)
+        if x.shape[0] == 0:  # no sequence: nothing to append or attend (as a live count of 0)
+            return x.new_empty((0, self.cfg.hidden))
         named = dict(zip(self._names, weights))
         with torch.no_grad():
             return self.compiled(self.regime(x.shape[0]), like=named["w_down"])(
@@ -503,6 +529,8 @@ class MegaDecoderLayer(_KeyedModule):
             raise CuteMKError(
                 "this MegaDecoderLayer takes no prefill steps: build it with max_prefill_tokens"
             )
+        _expect_tensor(x, "x")
+        _expect_tensor(seq_lens, "seq_lens")
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden:
             raise ShapeError(f"x must be (T, {self.cfg.hidden}), got {tuple(x.shape)}")
         if x.shape[0] > self.max_prefill_tokens:
@@ -564,6 +592,13 @@ def _check_layer_options(options: Any, sparse: bool) -> None:
             raise TypeError(f"options: {name} must be an int, got {value!r}")
         if name in MOE_ONLY_OPTIONS and value and not sparse:
             raise ValueError(f"options: {name} applies to a layer with a MoE block only")
+
+
+def _expect_tensor(value: Any, name: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"MegaDecoderLayer: {name} must be a torch.Tensor, got {type(value).__name__}"
+        )
 
 
 def _check_caches(k_cache: Any, v_cache: Any) -> None:

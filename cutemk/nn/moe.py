@@ -173,8 +173,10 @@ class MegaMoE(_LiveModule):
         if not isinstance(getattr(gate, "weight", None), torch.Tensor) or experts is None:
             raise ValueError(f"{type(block).__name__} has no gate.weight / experts")
         config = getattr(block, "config", None)
-        top_k = getattr(gate, "top_k", None) or getattr(block, "top_k", None)
-        top_k = top_k or getattr(config, "num_experts_per_tok", None)
+        # the first set (a 0 is kept, and refused by name, not taken for "not set")
+        found = (getattr(gate, "top_k", None), getattr(block, "top_k", None))
+        found += (getattr(config, "num_experts_per_tok", None),)
+        top_k = next((v for v in found if v is not None), None)
         norm = getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", None))
         if norm is None:
             norm = getattr(config, "norm_topk_prob", None)
@@ -186,6 +188,8 @@ class MegaMoE(_LiveModule):
             _check_silu(experts)
             _check_no_bias(experts, type(block).__name__ + ".experts")
         else:  # one gated MLP module per expert
+            if not len(experts):
+                raise ValueError(f"{type(block).__name__}.experts is empty")
             for i, mlp in enumerate(experts):
                 _check_silu(mlp)
                 for name in ("gate_proj", "up_proj", "down_proj"):
@@ -194,7 +198,8 @@ class MegaMoE(_LiveModule):
                     )
             w_gu = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
             w_down = torch.stack([m.down_proj.weight for m in experts])
-        return cls(gate.weight, w_gu, w_down, int(top_k), bool(norm), max_tokens, **kwargs)
+        # as found: a top_k of 2.7 or a norm_topk_prob of "no" is refused, not cast
+        return cls(gate.weight, w_gu, w_down, top_k, norm, max_tokens, **kwargs)
 
     def compiled(self, regime: str, like: torch.Tensor | None = None) -> Any:
         """The compiled graph of a regime (:data:`MOE_REGIME_LIMITS`) for weights of
