@@ -83,6 +83,12 @@ def warmup(
             raise TypeError(f"warmup {name} must be a bool, got {value!r}")
     if pages is not None:
         expect_positive_int(pages, "warmup pages")
+        # (it used to be ignored silently elsewhere)
+        if not live or not any(hasattr(o, "decode_regime_starts") for o in objs):
+            raise ValueError(
+                "warmup pages= is the page count of a MegaDecoderLayer's caches, for its "
+                "live path: give it with live=True and a decoder layer"
+            )
     for o in objs:  # before any work
         if isinstance(o, type):
             raise TypeError(

@@ -131,6 +131,10 @@ def test_warmup_takes_one_count_and_the_decoder_layer_its_configs():
     for pages in (0, 2.5, "7"):
         with pytest.raises(ValueError, match="warmup pages must be a positive int"):
             cutemk.warmup(mlp, live=True, pages=pages, progress=False)
+    # pages belong to a decoder layer's live path (they were ignored anywhere else)
+    for kw in ({"live": True}, {}):
+        with pytest.raises(ValueError, match="page count of a MegaDecoderLayer"):
+            cutemk.warmup(mlp, pages=5, progress=False, **kw)
     for cfg, moe in (({"hidden": 64}, None), (None, None)):
         with pytest.raises(TypeError, match="cfg must be a DecoderConfig"):
             MegaDecoderLayer({}, cfg, moe)

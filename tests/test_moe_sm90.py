@@ -61,7 +61,7 @@ def test_moe_megakernel_compiles_for_hopper(tmp_path, scheduler, regime):
     # which may still use the scratch in an earlier 128-thread body)
     wide = {n.op.name for n in g.nodes if n.op.ring_tile() is None and n.op.simt_threads == 256}
     assert wide == {"topk_softmax", "moe_permute", "moe_combine"}, wide
-    assert _count(r"bar\.sync\s+2,\s*256", ptx) == 3 + 2 + 2
+    assert _count(r"\bbarrier\.sync\s+2,\s*256", ptx) == 3 + 2 + 2
 
 
 def _weights(cfg: MoeConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -65,7 +65,11 @@ class MegaMLP(_LiveModule):
         num_sms: int | None = None,
     ) -> MegaMLP:
         """Build from a Hugging Face gated MLP (gate_proj/up_proj/down_proj, SiLU, no biases).
-        Raises ValueError naming what does not fit instead of computing something else."""
+        Raises ValueError naming what does not fit instead of computing something else.
+
+        gate and up are copied (stacked into one buffer); down_proj's weight is taken as it is
+        (no copy), so an in-place change of one module's down weight shows in the other; pass
+        ``mlp`` through ``copy.deepcopy`` first where the two must be independent."""
         layers = {}
         for name in ("gate_proj", "up_proj", "down_proj"):
             lin = getattr(mlp, name, None)

@@ -167,7 +167,12 @@ class MegaMoE(_LiveModule):
     @classmethod
     def from_hf(cls, block: nn.Module, max_tokens: int = 4096, **kwargs: Any) -> MegaMoE:
         """Build from transformers' ``Qwen3MoeSparseMoeBlock``: the 5.x layout (``gate.weight``,
-        ``experts.gate_up_proj``, ``experts.down_proj``) or 4.x's list of expert MLPs."""
+        ``experts.gate_up_proj``, ``experts.down_proj``) or 4.x's list of expert MLPs.
+
+        Weights that need no re-layout (the router's, the 5.x layout's experts) are taken as
+        they are, not copied: a block's experts are most of a layer's memory. An in-place change
+        of one module's weights then shows in the other; ``copy.deepcopy`` the block first where
+        the two must be independent."""
         gate = getattr(block, "gate", None)
         experts = getattr(block, "experts", None)
         if not isinstance(getattr(gate, "weight", None), torch.Tensor) or experts is None:
