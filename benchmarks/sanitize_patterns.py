@@ -33,6 +33,17 @@ shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
   a whole-CTA ``bar.sync 0``, as the megakernel's roles meet before its close (a target for
   ``--tool synccheck``).
 
+The ``worker*`` patterns are the megakernel's CTA in miniature (384 threads, ``WORKER_CTAS``
+CTAs): warp 0 hands task ids to the consumers through a one-slot mbarrier queue; the two
+consumer warpgroups run every other task as a SIMT task on the first warpgroup only (its
+shared scratch, its own barrier 1 of 128 threads) and the others as "ring tiles": both meet on
+barrier 5 (256), consumer thread 0 writes the tile's record, all meet the storer warp (warp 2)
+on barrier 3 (288), the storer reads the record and frees the staging area on an mbarrier. This
+is the hand-over racecheck reports on the MoE kernels (not on the MLP's, which has no SIMT
+task). ``worker``: unaligned named barriers (as the megakernel now); ``worker_aligned``:
+``bar.sync``; ``worker_nosimt``: ring tiles only; ``worker_nreg``: with the worker's
+``setmaxnreg`` split.
+
 PTX orders both: a ``bar.arrive`` synchronizes with the ``bar.sync`` that completes the same
 barrier phase, an ``mbarrier.arrive`` (release) with the ``mbarrier.try_wait`` (acquire) that
 observes its phase, and ``bar.warp.sync`` orders the lanes of a warp. A racecheck hazard on a
@@ -50,10 +61,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cutlass  # noqa: E402
 import torch  # noqa: E402
-from cutlass import Int32, cute  # noqa: E402
+from cutlass import Boolean, Int32, cute  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 from cutlass.experimental import primitives as prims  # noqa: E402
 
+from cutemk.device.config import named_sync  # noqa: E402
 from cutemk.device.ring import init_barriers  # noqa: E402
 
 PATTERNS = (
@@ -67,6 +79,8 @@ PATTERNS = (
     "mbarrier_skew",
     "join",
 )
+WORKER_PATTERNS = ("worker", "worker_aligned", "worker_nosimt", "worker_nreg")
+WORKER_CTAS = 8
 ROUNDS = 64
 WORDS = 32  # one word a lane
 SKEW = 3  # barriers of its own the writer passes before each write (the ``*_skew`` patterns)
@@ -176,15 +190,118 @@ Pattern.kernel.set_name_prefix("cutemk_pattern", remove_cutlass_symbol=True)
 Pattern.launch.set_name_prefix("cutemk_pattern_launch", remove_cutlass_symbol=True)
 
 
+class Worker:
+    """The ``worker*`` patterns (see the module's docstring)."""
+
+    def __init__(self, name: str) -> None:
+        assert name in WORKER_PATTERNS, name
+        self.name = name
+
+    def _sync(self, barrier_id: int, threads: int) -> None:
+        if self.name == "worker_aligned":
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+        else:
+            named_sync(barrier_id, threads)
+
+    @cute.kernel
+    def kernel(self, mBad: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        smem = cutlass.memory.SmemAllocator()
+        rec = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        slot = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        scratch = smem.allocate_tensor(Int32, cute.make_layout(128), byte_alignment=16)
+        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(3), byte_alignment=8)
+        q_full, q_empty, epi_free = bars.iterator, bars.iterator + 1, bars.iterator + 2
+        simt = cutlass.const_expr(self.name != "worker_nosimt")
+        nreg = cutlass.const_expr(self.name == "worker_nreg")
+        if tidx == 0:
+            init_barriers(q_full, 1, 1)
+            init_barriers(q_empty, 1, 256)  # every consumer thread frees the slot
+            init_barriers(epi_free, 1, 32)  # every storer lane frees the staging area
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        bad = Int32(0)
+        if warp < 4:
+            if cutlass.const_expr(nreg):
+                cute.arch.setmaxregister_decrease(40)
+            if warp == 0:  # the producer: ROUNDS task ids, then -1
+                for r in cutlass.range(ROUNDS + 1, unroll=1):
+                    cute.arch.mbarrier_wait(q_empty, (r & 1) ^ 1)
+                    if lane == 0:
+                        slot[0] = r if r < ROUNDS else Int32(-1)
+                        cute.arch.mbarrier_arrive(q_full)
+                    cute.arch.sync_warp()
+            if warp == 2:  # the storer: each staged record, in order, until -1
+                cute.arch.mbarrier_arrive(epi_free)
+                last = Int32(-1)
+                alive = Boolean(True)
+                while alive:
+                    self._sync(3, 288)
+                    v = rec[0]
+                    alive = v >= 0
+                    if alive:
+                        if v <= last:
+                            bad = bad + 1
+                        last = v
+                        cute.arch.mbarrier_arrive(epi_free)
+        else:
+            if cutlass.const_expr(nreg):
+                cute.arch.setmaxregister_increase(232)
+            ctid = tidx - 128
+            qcount = Int32(0)
+            ecount = Int32(0)
+            alive = Boolean(True)
+            while alive:
+                cute.arch.mbarrier_wait(q_full, qcount & 1)
+                t = slot[0]
+                cute.arch.mbarrier_arrive(q_empty)
+                qcount = qcount + 1
+                alive = t >= 0
+                if alive:
+                    if simt and t % 2 == 0:  # a SIMT task: the first warpgroup alone
+                        if ctid < 128:
+                            scratch[ctid] = t * 128 + ctid
+                            self._sync(1, 128)
+                            n = (ctid + 1) % 128
+                            if scratch[n] != t * 128 + n:
+                                bad = bad + 1
+                            self._sync(1, 128)
+                    else:  # a ring tile: staged, its record handed to the storer
+                        cute.arch.mbarrier_wait(epi_free, ecount & 1)
+                        self._sync(5, 256)
+                        if ctid == 0:
+                            rec[0] = t
+                        self._sync(3, 288)
+                        ecount = ecount + 1
+            cute.arch.mbarrier_wait(epi_free, ecount & 1)  # stop the storer
+            if ctid == 0:
+                rec[0] = Int32(-1)
+            self._sync(3, 288)
+        cute.arch.sync_threads()
+        if bad != 0:
+            cute.arch.atomic_add(mBad.iterator, bad, sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def launch(self, mBad: cute.Tensor):
+        self.kernel(mBad).launch(grid=(WORKER_CTAS, 1, 1), block=(384, 1, 1))
+
+
+Worker.kernel.set_name_prefix("cutemk_worker_pattern", remove_cutlass_symbol=True)
+Worker.launch.set_name_prefix("cutemk_worker_pattern_launch", remove_cutlass_symbol=True)
+
+
 def compile_pattern(name: str, options: str = ""):
     """The compiled launch of pattern ``name`` (no GPU needed), called with an int32 tensor;
     ``options`` go to ``cute.compile`` (e.g. ``--keep-ptx --dump-dir=DIR``)."""
     fake = cute.runtime.make_fake_compact_tensor(Int32, (1,))
-    return cute.compile(Pattern(name).launch, fake, options=options)
+    pattern = Worker(name) if name in WORKER_PATTERNS else Pattern(name)
+    return cute.compile(pattern.launch, fake, options=options)
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or list(PATTERNS)
+    names = (argv if argv is not None else sys.argv[1:]) or [*PATTERNS, *WORKER_PATTERNS]
     failed = 0
     for name in names:
         bad = torch.zeros(1, dtype=torch.int32, device="cuda")

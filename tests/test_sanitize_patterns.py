@@ -30,6 +30,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         ("named_skew", [r"bar\.sync\s+3, 32", r"bar\.sync\s+1, 64", r"bar\.sync\s+2, 64"], []),
         ("mbarrier_skew", [r"bar\.sync\s+3, 32", r"mbarrier\.try_wait"], [r"bar\.sync\s+1,"]),
         ("join", [r"bar\.sync\s+3, 32", r"bar\.sync\s+0;"], [r"mbarrier\.try_wait"]),
+        (
+            "worker",
+            [r"barrier\.sync\s+1, 128", r"barrier\.sync\s+3, 288", r"barrier\.sync\s+5, 256"],
+            [r"\bbar\.sync\s+\d+,", r"setmaxnreg"],
+        ),
+        ("worker_aligned", [r"\bbar\.sync\s+3, 288", r"\bbar\.sync\s+1, 128"], []),
+        ("worker_nosimt", [r"barrier\.sync\s+3, 288"], [r"sync\s+1, 128"]),
+        ("worker_nreg", [r"setmaxnreg\.dec", r"setmaxnreg\.inc", r"barrier\.sync\s+3, 288"], []),
     ],
 )
 def test_patterns_compile_with_their_synchronisation(
