@@ -230,7 +230,10 @@ class Worker:
                 for r in cutlass.range(ROUNDS + 1, unroll=1):
                     cute.arch.mbarrier_wait(q_empty, (r & 1) ^ 1)
                     if lane == 0:
-                        slot[0] = r if r < ROUNDS else Int32(-1)
+                        v = Int32(r)
+                        if r >= ROUNDS:
+                            v = Int32(-1)
+                        slot[0] = v
                         cute.arch.mbarrier_arrive(q_full)
                     cute.arch.sync_warp()
             if warp == 2:  # the storer: each staged record, in order, until -1
