@@ -9,14 +9,16 @@ shared-memory buffer, and checks what it read (a wrong value counts in ``bad``):
   syncs before writing again). The megakernel's consumers handed a staged tile's record to
   the storer warp this way (``EPI_FULL_BARRIER``) until they synced on it too.
 - ``named_sync``: the same with ``bar.sync`` on both sides (each side waits): how the
-  consumers hand the record over now (``EPI_FULL_BARRIER``).
+  consumers hand the record over (``EPI_FULL_BARRIER``), but in the ``.aligned`` form the
+  megakernel no longer uses (``synccheck`` reports it; see ``device.config.named_sync``).
 - ``mbarrier``: warp 0 lane 0 writes, arrives on an mbarrier ("full"); every lane of warp 1
   waits on it, reads, ``bar.warp.sync``, and lane 0 arrives on a second one ("empty") that
   warp 0 waits on before it writes again. The megakernel's task queue worked so until every
   reader released its slot itself.
 - ``mbarrier_all``: the same with every lane of warp 1 arriving on "empty" (it expects 32
   arrivals): the task queue now (``cutemk.device.ring.queue_put`` / ``queue_get``).
-- ``epi``: the staged tile's hand-over as the megakernel does it now: warp 1 (the consumers)
+- ``epi``: the staged tile's hand-over as the megakernel does it (with aligned barriers, as
+  all the 64-thread patterns; ``worker`` has the megakernel's unaligned ones): warp 1 (the consumers)
   waits on the "empty" mbarrier, writes, ``bar.sync`` on barrier 1; warp 0 (the storer) arrives
   on "empty" with every lane once at the start and after each read, which follows its own
   ``bar.sync`` on barrier 1.

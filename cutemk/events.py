@@ -149,7 +149,10 @@ def apply_map(
     if isinstance(res, tuple) and all(type(i) is int for i in res):  # the common case, first
         return [res]
     try:
-        if isinstance(res, tuple) or _as_int(res) is not None:
+        if _as_int(res) is not None:
+            return [_index(res)]
+        # a tuple of ints (numpy's too) is one index; a tuple of indices is several
+        if isinstance(res, tuple) and all(_as_int(i) is not None for i in res):
             return [_index(res)]
         return [_index(r) for r in res]
     except TypeError:

@@ -410,6 +410,11 @@ def test_moe_decode_step_matches_hf_layer():
         torch.testing.assert_close(c(**inputs, **w), want, rtol=1e-4, atol=1e-4)
     mega = _moe_mega(layer, CFG)
     assert mega.regimes() == ("slots", "gemv", "prefill")
+    # the attention weights are copies, the experts are MegaMoE.from_hf's (not copied: most of
+    # a layer's memory, where a copy doubled it while the HF model is alive)
+    same = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
+    assert same(mega.w_gate_up, experts.gate_up_proj) and same(mega.w_down, experts.down_proj)
+    assert not same(mega.w_o, layer.self_attn.o_proj.weight)
     for lens in ([7], [4, 12], [3, 9, 20]):  # slots (no routing step), slots, gemv
         inputs, want = step_case(layer, rotary, CFG, lens, gen)
         torch.testing.assert_close(mega(**inputs), want, rtol=1e-4, atol=1e-4)

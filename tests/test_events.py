@@ -207,6 +207,17 @@ def test_index_maps_may_compute_with_numpy(wait_map):
         assert plan.event_label[e] == f"rows[{m}]" and plan.event_count[e] == 2
 
 
+def test_a_tuple_of_index_tuples_is_several_indices():
+    """``IndexMap`` allows any iterable of indices, a tuple of tuples included (it was
+    refused once a tuple had to be one index)."""
+    from cutemk.events import apply_map
+
+    assert apply_map(lambda m: ((m,), (m + 1,)), (3,), {}) == [(3,), (4,)]
+    assert apply_map(lambda m: ((0, m), (np.int64(1), m)), (3,), {}) == [(0, 3), (1, 3)]
+    assert apply_map(lambda m: (m, np.int32(2)), (3,), {}) == [(3, 2)]
+    assert apply_map(lambda m: (), (3,), {}) == [()]
+
+
 def test_rank_maps_may_return_numpy_ranks():
     from cutemk.events import apply_rank_map
 

@@ -151,7 +151,7 @@ def test_megakernel_compiles_to_the_warp_specialized_hopper_worker(block, epilog
     # barrier of 256 + 32 threads, the staging buffer's release by an mbarrier the storer
     # arrives on (no named barrier 4); the whole CTA meets only at entry and exit
     assert re.search(r"\bbarrier\.sync\s+3, 288;", ptx)
-    assert not re.search(r"bar\.(arrive|sync)\s+4,", ptx)
+    assert not re.search(r"\b(bar|barrier)(\.cta)?\.(arrive|sync)\s+4,", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)  # staging free early
 
 

@@ -139,10 +139,14 @@ class MegaDecoderLayer(_KeyedModule):
         options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> MegaDecoderLayer:
-        """From transformers' ``Qwen3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` (its weights
-        copied; its rotary settings from its attention's config: the default rope,
-        ``rope_theta``). ``options``: further :class:`cutemk.layers.DecoderConfig` fields
-        (e.g. ``{"fused_append": True}``)."""
+        """From transformers' ``Qwen3DecoderLayer`` / ``Qwen3MoeDecoderLayer`` (its rotary
+        settings from its attention's config: the default rope, ``rope_theta``). ``options``:
+        further :class:`cutemk.layers.DecoderConfig` fields (e.g. ``{"fused_append": True}``).
+
+        The attention and dense MLP weights are copied; a MoE block's router and experts are
+        taken as :meth:`MegaMoE.from_hf` takes them (the 5.x layout's experts not copied: they
+        are most of the layer's memory), so an in-place change of those shows in both modules;
+        ``copy.deepcopy`` the layer first where the two must be independent."""
         from ..layers import DecoderConfig, MoeConfig, fold_decoder_norms
         from ..ops import rope_table
 
@@ -248,10 +252,15 @@ class MegaDecoderLayer(_KeyedModule):
                 w_down=m.down_proj.weight,
             )
         # copies, as the docstring says: a tensor taken as it is would share the HF layer's
-        # memory, so loading or editing one module would change the other
+        # memory, so loading or editing one module would change the other. The MoE block's
+        # weights stay as MegaMoE.from_hf took them (a copy of the experts would double the
+        # memory of a model converted while its HF copy is alive)
         held = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+        moe_names = {"w_router", "w_gate_up", "w_down"} if sparse else set()
         w = {
-            k: v.detach().clone() if v.untyped_storage().data_ptr() in held else v
+            k: v.detach().clone()
+            if k not in moe_names and v.untyped_storage().data_ptr() in held
+            else v
             for k, v in fold_decoder_norms(w, moe=sparse).items()
         }
         return cls(w, cfg, moe=moe, **kwargs)
@@ -262,8 +271,8 @@ class MegaDecoderLayer(_KeyedModule):
         table = self._buffers.get("cos_sin")
         out = super()._apply(fn, *args, **kwargs)
         moved = self._buffers.get("cos_sin")
-        if table is not None and moved is not None and moved.dtype != table.dtype:
-            self._buffers["cos_sin"] = table.to(moved.device)
+        if table is not None and moved is not None and moved.dtype != torch.float32:
+            self._buffers["cos_sin"] = table.to(device=moved.device, dtype=torch.float32)
         return out
 
     @property
