@@ -88,6 +88,12 @@ WORDS = 32  # one word a lane
 SKEW = 3  # barriers of its own the writer passes before each write (the ``*_skew`` patterns)
 
 
+def _thread_ids():
+    """In a kernel being traced: the thread's index, its warp (warp-uniform) and its lane."""
+    tidx, _, _ = cute.arch.thread_idx()
+    return tidx, cute.arch.make_warp_uniform(tidx // 32), tidx % 32
+
+
 class Pattern:
     def __init__(self, name: str) -> None:
         assert name in PATTERNS, name
@@ -95,9 +101,7 @@ class Pattern:
 
     @cute.kernel
     def kernel(self, mBad: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        lane = tidx % 32
+        tidx, warp, lane = _thread_ids()
         smem = cutlass.memory.SmemAllocator()
         buf = smem.allocate_tensor(Int32, cute.make_layout(WORDS), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(2), byte_alignment=8)
@@ -207,9 +211,7 @@ class Worker:
 
     @cute.kernel
     def kernel(self, mBad: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        lane = tidx % 32
+        tidx, warp, lane = _thread_ids()
         smem = cutlass.memory.SmemAllocator()
         rec = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         slot = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
