@@ -8,6 +8,7 @@ inferred from the shape of some graph input; data flows graph -> instantiate (``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
@@ -113,6 +114,8 @@ class Graph:
                 raise GraphError(
                     f"{a.name} is {a.producer.op.name}'s own counter: no node may read it"
                 )
+        if not isinstance(op, TileOp) and not callable(op):
+            raise GraphError(f"op must be an op builder (e.g. ops.gemm) or a TileOp, got {op!r}")
         if isinstance(op, TileOp):
             if config:
                 raise GraphError(
@@ -124,6 +127,7 @@ class Graph:
             inst = op(*[a.spec for a in args], **config)
         if not isinstance(inst, TileOp):
             raise GraphError(f"{op} did not build a TileOp")
+        out_specs = _checked_declarations(inst)
         check_field_types(inst, inst.name)
         if len(args) != len(inst.inputs):
             raise GraphError(
@@ -142,7 +146,7 @@ class Graph:
                     )
 
         def names_of(n: str) -> list[str]:  # the node's name and its values' names
-            return [n] + [f"{n}.{o}" for o in inst.output_specs()]
+            return [n] + [f"{n}.{o}" for o in out_specs]
 
         node_name = name or next(
             f"{inst.name}{i}"
@@ -158,10 +162,10 @@ class Graph:
                 raise GraphError(
                     f"{inst.name} updates {target!r} in place: it must be a graph input"
                 )
-            spec = inst.output_specs()[oname]
+            spec = out_specs[oname]
             if tuple(spec.shape) != tuple(src.spec.shape) or spec.dtype != src.spec.dtype:
                 raise GraphError(f"{inst.name}.{oname} must have {target}'s shape and dtype")
-        for oname, spec in inst.output_specs().items():
+        for oname, spec in out_specs.items():
             v = Value(self, f"{node_name}.{oname}", spec, "intermediate", node)
             if oname in inst.updates:
                 v.alias_of = node.args[inst.updates[oname]]
@@ -233,7 +237,10 @@ class Graph:
         for v in self.values:
             for s in free_syms(*v.shape):
                 if out.setdefault(s.name, s) != s:
-                    raise GraphError(f"two different syms named {s.name}: {out[s.name]} and {s}")
+                    raise GraphError(
+                        f"two different syms named {s.name}: {out[s.name]!r} and {s!r}: "
+                        "declare a dim once and use it everywhere"
+                    )
         return out
 
     def world_size(self) -> int | None:
@@ -357,6 +364,58 @@ class Graph:
             lines.append(f"  {n.name} = {n.op.name}({ins}) -> {outs}")
         lines.append("  outputs: " + ", ".join(v.name for v in self.outputs))
         return "\n".join(lines)
+
+
+def _checked_declarations(op: TileOp) -> dict[str, TensorSpec]:
+    """What a call relies on an op class to declare (its name, argument names, output specs and
+    the names its class attributes list), checked when it is called; returns its output specs.
+    A slip here (an output named like an input, a spec that is not a ``TensorSpec``) would
+    otherwise surface as a lost dependency, a wrong tensor in a reference, or a raw error at
+    the first launch."""
+    name = getattr(op, "name", None)
+    if not isinstance(name, str) or not name:
+        raise GraphError(f"{type(op).__name__}: a TileOp needs a class attribute name (a str)")
+    if not dataclasses.is_dataclass(op):
+        raise GraphError(f"{name}: a TileOp must be a dataclass (@dataclass(frozen=True))")
+    for attr in ("inputs", "outputs"):
+        names = getattr(op, attr, None)
+        if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
+            raise GraphError(f"{name}.{attr} must be a tuple of names, got {names!r}")
+        if len(set(names)) != len(names):
+            raise GraphError(f"{name}.{attr} names an argument twice: {tuple(names)}")
+    ins, outs = set(op.inputs), set(op.outputs)
+    if ins & outs:
+        raise GraphError(
+            f"{name}: {sorted(ins & outs)} named both an input and an output (a tile's "
+            "reads, writes and reference see one tensor under each name)"
+        )
+    specs = op.output_specs()
+    if not isinstance(specs, dict) or set(specs) != outs:
+        got = sorted(specs) if isinstance(specs, dict) else repr(specs)
+        raise GraphError(
+            f"{name}.output_specs() must be a dict with one TensorSpec for each of its "
+            f"outputs {tuple(op.outputs)}, got {got}"
+        )
+    for oname, spec in specs.items():
+        what = f"{name}.output_specs()[{oname!r}]"
+        if not isinstance(spec, TensorSpec):
+            raise GraphError(f"{what} must be a TensorSpec, got {spec!r}")
+        if not isinstance(spec.dtype, torch.dtype):
+            raise GraphError(f"{what}: dtype must be a torch.dtype, got {spec.dtype!r}")
+        if not isinstance(spec.shape, (tuple, list)):
+            raise GraphError(f"{what}: shape must be a tuple of ints and syms, got {spec.shape!r}")
+        for d, dim in enumerate(spec.shape):
+            if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
+                raise GraphError(f"{what}: shape[{d}] must be an int or a sym, got {dim!r}")
+            if _can_be_negative(dim):
+                raise GraphError(f"{what}: shape[{d}] = {dim} can be negative")
+    # (scatter_outputs, data_inputs, ... may name arguments an op has only in some configs)
+    unknown = set(op.updates) - outs
+    if unknown:
+        raise GraphError(
+            f"{name}.updates names {sorted(unknown)}, not among its outputs {tuple(op.outputs)}"
+        )
+    return specs
 
 
 def _can_be_negative(dim: IntLike) -> bool:

@@ -25,10 +25,10 @@ import torch
 
 from .binding import bind, env_key, fresh_
 from .comm import PeerTable, peer_key
+from .costmodel import H200
 from .errors import CuteMKError, DeadlockError, RaceError
 from .graph import Graph
 from .plan import Plan, dump_stage, instantiate, node_regions
-from .costmodel import H200
 from .scheduling import (
     SchedulingMode,
     StaticSchedule,
@@ -157,6 +157,26 @@ class InterpretedGraph:
         return outs[0] if len(outs) == 1 else outs
 
 
+class TileTensors(dict):
+    """A node's tensors by argument name, as its tiles' ``exists`` / ``reads`` / ``reference``
+    see them. A reference writes into them in place: one that rebinds a name
+    (``t["out"] = ...``) would leave the graph's buffer unwritten (NaN) and hand the new tensor
+    to the node's later tiles, so it is refused, as is a name the op does not have."""
+
+    def __init__(self, op_name: str, tensors: dict[str, Any]) -> None:
+        super().__init__(tensors)
+        self.op_name = op_name
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise CuteMKError(
+            f"{self.op_name}: a tile assigned t[{key!r}]; write into the graph's tensor in "
+            f"place instead (t[{key!r}][...] = ...)"
+        )
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(f"{self.op_name} has no tensor {key!r}; its tensors are {sorted(self)}")
+
+
 PRESET = -2
 """Writer mark of elements holding the caller's data (an input updated in place)."""
 
@@ -208,7 +228,7 @@ class _Simulation:
             for a in node.op.peer_values:
                 v = node.args.get(a) or node.results[a]
                 view[peer_key(a)] = (peers or {}).get(v.name) or PeerTable(rank, [tensors[v.name]])
-            self.views.append(view)
+            self.views.append(TileTensors(node.op.name, view))
         # cost-model clock
         self.sm_clock = [0.0] * num_sms
         self.ev_time = [0.0] * plan.num_events

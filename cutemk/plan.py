@@ -20,7 +20,7 @@ import operator
 import os
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,8 +31,8 @@ from . import native
 from .errors import CuteMKError, GraphError, ShapeError
 from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
-from .symbolic import Bindings
-from .tileop import Box, Coord, as_boxes, box_is_empty
+from .symbolic import Bindings, Expr
+from .tileop import Box, Coord, TileOp, as_boxes, box_is_empty
 
 
 def tasks_by_event(per_task: Sequence[Sequence[int]], num_events: int) -> list[list[int]]:
@@ -360,6 +360,10 @@ def node_regions(
     """
     op = node.op
     raw = op.reads(coord, env, data) if which == "reads" else op.writes(coord, env, data)
+    if not isinstance(raw, Mapping):
+        raise GraphError(
+            f"{op.name}.{which}() must return a dict of tensor name -> box(es), got {raw!r}"
+        )
     # a tile may read its own node's outputs (results other tiles of the node wrote): the race
     # checker sees those reads; they derive no events (order them explicitly)
     tensors = {**node.args, **node.results} if which == "reads" else node.results
@@ -370,19 +374,39 @@ def node_regions(
                 f"{op.name}.{which}() names {name!r}, which is not one of its "
                 f"{'inputs or outputs' if which == 'reads' else 'outputs'} {tuple(tensors)}"
             )
-        ndim = tensors[name].spec.ndim
+        shape = tensors[name].spec.concrete(env)
         boxes = []
         for box in as_boxes(region):
-            if len(box) != ndim or any(len(iv) != 2 for iv in box):
+            if len(box) != len(shape) or any(len(iv) != 2 for iv in box):
                 raise GraphError(
                     f"{op.name}.{which}() gives {name} the box {box!r}; {name} is "
-                    f"{ndim}-D, so a box is {ndim} (lo, hi) pairs"
+                    f"{len(shape)}-D, so a box is {len(shape)} (lo, hi) pairs"
                 )
-            boxes.append(tuple((int(lo), int(hi)) for lo, hi in box))
+            try:
+                box = tuple((int(lo), int(hi)) for lo, hi in box)
+            except TypeError:
+                raise GraphError(
+                    f"{op.name}.{which}() gives {name} the box {box!r}: bounds must be ints "
+                    "(evaluate symbolic dims with the bindings, e.g. spec.concrete(env))"
+                ) from None
+            _check_box(box, shape, f"{op.name}{list(coord)}.{which}() of {name}")
+            boxes.append(box)
         out[name] = boxes
     if which == "reads":
         _check_produced_inputs_read(node, out, "reads()")
     return out
+
+
+def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
+    """A box lies inside its tensor and no interval runs backwards (an empty one is (x, x)):
+    the race checker and the dependency index would clip or wrap what lies outside, and a
+    device tile would touch memory past the buffer."""
+    for d, ((lo, hi), n) in enumerate(zip(box, shape)):
+        if not 0 <= lo <= hi <= n:
+            raise GraphError(
+                f"{what}: the box {list(box)} has dim {d} [{lo}, {hi}), not inside [0, {n}] "
+                f"of the tensor's shape {shape} (with lo <= hi)"
+            )
 
 
 def _check_produced_inputs_read(node: Node, declared, method: str) -> None:
@@ -417,16 +441,23 @@ def _region_arrays(node: Node, which: str, env: Bindings, coords: np.ndarray):
     if arrays is None:
         return None
     tensors = {**node.args, **node.results} if which == "reads" else node.results
+    what = f"{op.name}.region_arrays({which!r})"
+    if not isinstance(arrays, Mapping):
+        raise GraphError(f"{what} must return a dict of tensor name -> array, got {arrays!r}")
     for name, a in arrays.items():
         if name not in tensors:
-            raise GraphError(
-                f"{op.name}.region_arrays({which!r}) names {name!r}, not a tensor of it"
-            )
-        want = (len(coords), tensors[name].spec.ndim, 2)
+            raise GraphError(f"{what} names {name!r}, not a tensor of it")
+        if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.integer):
+            got = getattr(a, "dtype", type(a).__name__)
+            raise GraphError(f"{what} gives {name} {got}, not an int numpy array")
+        shape = tensors[name].spec.concrete(env)
+        want = (len(coords), len(shape), 2)
         if tuple(a.shape) != want:
-            raise GraphError(
-                f"{op.name}.region_arrays({which!r}) gives {name} shape {a.shape}, not {want}"
-            )
+            raise GraphError(f"{what} gives {name} shape {a.shape}, not {want}")
+        bad = (a[:, :, 0] < 0) | (a[:, :, 0] > a[:, :, 1]) | (a[:, :, 1] > np.asarray(shape))
+        if bad.any():
+            i = int(np.argwhere(bad)[0][0])
+            _check_box(tuple(map(tuple, a[i].tolist())), shape, f"{what} of {name}, tile {i}")
     if which == "reads":
         _check_produced_inputs_read(node, arrays, "region_arrays('reads')")
     else:
@@ -483,7 +514,7 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
     coords: list[np.ndarray] = []
     n = 0
     for node in graph.nodes:
-        grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in node.op.grid()))
+        grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in _checked_grid(node)))
         coords.append(_grid_coords(grid))
         node_tasks.append(range(n, n + len(coords[-1])))
         n += len(coords[-1])
@@ -497,7 +528,7 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
         c = None if PER_TILE else node.op.cost_array(env, coords[node.index])
         if c is None:
             c = [node.op.cost(tasks[t].coord, env) for t in node_tasks[node.index]]
-        plan.cost += [float(v) for v in np.asarray(c, dtype=np.float64).reshape(-1).tolist()]
+        plan.cost += _checked_costs(node, c, len(node_tasks[node.index]))
     _explicit_events(graph, plan)
     # explicit events add ordering to the automatic ones, never replace them: an event declared
     # on a producer -> consumer pair must not drop the data dependencies derived from regions
@@ -552,6 +583,41 @@ def dump_file(name: str, payload: Any) -> Path | None:
         path = path.with_name(path.name + ".json")
         path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def _checked_grid(node: Node) -> tuple:
+    """The op's task grid, a tuple of ints and symbolic dims."""
+    grid = node.op.grid()
+    if not isinstance(grid, (tuple, list)) or not all(
+        isinstance(d, (int, Expr)) and not isinstance(d, bool) for d in grid
+    ):
+        raise GraphError(
+            f"{node.op.name}.grid() (node {node.name}) must be a tuple of ints and symbolic "
+            f"dims, got {grid!r}"
+        )
+    return grid
+
+
+def _checked_costs(node: Node, costs: Any, n: int) -> list[float]:
+    """One finite, non-negative cost per task of ``node`` (the schedulers rank tasks by them:
+    a NaN or a negative one orders the queues by nonsense, with no error)."""
+    own_array = type(node.op).cost_array is not TileOp.cost_array
+    what = f"{node.op.name}.{'cost_array' if own_array else 'cost'}()"
+    try:
+        arr = np.asarray(costs, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise GraphError(f"{what} (node {node.name}) must give numbers, got {costs!r}") from None
+    if len(arr) != n:
+        raise GraphError(f"{what} (node {node.name}) gave {len(arr)} costs for {n} tasks")
+    bad = ~(np.isfinite(arr) & (arr >= 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        got = repr(costs[i]) if isinstance(costs, list) else arr[i]
+        raise GraphError(
+            f"{what} (node {node.name}) gave task {i} the cost {got}: costs are "
+            "finite microseconds >= 0"
+        )
+    return arr.tolist()
 
 
 def _ev(d, env):

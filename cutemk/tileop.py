@@ -127,20 +127,20 @@ class TileOp:
         return {n: getattr(self, n) for n in self.inputs}
 
     def output_specs(self) -> dict[str, TensorSpec]:
-        raise NotImplementedError
+        raise NotImplementedError(f"op {self.name} declares no output_specs()")
 
     def grid(self) -> tuple[IntLike, ...]:
-        raise NotImplementedError
+        raise NotImplementedError(f"op {self.name} declares no grid()")
 
     def reads(
         self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
     ) -> dict[str, Box]:
-        raise NotImplementedError
+        raise NotImplementedError(f"op {self.name} declares no reads()")
 
     def writes(
         self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor] | None = None
     ) -> dict[str, Box]:
-        raise NotImplementedError
+        raise NotImplementedError(f"op {self.name} declares no writes()")
 
     def exists(self, coord: Coord, env: Bindings, data: Mapping[str, torch.Tensor]) -> bool:
         """False when data computed earlier in the launch says this tile has no work."""
@@ -162,8 +162,10 @@ class TileOp:
     def cost_array(self, env: Bindings, coords: np.ndarray) -> np.ndarray | None:
         """:meth:`cost` of the tiles ``coords`` at once (n,), or None (then per tile)."""
         if self.uniform_cost and len(coords):
-            return np.full(len(coords), float(self.cost(tuple(coords[0].tolist()), env)))
-        return None
+            c = self.cost(tuple(coords[0].tolist()), env)
+            if isinstance(c, (int, float, np.integer, np.floating)):
+                return np.full(len(coords), float(c))
+        return None  # (a cost that is no number: the planner's per-tile check names it)
 
     peer_values: ClassVar[tuple[str, ...]] = ()
     """Inputs/outputs that other ranks' tiles read or write (distributed ops): the runtime puts
@@ -223,7 +225,7 @@ class TileOp:
 
     def reference(self, coord: Coord, env: Bindings, t: Mapping[str, torch.Tensor]) -> None:
         """Compute one tile with torch, writing its outputs in place into ``t``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"op {self.name} has no torch reference()")
 
     def check_producers(self, producers: Mapping[str, TileOp | None]) -> None:
         """Called by ``Graph.validate`` with the op producing each input (None for a leaf):

@@ -316,3 +316,92 @@ def test_moe_expert_counts_must_agree_at_build():
         g.output(y, "y")
         with pytest.raises(mk.GraphError, match=match):
             g.compile("interpret")
+
+
+def _add_graph(op_cls, name="bad"):
+    """A graph calling an ``ops.AddTile`` variant on two (T, 8) inputs."""
+    T = mk.sym("T", max=16)
+    g = mk.Graph(name)
+    a, b = g.input("a", (T, 8)), g.input("b", (T, 8))
+    return g, g.call(op_cls(a.spec, b.spec), a, b)
+
+
+def test_a_custom_ops_declarations_are_checked_when_it_is_called():
+    """Slips in a user's TileOp class are GraphErrors naming the op at ``g.call``, not a
+    KeyError / AttributeError there or a torch error (or a wrong tensor) at the first launch."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from cutemk.tileop import TensorSpec, TileOp
+
+    T = mk.sym("T", max=16)
+
+    def spec_of(**kw):
+        @dataclass(frozen=True)
+        class Variant(ops.AddTile):
+            def output_specs(self):
+                return {"out": TensorSpec(**{"shape": self.a.shape, "dtype": self.a.dtype, **kw})}
+
+        return Variant
+
+    @dataclass(frozen=True)
+    class Named(ops.AddTile):
+        outputs: ClassVar[tuple[str, ...]] = ("a",)  # an output named like an input
+
+        def output_specs(self):
+            return {"a": TensorSpec(self.a.shape, self.a.dtype)}
+
+    @dataclass(frozen=True)
+    class Extra(ops.AddTile):
+        def output_specs(self):
+            return {"out": TensorSpec(self.a.shape, self.a.dtype), "lse": self.a}
+
+    @dataclass(frozen=True)
+    class Tupled(ops.AddTile):
+        def output_specs(self):
+            return {"out": (self.a.shape, self.a.dtype)}
+
+    @dataclass(frozen=True)
+    class StrOutputs(ops.AddTile):
+        outputs: ClassVar[tuple[str, ...]] = "out"
+
+    @dataclass(frozen=True)
+    class Updates(ops.AddTile):
+        updates: ClassVar[dict[str, str]] = {"o": "a"}
+
+    class Plain(TileOp):  # no @dataclass
+        name, inputs, outputs = "plain", ("a",), ("out",)
+
+        def __init__(self, a):
+            self.a = a
+
+        def output_specs(self):
+            return {"out": self.a}
+
+    cases = [
+        (spec_of(dtype="float32"), r"output_specs\(\)\['out'\]: dtype must be a torch.dtype"),
+        (spec_of(shape=(T, 8.0)), r"shape\[1\] must be an int or a sym, got 8.0"),
+        (spec_of(shape=(T - 20, 8)), r"shape\[0\] = \(T - 20\) can be negative"),
+        (Named, r"\['a'\] named both an input and an output"),
+        (Extra, r"one TensorSpec for each of its outputs \('out',\), got \['lse', 'out'\]"),
+        (Tupled, r"output_specs\(\)\['out'\] must be a TensorSpec"),
+        (StrOutputs, "outputs must be a tuple of names, got 'out'"),
+        (Updates, r"updates names \['o'\], not among its outputs"),
+    ]
+    for cls, msg in cases:
+        with pytest.raises(mk.GraphError, match=msg):
+            _add_graph(cls)
+    g = mk.Graph("plain")
+    a = g.input("a", (T, 8))
+    with pytest.raises(mk.GraphError, match="plain: a TileOp must be a dataclass"):
+        g.call(Plain(a.spec), a)
+    with pytest.raises(mk.GraphError, match="op must be an op builder .* got 'add'"):
+        g.call("add", a, a)
+
+
+def test_two_syms_of_one_name_are_told_apart_in_the_error():
+    g = mk.Graph("two")
+    g.output(g.call(ops.silu_mul, g.input("a", (mk.sym("T", max=8), 8))))
+    g.output(g.call(ops.silu_mul, g.input("b", (mk.sym("T", max=16), 8))))
+    with pytest.raises(mk.GraphError, match="named T: Sym.*max=8.* and Sym.*max=16"):
+        g.compile("interpret")

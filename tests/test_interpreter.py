@@ -405,3 +405,87 @@ def test_moe_combine_refuses_a_slot_layout_it_does_not_match():
     bad = dataclasses.replace(comb.op, num_experts=4)
     with pytest.raises(mk.GraphError, match="over 4 experts"):
         bad.check_producers({"rows": gemm})
+
+
+def _scale_graph(op_cls, t_max=16):
+    """x (T, 8) -> op_cls (an ``ops.AddTile`` variant, planned through its per-tile methods
+    unless it keeps ``region_arrays``) -> an add that reads its output."""
+    T = mk.sym("T", max=t_max)
+    g = mk.Graph("custom")
+    x = g.input("x", (T, 8))
+    y = g.call(op_cls(x.spec, x.spec), x, x)
+    g.output(g.call(ops.add, y, x), "z")
+    return g
+
+
+def _variant(**methods):
+    """An ``ops.AddTile`` subclass overriding ``methods`` (per-tile planning: no arrays)."""
+    cls = type("Variant", (ops.AddTile,), {"region_arrays": lambda *a: None, **methods})
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+def test_a_custom_ops_regions_grid_and_costs_are_checked():
+    """A box outside its tensor (numpy would clip it, or wrap a negative bound, and the race
+    checker would look at the wrong elements), a backwards box, a grid that is no tuple, a
+    reads() that returns None, region arrays of floats and costs that are NaN, negative or one
+    short are GraphErrors naming the op, not a silent run or an AttributeError inside."""
+    import numpy as np
+
+    def box(lo, hi, cols=8):  # tile 0's rows (lo, hi); the next tiles' follow
+        return lambda self, coord, env, data=None: {
+            "out": ((lo + 4 * coord[0], hi + 4 * coord[0]), (0, cols))
+        }
+
+    def rows(lo, hi):
+        return lambda self, coord, env, data=None: {"a": ((lo, hi), (0, 8)), "b": ((0, 1), (0, 8))}
+
+    cases = [
+        (_variant(writes=box(0, 4, cols=11)), r"writes\(\) of out: the box .* dim 1 \[0, 11\)"),
+        (_variant(reads=rows(-4, 5)), r"reads\(\) of a: the box .* dim 0 \[-4, 5\)"),
+        (_variant(reads=rows(0, 104)), r"dim 0 \[0, 104\), not inside \[0, 5\]"),
+        (_variant(writes=box(4, 0)), r"dim 0 \[4, 0\)"),
+        (_variant(writes=box(0, mk.sym("T", max=16))), "bounds must be ints"),
+        (_variant(reads=lambda self, coord, env, data=None: None), r"reads\(\) must return a dict"),
+        (_variant(grid=lambda self: 2), r"grid\(\) \(node add0\) must be a tuple"),
+        (_variant(grid=lambda self: (2.0,)), r"must be a tuple of ints and symbolic dims"),
+        (_variant(cost=lambda self, coord, env: float("nan")), r"add.cost\(\) .* cost nan"),
+        (_variant(cost=lambda self, coord, env: -1.0), r"task 0 the cost -1.0"),
+        (_variant(cost=lambda self, coord, env: None), r"task 0 the cost None"),
+        (
+            _variant(cost_array=lambda self, env, coords: np.ones(len(coords) - 1)),
+            r"cost_array\(\) \(node add0\) gave 1 costs for 2 tasks",
+        ),
+        (
+            _variant(
+                region_arrays=lambda self, which, env, coords: {
+                    "out": np.zeros((len(coords), 2, 2))
+                }
+            ),
+            r"region_arrays\('writes'\) gives out float64, not an int numpy array",
+        ),
+    ]
+    for cls, msg in cases:
+        c = _scale_graph(cls).compile("interpret", num_sms=2)
+        with pytest.raises(mk.GraphError, match=msg):
+            c(torch.randn(5, 8))
+
+
+def test_a_reference_that_rebinds_a_tensor_is_refused():
+    """``t["out"] = ...`` in a reference used to leave the graph's buffer NaN (and hand the new
+    tensor to the node's later tiles) without an error; a name the op lacks says which it has."""
+
+    def rebinds(self, coord, env, t):
+        t["out"] = t["a"] + t["b"]
+
+    def misnamed(self, coord, env, t):
+        t["outt"][:] = 0
+
+    c = _scale_graph(_variant(reference=rebinds)).compile("interpret", num_sms=2)
+    with pytest.raises(mk.CuteMKError, match=r"add: a tile assigned t\['out'\]; write .* in place"):
+        c(torch.randn(5, 8))
+    c = _scale_graph(_variant(reference=misnamed)).compile("interpret", num_sms=2)
+    with pytest.raises(KeyError, match=r"add has no tensor 'outt'; its tensors are \['a', 'b'"):
+        c(torch.randn(5, 8))
+    ok = _scale_graph(_variant()).compile("interpret", num_sms=2)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(ok(x), 3 * x)
