@@ -351,12 +351,14 @@ class _WriteIndex:
 
 
 def node_regions(
-    node: Node, which: str, coord: Coord, env: Bindings, data=None
+    node: Node, which: str, coord: Coord, env: Bindings, data=None, shapes=None
 ) -> dict[str, list[Box]]:
     """An op's declared ``reads``/``writes`` for one tile, checked and normalised.
 
     A region that names an unknown argument, has the wrong rank, or leaves out an input that
     another node produces would silently drop a dependency, so each is a GraphError.
+    ``shapes``: the node's tensors' shapes at ``env`` (:func:`node_shapes`), where the caller
+    asks for many tiles of one node.
     """
     op = node.op
     raw = op.reads(coord, env, data) if which == "reads" else op.writes(coord, env, data)
@@ -374,7 +376,7 @@ def node_regions(
                 f"{op.name}.{which}() names {name!r}, which is not one of its "
                 f"{'inputs or outputs' if which == 'reads' else 'outputs'} {tuple(tensors)}"
             )
-        shape = tensors[name].spec.concrete(env)
+        shape = shapes[name] if shapes is not None else tensors[name].spec.concrete(env)
         boxes = []
         for box in as_boxes(region):
             if len(box) != len(shape) or any(len(iv) != 2 for iv in box):
@@ -395,6 +397,11 @@ def node_regions(
     if which == "reads":
         _check_produced_inputs_read(node, out, "reads()")
     return out
+
+
+def node_shapes(node: Node, env: Bindings) -> dict[str, tuple[int, ...]]:
+    """The concrete shape of each of ``node``'s arguments and results at ``env``."""
+    return {n: v.spec.concrete(env) for n, v in {**node.args, **node.results}.items()}
 
 
 def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
@@ -665,7 +672,10 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                 else:
                     index[v.name] = _WriteIndex(v.name, [], overlap)
             continue
-        writes_of = [node_regions(node, "writes", plan.tasks[t].coord, env) for t in tasks]
+        shapes = node_shapes(node, env)
+        writes_of = [
+            node_regions(node, "writes", plan.tasks[t].coord, env, shapes=shapes) for t in tasks
+        ]
         for oname, v in node.results.items():
             boxes = [(t, b) for t, w in zip(tasks, writes_of) for b in w.get(oname, ())]
             index[v.name] = _WriteIndex(v.name, boxes, oname in node.op.scatter_outputs)
@@ -682,7 +692,10 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
         arrays = _region_arrays(cons, "reads", env, coords[cons.index])
         reads_of = None
         if arrays is None:
-            reads_of = [node_regions(cons, "reads", plan.tasks[t].coord, env) for t in tasks]
+            shapes = node_shapes(cons, env)
+            reads_of = [
+                node_regions(cons, "reads", plan.tasks[t].coord, env, shapes=shapes) for t in tasks
+            ]
         columns: list[np.ndarray] = []  # array path: per producer, each tile's event (-1: none)
         for p_idx, args in by_producer.items():
             prod = graph.nodes[p_idx]
