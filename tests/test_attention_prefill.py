@@ -142,6 +142,12 @@ def test_prefill_attention_compiles_for_hopper(tmp_path, spill_stores, wgmma_ser
     assert re.search(r"m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{[^}]*\}, %rd", ptx)
     assert "mma.sync" not in ptx
     assert ".local" not in ptx
+    # the two warpgroups' turns on the tensor cores (one syncs, the other arrives) and the
+    # consumers' barrier are named barriers of different code: unaligned (device.config.
+    # named_sync / named_arrive), never ``bar.sync`` / ``bar.arrive`` with a thread count
+    assert re.search(r"\bbarrier(\.cta)?\.arrive\s+%r\d+, 256;", ptx)
+    assert re.search(r"\bbarrier\.sync\s+%r\d+, 256;", ptx)
+    assert not re.search(r"\bbar(\.cta)?\.(sync|arrive)\s+(%r\d+|\d+),", ptx)
 
 
 @pytest.mark.gpu
