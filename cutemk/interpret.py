@@ -28,7 +28,8 @@ from .comm import PeerTable, peer_key
 from .costmodel import H200
 from .errors import CuteMKError, DeadlockError, RaceError
 from .graph import Graph
-from .plan import Plan, dump_stage, instantiate, node_regions
+from .plan import Plan, dump_stage, instantiate
+from .regions import node_regions
 from .scheduling import (
     SchedulingMode,
     StaticSchedule,

@@ -20,7 +20,7 @@ import operator
 import os
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,8 +31,16 @@ from . import native
 from .errors import CuteMKError, GraphError, ShapeError
 from .events import apply_map, apply_rank_map
 from .graph import Graph, Node
-from .symbolic import Bindings, Expr
-from .tileop import Box, Coord, TileOp, as_boxes, box_is_empty
+from .regions import (
+    checked_costs,
+    checked_grid,
+    grid_coords,
+    node_regions,
+    node_shapes,
+    region_arrays,
+)
+from .symbolic import Bindings
+from .tileop import Box, Coord, box_is_empty
 
 
 def tasks_by_event(per_task: Sequence[Sequence[int]], num_events: int) -> list[list[int]]:
@@ -350,132 +358,9 @@ class _WriteIndex:
         return frozenset(found)
 
 
-def node_regions(
-    node: Node, which: str, coord: Coord, env: Bindings, data=None, shapes=None
-) -> dict[str, list[Box]]:
-    """An op's declared ``reads``/``writes`` for one tile, checked and normalised.
-
-    A region that names an unknown argument, has the wrong rank, or leaves out an input that
-    another node produces would silently drop a dependency, so each is a GraphError.
-    ``shapes``: the node's tensors' shapes at ``env`` (:func:`node_shapes`), where the caller
-    asks for many tiles of one node.
-    """
-    op = node.op
-    raw = op.reads(coord, env, data) if which == "reads" else op.writes(coord, env, data)
-    if not isinstance(raw, Mapping):
-        raise GraphError(
-            f"{op.name}.{which}() must return a dict of tensor name -> box(es), got {raw!r}"
-        )
-    # a tile may read its own node's outputs (results other tiles of the node wrote): the race
-    # checker sees those reads; they derive no events (order them explicitly)
-    tensors = {**node.args, **node.results} if which == "reads" else node.results
-    out: dict[str, list[Box]] = {}
-    for name, region in raw.items():
-        if name not in tensors:
-            raise GraphError(
-                f"{op.name}.{which}() names {name!r}, which is not one of its "
-                f"{'inputs or outputs' if which == 'reads' else 'outputs'} {tuple(tensors)}"
-            )
-        shape = shapes[name] if shapes is not None else tensors[name].spec.concrete(env)
-        boxes = []
-        for box in as_boxes(region):
-            if len(box) != len(shape) or any(len(iv) != 2 for iv in box):
-                raise GraphError(
-                    f"{op.name}.{which}() gives {name} the box {box!r}; {name} is "
-                    f"{len(shape)}-D, so a box is {len(shape)} (lo, hi) pairs"
-                )
-            try:
-                box = tuple((int(lo), int(hi)) for lo, hi in box)
-            except TypeError:
-                raise GraphError(
-                    f"{op.name}.{which}() gives {name} the box {box!r}: bounds must be ints "
-                    "(evaluate symbolic dims with the bindings, e.g. spec.concrete(env))"
-                ) from None
-            _check_box(box, shape, f"{op.name}{list(coord)}.{which}() of {name}")
-            boxes.append(box)
-        out[name] = boxes
-    if which == "reads":
-        _check_produced_inputs_read(node, out, "reads()")
-    return out
-
-
-def node_shapes(node: Node, env: Bindings) -> dict[str, tuple[int, ...]]:
-    """The concrete shape of each of ``node``'s arguments and results at ``env``."""
-    return {n: v.spec.concrete(env) for n, v in {**node.args, **node.results}.items()}
-
-
-def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
-    """A box lies inside its tensor and no interval runs backwards (an empty one is (x, x)):
-    the race checker and the dependency index would clip or wrap what lies outside, and a
-    device tile would touch memory past the buffer."""
-    for d, ((lo, hi), n) in enumerate(zip(box, shape)):
-        if not 0 <= lo <= hi <= n:
-            raise GraphError(
-                f"{what}: the box {list(box)} has dim {d} [{lo}, {hi}), not inside [0, {n}] "
-                f"of the tensor's shape {shape} (with lo <= hi)"
-            )
-
-
-def _check_produced_inputs_read(node: Node, declared, method: str) -> None:
-    """Every input another node produces is among the declared reads (else its dependency
-    would be lost)."""
-    for name, v in node.args.items():
-        if v.producer is not None and name not in declared:
-            raise GraphError(
-                f"{node.op.name}.{method} declares nothing for {name!r}, which "
-                f"{v.producer.name} produces: its dependency would be lost"
-            )
-
-
 PER_TILE = False
 """Plan through the per-tile ``reads``/``writes``/``cost`` even where an op offers the array
 forms (``TileOp.region_arrays``): the reference the array path is tested against."""
-
-
-def _grid_coords(grid: tuple[int, ...]) -> np.ndarray:
-    """Every coordinate of ``grid`` in row-major order (``itertools.product``'s): (n, rank)."""
-    if not grid:
-        return np.zeros((1, 0), dtype=np.int64)
-    return np.indices(grid, dtype=np.int64).reshape(len(grid), -1).T
-
-
-def _region_arrays(node: Node, which: str, env: Bindings, coords: np.ndarray):
-    """The op's ``region_arrays``, checked like :func:`node_regions`; None where it has none."""
-    if PER_TILE:
-        return None
-    op = node.op
-    arrays = op.region_arrays(which, env, coords)
-    if arrays is None:
-        return None
-    tensors = {**node.args, **node.results} if which == "reads" else node.results
-    what = f"{op.name}.region_arrays({which!r})"
-    if not isinstance(arrays, Mapping):
-        raise GraphError(f"{what} must return a dict of tensor name -> array, got {arrays!r}")
-    for name, a in arrays.items():
-        if name not in tensors:
-            raise GraphError(f"{what} names {name!r}, not a tensor of it")
-        if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.integer):
-            got = getattr(a, "dtype", type(a).__name__)
-            raise GraphError(f"{what} gives {name} {got}, not an int numpy array")
-        shape = tensors[name].spec.concrete(env)
-        want = (len(coords), len(shape), 2)
-        if tuple(a.shape) != want:
-            raise GraphError(f"{what} gives {name} shape {a.shape}, not {want}")
-        bad = (a[:, :, 0] < 0) | (a[:, :, 0] > a[:, :, 1]) | (a[:, :, 1] > np.asarray(shape))
-        if bad.any():
-            i = int(np.argwhere(bad)[0][0])
-            _check_box(tuple(map(tuple, a[i].tolist())), shape, f"{what} of {name}, tile {i}")
-    if which == "reads":
-        _check_produced_inputs_read(node, arrays, "region_arrays('reads')")
-    else:
-        for name in node.results:
-            # an op's own counters have no readers (TileOp.zeroed_outputs)
-            if name not in arrays and name not in op.zeroed_outputs:
-                raise GraphError(
-                    f"{op.name}.region_arrays('writes') declares nothing for its output "
-                    f"{name!r}: its readers would wait for no tile"
-                )
-    return arrays
 
 
 @contextlib.contextmanager
@@ -521,8 +406,8 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
     coords: list[np.ndarray] = []
     n = 0
     for node in graph.nodes:
-        grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in _checked_grid(node)))
-        coords.append(_grid_coords(grid))
+        grid = tuple(max(0, int(d)) for d in (_ev(g, env) for g in checked_grid(node)))
+        coords.append(grid_coords(grid))
         node_tasks.append(range(n, n + len(coords[-1])))
         n += len(coords[-1])
     tasks = Tasks(graph.nodes, node_tasks, coords)
@@ -535,7 +420,7 @@ def _instantiate(graph: Graph, env: Bindings) -> Plan:
         c = None if PER_TILE else node.op.cost_array(env, coords[node.index])
         if c is None:
             c = [node.op.cost(tasks[t].coord, env) for t in node_tasks[node.index]]
-        plan.cost += _checked_costs(node, c, len(node_tasks[node.index]))
+        plan.cost += checked_costs(node, c, len(node_tasks[node.index]))
     _explicit_events(graph, plan)
     # explicit events add ordering to the automatic ones, never replace them: an event declared
     # on a producer -> consumer pair must not drop the data dependencies derived from regions
@@ -592,41 +477,6 @@ def dump_file(name: str, payload: Any) -> Path | None:
     return path
 
 
-def _checked_grid(node: Node) -> tuple:
-    """The op's task grid, a tuple of ints and symbolic dims."""
-    grid = node.op.grid()
-    if not isinstance(grid, (tuple, list)) or not all(
-        isinstance(d, (int, Expr)) and not isinstance(d, bool) for d in grid
-    ):
-        raise GraphError(
-            f"{node.op.name}.grid() (node {node.name}) must be a tuple of ints and symbolic "
-            f"dims, got {grid!r}"
-        )
-    return grid
-
-
-def _checked_costs(node: Node, costs: Any, n: int) -> list[float]:
-    """One finite, non-negative cost per task of ``node`` (the schedulers rank tasks by them:
-    a NaN or a negative one orders the queues by nonsense, with no error)."""
-    own_array = type(node.op).cost_array is not TileOp.cost_array
-    what = f"{node.op.name}.{'cost_array' if own_array else 'cost'}()"
-    try:
-        arr = np.asarray(costs, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
-        raise GraphError(f"{what} (node {node.name}) must give numbers, got {costs!r}") from None
-    if len(arr) != n:
-        raise GraphError(f"{what} (node {node.name}) gave {len(arr)} costs for {n} tasks")
-    bad = ~(np.isfinite(arr) & (arr >= 0))
-    if bad.any():
-        i = int(np.argmax(bad))
-        got = repr(costs[i]) if isinstance(costs, list) else arr[i]
-        raise GraphError(
-            f"{what} (node {node.name}) gave task {i} the cost {got}: costs are "
-            "finite microseconds >= 0"
-        )
-    return arr.tolist()
-
-
 def _ev(d, env):
     return d if isinstance(d, int) else d.eval(env)
 
@@ -662,7 +512,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
     index: dict[str, _WriteIndex] = {}
     for node in graph.nodes:
         tasks = plan.node_tasks[node.index]
-        arrays = _region_arrays(node, "writes", env, coords[node.index])
+        arrays = None if PER_TILE else region_arrays(node, "writes", env, coords[node.index])
         if arrays is not None:
             ids = np.arange(tasks.start, tasks.stop, dtype=np.int64)
             for oname, v in node.results.items():
@@ -689,7 +539,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
         tasks = plan.node_tasks[cons.index]
         if not len(tasks):
             continue
-        arrays = _region_arrays(cons, "reads", env, coords[cons.index])
+        arrays = None if PER_TILE else region_arrays(cons, "reads", env, coords[cons.index])
         reads_of = None
         if arrays is None:
             shapes = node_shapes(cons, env)

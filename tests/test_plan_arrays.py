@@ -13,7 +13,9 @@ import cutemk as mk
 import cutemk.plan as plan_mod
 from cutemk import ops
 from cutemk.layers import MoeConfig, mlp_graph, moe_graph
-from cutemk.plan import _grid_coords, instantiate, no_gc, node_regions
+from cutemk.plan import instantiate, no_gc
+from cutemk.regions import grid_coords as _grid_coords
+from cutemk.regions import node_regions
 
 
 def _graphs():
