@@ -522,7 +522,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
                 else:
                     index[v.name] = _WriteIndex(v.name, [], overlap)
             continue
-        shapes = node_shapes(node, env)
+        shapes = node_shapes(node, plan.shapes)
         writes_of = [
             node_regions(node, "writes", plan.tasks[t].coord, env, shapes=shapes) for t in tasks
         ]
@@ -542,7 +542,7 @@ def _automatic_events(graph: Graph, plan: Plan, coords: list[np.ndarray]) -> Non
         arrays = None if PER_TILE else region_arrays(cons, "reads", env, coords[cons.index])
         reads_of = None
         if arrays is None:
-            shapes = node_shapes(cons, env)
+            shapes = node_shapes(cons, plan.shapes)
             reads_of = [
                 node_regions(cons, "reads", plan.tasks[t].coord, env, shapes=shapes) for t in tasks
             ]

@@ -68,9 +68,10 @@ def node_regions(
     return out
 
 
-def node_shapes(node: Node, env: Bindings) -> dict[str, tuple[int, ...]]:
-    """The concrete shape of each of ``node``'s arguments and results at ``env``."""
-    return {n: v.spec.concrete(env) for n, v in {**node.args, **node.results}.items()}
+def node_shapes(node: Node, value_shapes: Mapping[str, tuple[int, ...]]) -> dict:
+    """``node``'s arguments and results by their names in the op, with their shapes taken from
+    ``value_shapes`` (a plan's ``shapes``: by value name)."""
+    return {n: value_shapes[v.name] for n, v in {**node.args, **node.results}.items()}
 
 
 def check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
