@@ -67,7 +67,7 @@ from cutlass import Boolean, Int32, cute  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 from cutlass.experimental import primitives as prims  # noqa: E402
 
-from cutemk.device.config import named_sync  # noqa: E402
+from cutemk.device.config import named_sync, named_sync_or  # noqa: E402
 from cutemk.device.ring import init_barriers  # noqa: E402
 
 PATTERNS = (
@@ -81,7 +81,18 @@ PATTERNS = (
     "mbarrier_skew",
     "join",
 )
-WORKER_PATTERNS = ("worker", "worker_aligned", "worker_nosimt", "worker_nreg")
+WORKER_PATTERNS = (
+    "worker",
+    "worker_aligned",
+    "worker_nosimt",
+    "worker_nreg",
+    "worker_one",
+    "worker_no5",
+    "worker_mbar",
+    "worker_verdict",
+    "worker_red",
+    "worker_wide",
+)
 WORKER_CTAS = 8
 ROUNDS = 64
 WORDS = 32  # one word a lane
@@ -216,14 +227,22 @@ class Worker:
         rec = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         slot = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         scratch = smem.allocate_tensor(Int32, cute.make_layout(128), byte_alignment=16)
-        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(3), byte_alignment=8)
+        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout(4), byte_alignment=8)
         q_full, q_empty, epi_free = bars.iterator, bars.iterator + 1, bars.iterator + 2
-        simt = cutlass.const_expr(self.name != "worker_nosimt")
-        nreg = cutlass.const_expr(self.name == "worker_nreg")
+        rec_full = bars.iterator + 3
+        name = self.name
+        simt = cutlass.const_expr(name in ("worker", "worker_aligned", "worker_nreg", "worker_one"))
+        nreg = cutlass.const_expr(name == "worker_nreg")
+        # the record handed to the storer on an mbarrier every consumer thread arrives on
+        mbar = cutlass.const_expr(
+            name in ("worker_mbar", "worker_verdict", "worker_red", "worker_wide")
+        )
+        meet = cutlass.const_expr(name != "worker_no5")  # the consumers meet before the write
         if tidx == 0:
             init_barriers(q_full, 1, 1)
             init_barriers(q_empty, 1, 256)  # every consumer thread frees the slot
             init_barriers(epi_free, 1, 32)  # every storer lane frees the staging area
+            init_barriers(rec_full, 1, 256)  # every consumer thread: staged
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         bad = Int32(0)
@@ -244,8 +263,13 @@ class Worker:
                 cute.arch.mbarrier_arrive(epi_free)
                 last = Int32(-1)
                 alive = Boolean(True)
+                rcount = Int32(0)
                 while alive:
-                    self._sync(3, 288)
+                    if cutlass.const_expr(mbar):
+                        cute.arch.mbarrier_wait(rec_full, rcount & 1)
+                        rcount = rcount + 1
+                    else:
+                        self._sync(3, 288)
                     v = rec[0]
                     alive = v >= 0
                     if alive:
@@ -276,23 +300,53 @@ class Worker:
                                 bad = bad + 1
                             self._sync(1, 128)
                     else:  # a ring tile: staged, its record handed to the storer
+                        if cutlass.const_expr(name == "worker_verdict"):
+                            # claim_last's verdict: thread 0 decides, every thread reads
+                            self._sync(5, 256)
+                            if ctid == 0:
+                                scratch[0] = t % 3
+                            self._sync(5, 256)
+                            if scratch[0] != t % 3:
+                                bad = bad + 1
+                        if cutlass.const_expr(name == "worker_red"):
+                            # the same verdict from the barrier itself, no shared word
+                            verdict = named_sync_or(5, 256, (ctid == 0) & (t % 3 == 0))
+                            if verdict != (t % 3 == 0):
+                                bad = bad + 1
+                        if cutlass.const_expr(name == "worker_wide"):
+                            # moe_permute's rows: the first warpgroup writes, the second reads
+                            self._sync(2, 256)
+                            if ctid < 128:
+                                scratch[ctid] = t * 128 + ctid
+                            self._sync(2, 256)
+                            if ctid >= 128:
+                                if scratch[ctid - 128] != t * 128 + ctid - 128:
+                                    bad = bad + 1
                         cute.arch.mbarrier_wait(epi_free, ecount & 1)
-                        self._sync(5, 256)
+                        if cutlass.const_expr(meet):
+                            self._sync(5, 256)
                         if ctid == 0:
                             rec[0] = t
-                        self._sync(3, 288)
+                        if cutlass.const_expr(mbar):
+                            cute.arch.mbarrier_arrive(rec_full)
+                        else:
+                            self._sync(3, 288)
                         ecount = ecount + 1
             cute.arch.mbarrier_wait(epi_free, ecount & 1)  # stop the storer
             if ctid == 0:
                 rec[0] = Int32(-1)
-            self._sync(3, 288)
+            if cutlass.const_expr(mbar):
+                cute.arch.mbarrier_arrive(rec_full)
+            else:
+                self._sync(3, 288)
         cute.arch.sync_threads()
         if bad != 0:
             cute.arch.atomic_add(mBad.iterator, bad, sem="relaxed", scope="gpu")
 
     @cute.jit
     def launch(self, mBad: cute.Tensor):
-        self.kernel(mBad).launch(grid=(WORKER_CTAS, 1, 1), block=(384, 1, 1))
+        ctas = 1 if self.name == "worker_one" else WORKER_CTAS
+        self.kernel(mBad).launch(grid=(ctas, 1, 1), block=(384, 1, 1))
 
 
 Worker.kernel.set_name_prefix("cutemk_worker_pattern", remove_cutlass_symbol=True)

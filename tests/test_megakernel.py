@@ -351,9 +351,10 @@ def test_the_cooperative_launch_is_part_of_the_kernel_spec(monkeypatch):
 
 
 def test_the_epi_mbarrier_is_part_of_the_kernel_spec(monkeypatch, tmp_path):
-    """The staging buffer's release is an mbarrier by default (every storer lane arrives, the
-    consumers wait on its phase): no named barrier 4 is left; ``CUTEMK_EPI_MBARRIER=0`` turns
-    it off."""
+    """The staging buffer's hand-overs are mbarriers by default: its release (every storer lane
+    arrives, the consumers wait on its phase) and the staged record's (every consumer thread
+    arrives, the storer waits), so no named barrier 4 or 3 is left; ``CUTEMK_EPI_MBARRIER=0``
+    turns both off (named barrier 3 and 4 again)."""
     g = ops.dag_graph([[], [0]], N, M)
     on = runtime.kernel_spec(g, False)
     assert on.epi_mbarrier  # on by default
@@ -367,12 +368,22 @@ def test_the_epi_mbarrier_is_part_of_the_kernel_spec(monkeypatch, tmp_path):
     runtime.compile_offline(mlp, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
-    assert not re.search(r"\b(bar|barrier)(\.cta)?\.(arrive|sync)\s+4,", ptx)
-    assert re.search(r"\bbarrier\.sync\s+3,", ptx)  # the record's hand-over: a sync on both sides
+    assert not re.search(r"\b(bar|barrier)(\.cta)?\.(arrive|sync)\s+[34],", ptx)
+    # the release (one arrival a storer lane) and the staged record (one a consumer thread)
+    inits = re.findall(r"mov\.b32\s+%r\d+, (\d+);\s+mbarrier\.init", ptx)
+    assert "32" in inits and "256" in inits, inits
     # every named barrier is the unaligned form (``device.config.named_sync``): its participants
     # run different code; only the whole-CTA barriers (one instruction for all) are aligned
     assert not re.search(r"\bbar(\.cta)?\.(sync|arrive)\s+\d+,", ptx)
     assert not re.search(r"\bbarrier(\.cta)?\.(sync|arrive)\.aligned", ptx)
+    monkeypatch.setenv("CUTEMK_EPI_MBARRIER", "0")
+    off_dir = tmp_path / "off"
+    off_dir.mkdir()
+    runtime.compile_offline(mlp, "static", options=f"--keep-ptx --dump-dir={off_dir}")
+    (ptx_file,) = off_dir.glob("*.ptx")
+    ptx = ptx_file.read_text()
+    assert re.search(r"\bbarrier\.sync\s+3,", ptx)  # the record's hand-over: a sync on both sides
+    assert re.search(r"\bbarrier\.arrive\s+4,", ptx)  # the storer's release
 
 
 def test_the_early_handover_is_part_of_the_kernel_spec(monkeypatch):

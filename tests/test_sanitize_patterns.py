@@ -38,6 +38,12 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         ("worker_aligned", [r"\bbar\.sync\s+3, 288", r"\bbar\.sync\s+1, 128"], []),
         ("worker_nosimt", [r"barrier\.sync\s+3, 288"], [r"sync\s+1, 128"]),
         ("worker_nreg", [r"setmaxnreg\.dec", r"setmaxnreg\.inc", r"barrier\.sync\s+3, 288"], []),
+        ("worker_one", [r"barrier\.sync\s+3, 288", r"barrier\.sync\s+1, 128"], []),
+        ("worker_no5", [r"barrier\.sync\s+3, 288"], [r"sync\s+5, 256"]),
+        ("worker_mbar", [r"mov\.b32\s+%r\d+, 256;\s+mbarrier\.init"], [r"sync\s+3, 288"]),
+        ("worker_verdict", [r"barrier\.sync\s+5, 256"], [r"sync\s+3, 288"]),
+        ("worker_red", [r"barrier\.red\.or\.pred\s+%p\d+, 5, 256"], [r"sync\s+3, 288"]),
+        ("worker_wide", [r"barrier\.sync\s+2, 256"], [r"sync\s+3, 288"]),
     ],
 )
 def test_patterns_compile_with_their_synchronisation(

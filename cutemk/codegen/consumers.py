@@ -22,7 +22,7 @@ from ..device.config import (
 from ..device.config import (
     WARP_SIZE as WARP,
 )
-from ..device.ring import epi_acquire, queue_get, queue_put
+from ..device.ring import WAIT_EPI_FULL, epi_acquire, queue_get, queue_put
 from ..device.sync import notify_event
 from .layout import (
     PROF_END,
@@ -103,14 +103,7 @@ class ConsumerRoles:
                             sEpiRec[f] = rec[f]
                         if cutlass.const_expr(self.spec.profile):
                             mProf[t * PROF_WIDTH + PROF_START] = start
-                    # a sync, not an arrive: the storer is already waiting here once it has
-                    # published the tile before (long done by the time this one is staged),
-                    # and an arrive -> sync hand-over is one compute-sanitizer's racecheck
-                    # cannot follow (benchmarks/sanitize_patterns.py, pattern named)
-                    named_sync(EPI_FULL_BARRIER, w.store_threads)
-                    if cutlass.const_expr(self.spec.profile):
-                        if ctid == 0:  # every consumer thread has staged its part
-                            mProf[t * PROF_WIDTH + PROF_STAGED] = cute.arch.globaltimer()
+                    self._epi_staged(L)
                     ecount = ecount + 1
                 else:  # a SIMT tile, or a ring tile that does not exist (nothing to store)
                     wide = Boolean(False)  # a wide body's task: the SIMT group runs it below
@@ -163,7 +156,7 @@ class ConsumerRoles:
             epi_acquire(self._epi_free(L, ecount, pwait), w.store_threads)
             if ctid == 0:
                 sEpiRec[R_TASK] = Int32(-1)
-            named_sync(EPI_FULL_BARRIER, w.store_threads)
+            self._epi_staged(L)
 
     def _simt(self, k: int, threads: int) -> bool:
         """Whether node ``k`` is a SIMT op whose body runs on ``threads`` threads."""
@@ -193,6 +186,18 @@ class ConsumerRoles:
         return None if L.epi_bar is None else (L.epi_bar, ecount, pwait)
 
     @cute.jit
+    def _epi_staged(self, L):
+        """Every consumer thread, its part of a ring tile staged (and fenced for the TMA store)
+        and, on thread 0, the tile's record in ``sEpiRec``: hand both to the storer. An arrive
+        on the staged mbarrier where the kernel has one (``KernelSpec.epi_mbarrier``: the
+        consumers go on at once, the storer waits), else a sync on ``EPI_FULL_BARRIER`` with
+        the storer (which the profile's staged stamp follows)."""
+        if cutlass.const_expr(L.epi_full is not None):
+            cute.arch.mbarrier_arrive(L.epi_full)
+        else:
+            named_sync(EPI_FULL_BARRIER, self.w.store_threads)
+
+    @cute.jit
     def _epi_release(self, L):
         """Storer warp: the staging buffer (and the staged record) is read; the consumers may
         write the next tile's. Every lane arrives on the release mbarrier where the kernel
@@ -210,15 +215,30 @@ class ConsumerRoles:
         tensors, prog, dev, mProf, epoch = L.tensors, L.prog, L.dev, L.prof, L.epoch
         stamp, num_init, sEpiRec, epi = L.stamp, L.num_init, L.sEpiRec, L.epi
         w = self.w
+        pwait = self._pipeline_wait(dev, L.timeout_ns)
         # the staging buffer starts free
         self._epi_release(L)
+        scount = Int32(0)  # staged tiles taken (and the stop): the staged mbarrier's phase
         alive = Boolean(True)
         while alive:
-            named_sync(EPI_FULL_BARRIER, w.store_threads)
+            if cutlass.const_expr(L.epi_full is not None):
+                pwait(L.epi_full, scount & 1, WAIT_EPI_FULL)
+                scount = scount + 1
+            else:
+                named_sync(EPI_FULL_BARRIER, w.store_threads)
             rec = tuple(sEpiRec[f] for f in range(REC_WIDTH))
             t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
             alive = t >= 0
+            if cutlass.const_expr(self.spec.watchdog and L.epi_full is not None):
+                # a gave-up wait read a stale record: nothing more is stored (the consumers'
+                # arrives never block, so the storer may leave first)
+                state = dev[D["state"]]
+                if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                    alive = Boolean(False)
             if alive:
+                if cutlass.const_expr(self.spec.profile):
+                    if lane == 0:  # every consumer thread has staged its part
+                        mProf[t * PROF_WIDTH + PROF_STAGED] = cute.arch.globaltimer()
                 for k in cutlass.range_constexpr(self.num_nodes):
                     if cutlass.const_expr(self.ring_of[k] is not None):
                         if node == k:

@@ -199,10 +199,12 @@ class KernelSpec:
     # benchmarks/NOTES.md); off (``CUTEMK_EARLY_HANDOVER=0``) only to measure it; a
     # distributed kernel ignores it
     early_handover: bool = True
-    # the staging buffer's release (storer -> consumers) by an mbarrier instead of a named
-    # barrier's arrive -> sync, which compute-sanitizer's racecheck cannot follow (with it the
-    # MLP's kernel has 0 racecheck hazards, at the same speed: benchmarks/NOTES.md); off
-    # (``CUTEMK_EPI_MBARRIER=0``) only to measure it
+    # the staging buffer's hand-overs by mbarriers instead of named barriers: its release
+    # (storer -> consumers) and the staged tile's record (consumers -> storer). racecheck
+    # follows neither named-barrier form here (an arrive -> sync; a sync of the consumers
+    # and the storer right after one of the consumers alone: ``sanitize_patterns.py
+    # worker``), and follows these (benchmarks/NOTES.md); off (``CUTEMK_EPI_MBARRIER=0``)
+    # only to measure it
     epi_mbarrier: bool = True
     # with ``profile``: each ring slice's issue and landing too (``codegen.profiling``)
     profile_slices: bool = False
@@ -267,6 +269,7 @@ class _Launch:
     epi: object
     scratch: object
     epi_bar: object = None  # the staging buffer's release mbarrier (``KernelSpec.epi_mbarrier``)
+    epi_full: object = None  # its staged record's hand-over mbarrier (consumers -> storer)
     # static, the producer warp: this lane's word of its CTA's ``queue_head`` row (of the
     # queue's first records), the queue's begin and end in ``queue_rec`` (zeros elsewhere)
     queue_head: tuple = ()
@@ -366,7 +369,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
         n_bars = 4 * w.task_slots + 2 * max(w.ring_stages, 1)
         epi_mbar = self.spec.epi_mbarrier and w.ring_stages > 0
         if cutlass.const_expr(epi_mbar):
-            n_bars += 1
+            n_bars += 2  # the staging buffer's release and its staged record's hand-over
         bar_mem = smem.allocate_tensor(Int64, cute.make_layout(n_bars), byte_alignment=8)
         q_full = bar_mem.iterator
         q_empty = q_full + w.task_slots
@@ -388,8 +391,9 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             if cutlass.const_expr(w.ring_stages > 0):
                 init_barriers(r_full, w.ring_stages, 1)
                 init_barriers(r_empty, w.ring_stages, w.consumer_warps)
-            if cutlass.const_expr(epi_mbar):  # every storer lane releases
-                init_barriers(d_empty + w.task_slots, 1, WARP)
+            if cutlass.const_expr(epi_mbar):
+                init_barriers(d_empty + w.task_slots, 1, WARP)  # every storer lane releases
+                init_barriers(d_empty + w.task_slots + 1, 1, w.consumer_threads)  # staged
         cute.arch.mbarrier_init_fence()
         bars = (q_full, q_empty, r_full, r_empty, d_full, d_empty)
         epi_bar = d_empty + w.task_slots if epi_mbar else None
@@ -558,6 +562,7 @@ class Megakernel(EventWaits, DynamicQueue, ProducerRole, ConsumerRoles):
             epi=epi,
             scratch=scratch,
             epi_bar=epi_bar,
+            epi_full=None if epi_bar is None else epi_bar + 1,
             queue_head=(head_word, q_begin, q_end),
             slices=slices,
             sCtl=sCtl,

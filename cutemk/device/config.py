@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cutlass import Int32, cute
+from cutlass import Boolean, Int32, cute
 from cutlass._mlir.dialects import nvvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -68,6 +68,24 @@ def named_sync(barrier_id: int, threads: int, *, loc=None, ip=None) -> None:
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def named_sync_or(barrier_id: int, threads: int, pred, *, loc=None, ip=None) -> Boolean:
+    """:func:`named_sync` that also ORs ``pred`` over its participants (``barrier.cta.red.or``,
+    not ``.aligned``): every thread gets True if any passed True. Hands one thread's decision
+    to the others through the barrier itself, with no shared-memory word to write and read."""
+    p = Boolean(pred).ir_value(loc=loc, ip=ip)
+    r = nvvm.barrier_cta_red(
+        p,
+        Int32(barrier_id).ir_value(loc=loc, ip=ip),
+        nvvm.BarrierReduxKind.OR,
+        thread_count=Int32(threads).ir_value(loc=loc, ip=ip),
+        aligned=False,
+        loc=loc,
+        ip=ip,
+    )
+    return Boolean(r)
 
 
 def named_arrive(barrier_id: int, threads: int) -> None:
