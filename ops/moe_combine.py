@@ -19,7 +19,7 @@ import torch
 from cutlass import Float32, Int32, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import SIMT_WIDE_THREADS, simt_sync
+from cutemk.device.config import SIMT_WIDE_THREADS
 from cutemk.errors import GraphError, ShapeError
 from cutemk.symbolic import cdiv
 from cutemk.tileop import (
@@ -197,10 +197,19 @@ class MoeCombineTile(TileOp):
         t["y"][t0:t1, c0:c1] = y.to(t["y"].dtype)
 
     # -- device -----------------------------------------------------------------------------
-    def device_smem_bytes(self) -> int:
-        # the tile's slot rows (int32) and weights (fp32), staged once: the gathers then wait
-        # on one load each, not on a slot_row load first
-        return 8 * self.block_m * self.weights.shape[1]
+    @cute.jit
+    def _slot_row(self, mSlotRow, tok: Int32, j: int) -> Int32:
+        """Row of ``rows`` holding token ``tok``'s ``j``-th pick, or -1 (none: top-k found no
+        usable logit, or the id is out of range). Each thread loads what it gathers itself
+        (an L1 hit after the tile's first batch): no shared-memory staging, so no hand-over
+        between the body's warpgroups (one ``compute-sanitizer --tool racecheck`` reported)."""
+        r = mSlotRow[tok, j]
+        if cutlass.const_expr(self.slot_block_m):  # an id: its slot's row, or none
+            e = r
+            r = (tok * self.weights.shape[1] + j) * self.slot_block_m + tok
+            if e < 0 or e >= self.num_experts:
+                r = Int32(-1)
+        return r
 
     @cute.jit
     def device_tile(self, tensors, coord0: Int32, coord1: Int32, tidx: Int32, smem_ptr):
@@ -223,28 +232,8 @@ class MoeCombineTile(TileOp):
         t_end = cute.min(t0 + self.block_m, tokens)
         c0 = coord1 * self.block_n
         width = cute.min(c0 + self.block_n, hidden) - c0
-        bm = self.block_m
-        sRow = cute.make_tensor(
-            cute.recast_ptr(smem_ptr, dtype=Int32), cute.make_layout((bm, k), stride=(k, 1))
-        )
-        sW = cute.make_tensor(
-            cute.recast_ptr(smem_ptr + 4 * bm * k, dtype=Float32),
-            cute.make_layout((bm, k), stride=(k, 1)),
-        )
-        for i in range(tidx, (t_end - t0) * k, self.simt_threads):
-            tl = i // k
-            r = mSlotRow[t0 + tl, i - tl * k]
-            if cutlass.const_expr(self.slot_block_m):  # an id: its slot's row, or none
-                tok = t0 + tl
-                e = r
-                r = (tok * k + i - tl * k) * self.slot_block_m + tok
-                if e < 0 or e >= self.num_experts:
-                    r = Int32(-1)
-            sRow[tl, i - tl * k] = r
-            sW[tl, i - tl * k] = mWeights[t0 + tl, i - tl * k].to(Float32)
-        simt_sync(self.simt_threads)
         if cutlass.const_expr(self._words()):
-            self._combine_words(mRows, sRow, sW, mR, mY, t0, t_end, c0, width, tidx)
+            self._combine_words(mRows, mWeights, mSlotRow, mR, mY, t0, t_end, c0, width, tidx)
         else:
             total = (t_end - t0) * width
             for base in range(0, total, self.simt_threads * UNROLL):
@@ -255,16 +244,17 @@ class MoeCombineTile(TileOp):
                     tok = t0 + idx // width
                     c = c0 + idx % width
                     for j in cutlass.range_constexpr(k):
-                        r = sRow[tok - t0, j]
-                        got.append((r, tok, mRows[cute.max(r, 0), c]))
+                        r = self._slot_row(mSlotRow, tok, j)
+                        wt = mWeights[tok, j].to(Float32)
+                        got.append((r, wt, mRows[cute.max(r, 0), c]))
                     if cutlass.const_expr(self.r is not None):
                         res.append(mR[tok, c])
                 accs = []
                 for u in cutlass.range_constexpr(UNROLL):
                     acc = Float32(0.0)
                     for j in cutlass.range_constexpr(k):
-                        r, tok, x = got[u * k + j]
-                        v = x.to(Float32) * sW[tok - t0, j]
+                        r, wt, x = got[u * k + j]
+                        v = x.to(Float32) * wt
                         if r >= 0:
                             acc = acc + v
                         else:
@@ -298,11 +288,10 @@ class MoeCombineTile(TileOp):
         return max(1, min(UNROLL, GATHER_BYTES // (self.weights.shape[1] * word_bytes)))
 
     @cute.jit
-    def _combine_words(self, mRows, sRow, sW, mR, mY, t0, t_end, c0, width, tidx):
+    def _combine_words(self, mRows, mWeights, mSlotRow, mR, mY, t0, t_end, c0, width, tidx):
         """The tile as words of ``_words()`` columns: ``_word_unroll()`` words a thread at a time, k
         word loads each (and the residual's word, ``mR``, with ``r``), all issued before their
-        sums (slot rows and weights staged in ``sRow`` / ``sW``, indexed by the tile's
-        token)."""
+        sums (each after its slot row, ``_slot_row``)."""
         k = self.weights.shape[1]
         hidden = self.rows.shape[1]
         cols = self._words()
@@ -320,8 +309,8 @@ class MoeCombineTile(TileOp):
         words = width // cols
         total = (t_end - t0) * words
         for base in range(0, total, self.simt_threads * unroll):
-            # every load of the batch first (the slot rows from shared memory, then the
-            # words), the sums after: no branch between two loads, so all are in flight
+            # every load of the batch first (the slot rows and weights, then the words),
+            # the sums after: no branch between two loads, so all are in flight
             got = []
             res = []
             for u in cutlass.range_constexpr(unroll):
@@ -329,10 +318,11 @@ class MoeCombineTile(TileOp):
                 tok = t0 + idx // words
                 cw = w0 + idx % words
                 for j in cutlass.range_constexpr(k):
-                    r = sRow[tok - t0, j]
+                    r = self._slot_row(mSlotRow, tok, j)
+                    wt = mWeights[tok, j].to(Float32)
                     vals = cute.make_rmem_tensor((cols,), mRows.element_type)
                     cute.autovec_copy(rows_w[cute.max(r, 0), cw, None], vals)
-                    got.append((r, tok, vals))
+                    got.append((r, wt, vals))
                 if cutlass.const_expr(self.r is not None):
                     rv = cute.make_rmem_tensor((cols,), mR.element_type)
                     cute.autovec_copy(r_w[tok, cw, None], rv)
@@ -342,8 +332,7 @@ class MoeCombineTile(TileOp):
                 acc = cute.make_rmem_tensor((cols,), Float32)
                 acc.fill(0.0)
                 for j in cutlass.range_constexpr(k):
-                    r, tok, vals = got[u * k + j]
-                    wt = sW[tok - t0, j]
+                    r, wt, vals = got[u * k + j]
                     if r >= 0:
                         for q in cutlass.range_constexpr(cols):
                             acc[q] = acc[q] + vals[q].to(Float32) * wt

@@ -21,7 +21,7 @@ import torch
 from cutlass import Boolean, Int32, Int64, cute
 
 from cutemk.costmodel import tile_time_us
-from cutemk.device.config import SIMT_WIDE_THREADS, simt_sync
+from cutemk.device.config import SIMT_WIDE_THREADS
 from cutemk.tileop import (
     FLOAT_DTYPES,
     TensorSpec,
@@ -145,9 +145,6 @@ class MoePermuteTile(TileOp):
         """Words a thread loads before its stores: ``UNROLL_BYTES`` of them."""
         return max(1, UNROLL_BYTES // self._word())
 
-    def device_smem_bytes(self) -> int:
-        return 4 * self.block_m  # the tile's source rows
-
     exists_on_device: ClassVar[bool] = True
 
     @cute.jit
@@ -159,18 +156,16 @@ class MoePermuteTile(TileOp):
         """Row tile ``coord0``; ``tensors`` = (mX, mTileInfo, mRowToken, mXp).
 
         mX: (T, H), mTileInfo: (tiles, 2), mRowToken: (tiles*block_m,) int32, mXp:
-        (tiles*block_m, H). The source rows go to shared memory first; then the valid rows are
-        copied as one flat range of words (8 bytes where rows allow), consecutive threads on
-        consecutive words, ``UNROLL_BYTES`` of loads in flight per thread before their stores."""
+        (tiles*block_m, H). The valid rows are copied as one flat range of words (8 bytes where
+        rows allow), consecutive threads on consecutive words, ``UNROLL_BYTES`` of loads in
+        flight per thread before their stores; each thread loads the source row of each word
+        itself (an L1 hit after the first), so nothing passes between the body's warpgroups
+        through shared memory (a hand-over ``compute-sanitizer --tool racecheck`` reported)."""
         mX, mTileInfo, mRowToken, mXp = tensors
         bm = self.block_m
         hidden = self.x.shape[1]
-        sSrc = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=Int32), cute.make_layout(bm))
         valid = mTileInfo[coord0, 1]
         r0 = coord0 * bm
-        for m in range(tidx, valid, self.simt_threads):
-            sSrc[m] = mRowToken[r0 + m]
-        simt_sync(self.simt_threads)
         word = self._word()
         lanes = max(word // 8, 1)  # 8-byte lanes of a word (a 16-byte word: two)
         src, dst = mX, mXp
@@ -195,10 +190,10 @@ class MoePermuteTile(TileOp):
                 idx = cute.min(base + u * self.simt_threads + tidx, total - 1)
                 if cutlass.const_expr(word >= 8):
                     v = cute.make_rmem_tensor((lanes,), Int64)
-                    cute.autovec_copy(src[sSrc[idx // width], idx % width, None], v)
+                    cute.autovec_copy(src[mRowToken[r0 + idx // width], idx % width, None], v)
                     vals.append(v)
                 else:
-                    vals.append(src[sSrc[idx // width], idx % width])
+                    vals.append(src[mRowToken[r0 + idx // width], idx % width])
             for u in cutlass.range_constexpr(unroll):
                 idx = base + u * self.simt_threads + tidx
                 if idx < total:
@@ -206,8 +201,6 @@ class MoePermuteTile(TileOp):
                         cute.autovec_copy(vals[u], dst[r0 + idx // width, idx % width, None])
                     else:
                         dst[r0 + idx // width, idx % width] = vals[u]
-        # no barrier here: the worker meets the body's threads after every tile, and before a
-        # wide body with scratch (both warpgroups), so no next task writes sSrc early
 
 
 def moe_permute(

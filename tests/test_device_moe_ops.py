@@ -187,8 +187,10 @@ def test_moe_combine_compiles(tmp_path, dtype, block_n):
     op = _combine(dtype, block_n)
     batch = op._word_unroll() * TOP_K  # gathers a thread issues at once
     ptx = _compile_ptx(op, tmp_path)
-    # one barrier: after the tile's slot rows and weights are staged in shared memory
-    assert _count(r"\b(?:bar|barrier)\.sync\b", ptx) == 1
+    # no barrier and no shared memory: each thread loads the slot rows and weights it
+    # gathers with itself (no hand-over between the body's warpgroups)
+    assert _count(r"\b(?:bar|barrier)(\.cta)?\.(sync|arrive)\b", ptx) == 0
+    assert op.device_smem_bytes() == 0 and not re.search(r"\bs[td]\.shared", ptx)
     assert _count(r"\bfma\.rn\.f32\b|\bmul\.(rn\.)?f32\b", ptx) >= TOP_K
     if dtype == torch.bfloat16:
         # 16-bit rows move as words of 8 columns (H and block_n multiples of 8: 16 bytes) or
@@ -219,6 +221,9 @@ def test_moe_permute_moves_the_widest_words_its_rows_allow(tmp_path, dtype, hidd
     vec = {16: r"\b(ld|st)\.global\.v(2\.b64|4\.b32)\b", 8: r"\b(ld|st)\.global\.(b64|v2\.b32)\b"}
     if word in vec:
         assert _count(vec[word], ptx) >= 2 * op._unroll()
+    # each thread loads its words' source rows itself: no staging, no barrier
+    assert op.device_smem_bytes() == 0 and not re.search(r"\bs[td]\.shared", ptx)
+    assert _count(r"\b(?:bar|barrier)(\.cta)?\.(sync|arrive)\b", ptx) == 0
 
 
 @FLOATS
