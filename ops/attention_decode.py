@@ -42,7 +42,7 @@ from cutlass import Boolean, Float32, Int32, cute
 
 from cutemk.arch import target_arch
 from cutemk.costmodel import H200, tile_time_us
-from cutemk.device.config import NUM_THREADS, simt_sync
+from cutemk.device.config import NUM_THREADS, SIMT_BARRIER, simt_sync
 from cutemk.device.config import WARP_SIZE as WARP
 from cutemk.errors import ShapeError
 from cutemk.symbolic import evaluate
@@ -441,8 +441,8 @@ class AttentionDecodeTile(TileOp):
         pass  # the consumers wrote the tile; the storer warp only publishes it
 
     def device_smem_bytes(self) -> int:
-        # per warp and head: its m and l, and its o (D floats); one word: whether to merge
-        return 4 * WARPS * self.group * (2 + self.q.shape[2]) + 4
+        # per warp and head: its m and l, and its o (D floats)
+        return 4 * WARPS * self.group * (2 + self.q.shape[2])
 
     @cute.jit
     def device_exists(self, tensors, coord0: Int32, coord1: Int32) -> Boolean:
@@ -543,11 +543,7 @@ class AttentionDecodeTile(TileOp):
                 tot = tot + sM[w, g, 1] * f
             kvs.store_range(mOut, mPO, mPML, b, h * g_n + g, s, dim, d, ranges, acc, tot, mm)
         if ranges > 1:
-            sLast = cute.make_tensor(
-                cute.recast_ptr(smem_ptr, dtype=Int32) + WARPS * g_n * (2 + d),
-                cute.make_layout(1),
-            )
-            if kvs.claim_merge(mCnt, b, h, self.kv_heads, ranges, tidx, simt_sync, sLast):
+            if kvs.claim_merge(mCnt, b, h, self.kv_heads, ranges, tidx, SIMT_BARRIER, NUM_THREADS):
                 kvs.merge_ranges(
                     mPO, mPML, mOut, b, h, g_n, d, self.splits, ranges, tidx, NUM_THREADS
                 )

@@ -165,13 +165,8 @@ class Sm90DecodeConfig:
         return -(-(self.off_flag + CONSUMER_WARPS) // 4) * 4
 
     @property
-    def off_last(self) -> int:
-        """One word: whether this tile merges the sequence's ranges."""
-        return self.off_o + CONSUMER_WARPS * self.group * self.head_dim
-
-    @property
     def epi_bytes(self) -> int:
-        words = self.off_last + 1
+        words = self.off_o + CONSUMER_WARPS * self.group * self.head_dim
         return -(-4 * words // 1024) * 1024
 
 
@@ -555,10 +550,9 @@ def compute(
             acc = Float32(math.nan)
         kvs.store_range(mOut, mPO, mPML, b, h * g_n + g, s, dim, d, ranges, acc, tot, mm)
     if ranges > 1:
-        sLast = cute.make_tensor(
-            cute.recast_ptr(epi + cfg.off_last, dtype=Int32), cute.make_layout(1)
-        )
-        if kvs.claim_merge(mCnt, b, h, cfg.kv_heads, ranges, ctid, _consumer_sync, sLast):
+        if kvs.claim_merge(
+            mCnt, b, h, cfg.kv_heads, ranges, ctid, CONSUMER_BARRIER, CONSUMER_THREADS
+        ):
             if cutlass.const_expr(cfg.merge_batched):
                 # the per-range factors in the partial outputs' buffer: every consumer has
                 # read it (claim_merge's barrier)

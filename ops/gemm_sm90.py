@@ -586,9 +586,7 @@ def compute(
     if cutlass.const_expr(cfg.split > 1):
         _store_partial(cfg, tensors[cfg.part_index], acc, tCcC, coord0, coord1, epi_free)
         if cutlass.const_expr(cfg.reduce != ""):
-            reduce_last_tile(
-                cfg, tensors, coord0, coord1, epi_ptr, ctid, _consumer_sync, CONSUMER_THREADS
-            )
+            reduce_last_tile(cfg, tensors, coord0, coord1, ctid, CONSUMER_THREADS)
         return count + cfg.k_tiles
     if cutlass.const_expr(cfg.combine_k):
         combine_in_tile(
@@ -599,10 +597,8 @@ def compute(
             coord0,
             coord1,
             pick_w,
-            epi_ptr,
             ctid,
             epi_free,
-            _consumer_sync,
             CONSUMER_THREADS,
             STORE_THREADS,
         )
@@ -685,11 +681,6 @@ def _store_partial(
         r, c = tCcC[i]
         if r0 + r < rows and c0 + c < cols:
             mP[s, r0 + r, c0 + c] = acc[i]
-
-
-@cute.jit
-def _consumer_sync():
-    named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
 
 
 class HopperGemmOp:

@@ -121,13 +121,22 @@ def store_range(mOut, mPO, mPML, b, hq, s, dim, head_dim: cutlass.Constexpr, ran
 
 
 @cute.jit
-def claim_merge(mCnt, b: Int32, h: Int32, kv_heads: cutlass.Constexpr, ranges, tid, sync, sWord):
-    """After this CTA's partial stores (every thread, then ``sync``, a barrier of the threads
-    calling): count its range in ``merges[b, h]``; True where it was the last one (the count
-    then goes back to zero for the next launch). The acq_rel add releases this range's
-    partials and acquires the others' for the merge that follows."""
+def claim_merge(
+    mCnt,
+    b: Int32,
+    h: Int32,
+    kv_heads: cutlass.Constexpr,
+    ranges,
+    tid,
+    barrier_id: cutlass.Constexpr,
+    threads: cutlass.Constexpr,
+):
+    """After this CTA's partial stores (every thread, then named barrier ``barrier_id`` of the
+    ``threads`` calling): count its range in ``merges[b, h]``; True where it was the last one
+    (the count then goes back to zero for the next launch). The acq_rel add releases this
+    range's partials and acquires the others' for the merge that follows."""
     ptr = mCnt.iterator + (b * kv_heads + h)
-    return claim_last(ptr, ranges, tid, sync, sWord)
+    return claim_last(ptr, ranges, tid, barrier_id, threads)
 
 
 @cute.jit

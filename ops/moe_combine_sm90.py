@@ -11,6 +11,7 @@ import cutlass
 from cutlass import Float32, Int32, cute
 
 from cutemk.device.ring import epi_acquire
+from cutemk.device.config import CONSUMER_BARRIER
 from cutemk.device.sync import claim_last
 
 
@@ -34,10 +35,8 @@ def combine_in_tile(
     coord0: Int32,
     coord1: Int32,
     pick_w: Float32,
-    epi_ptr,
     ctid: Int32,
     epi_free,
-    sync,
     consumer_threads: cutlass.Constexpr,
     store_threads: cutlass.Constexpr,
 ):
@@ -49,8 +48,8 @@ def combine_in_tile(
     ``y[t]``'s columns as the k rows summed in pick order (a fixed order: bit-identical runs),
     plus the residual's (``cfg.residual``: the op's tensor 4) before the one rounding.
     The storer's release after the consumers' barrier publishes ``y`` with the task's notify.
-    The staging buffer is taken and given back as every ring tile does; its first word carries
-    the verdict. ``sync``: the consumers' barrier of ``consumer_threads``; ``store_threads``:
+    The staging buffer is taken and given back as every ring tile does (it is not written).
+    ``consumer_threads``: the consumers' barrier count (``CONSUMER_BARRIER``); ``store_threads``:
     the staging buffer's barrier count (consumers and storer)."""
     epi_acquire(epi_free, store_threads)
     k = cfg.combine_k
@@ -64,9 +63,8 @@ def combine_in_tile(
         r, c = tCcC[i]
         if r == t and c0 + c < cols:
             mPart[t, j, c0 + c] = acc[i] * pick_w
-    sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
     ptr = mCnt.iterator + (t * mCnt.shape[1] + coord1)
-    if claim_last(ptr, Int32(k), ctid, sync, sLast):
+    if claim_last(ptr, Int32(k), ctid, CONSUMER_BARRIER, consumer_threads):
         vec = 4  # fp32 partials a thread loads at once (16 bytes; H % 4 == 0 is checked)
         p_tok = cute.assume(mPart.stride[0], divby=vec)
         p_pick = cute.assume(mPart.stride[1], divby=vec)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, cute
 
-from cutemk.device.config import WARP_SIZE
+from cutemk.device.config import CONSUMER_BARRIER, WARP_SIZE
 from cutemk.device.select import warp_topk_softmax
 from cutemk.device.sync import claim_last
 
@@ -78,17 +78,15 @@ def reduce_last_tile(
     tensors,
     coord0: Int32,
     coord1: Int32,
-    epi_ptr,
     ctid,
-    sync,
     nthreads: cutlass.Constexpr,
 ):
     """A ``gemm_split`` tile's reduce (the Hopper tile, ``ops.gemm_sm90``; ``cfg`` its
     ``Sm90GemmConfig``, ``tensors`` (A, B, [R,] C, part, counts[, SS][, weights, ids])): after
     its partial is
     out, tile (coord0, coord1) counts itself in ``counts[coord0, j]`` (j: its output column
-    block; a gate / up pair shares one), and the group's last tile (``claim_last`` with
-    ``sync``, the barrier of the ``nthreads`` consumer threads: the acq_rel count releases this
+    block; a gate / up pair shares one), and the group's last tile (``claim_last`` on
+    the consumers' barrier of ``nthreads`` threads: the acq_rel count releases this
     partial and acquires the others') sums the ``split`` ranges of its rows and columns in range
     order (:func:`reduce_vector`: the reduce step's bits) and applies the epilogue, 4 columns a
     thread, every consumer thread taking (row, 4 columns) vectors in turn; with
@@ -97,8 +95,7 @@ def reduce_last_tile(
     row, lane l holding columns 4l .. 4l + 3) each warp then runs the row's top-k softmax on
     the values it stored (``cutemk.device.select.warp_topk_softmax``, ``ops.topk_softmax``'s
     arithmetic) into ``weights`` and ``ids``.
-    The storer's release after the consumers' barrier publishes C with the task's notify; the
-    staging buffer's first word carries the verdict."""
+    The storer's release after the consumers' barrier publishes C with the task's notify."""
     n_r = int(cfg.reduce == "residual")
     mC, mP, mCnt = tensors[2 + n_r], tensors[3 + n_r], tensors[4 + n_r]
     mSS = tensors[5 + n_r] if cfg.reduce_sumsq else None
@@ -114,9 +111,8 @@ def reduce_last_tile(
     if cutlass.const_expr(silu):  # the up block j + reduce_blocks counts with gate block j
         if jj >= cfg.reduce_blocks:
             jj = jj - cfg.reduce_blocks
-    sLast = cute.make_tensor(cute.recast_ptr(epi_ptr, dtype=Int32), cute.make_layout(1))
     ptr = mCnt.iterator + (coord0 * cfg.reduce_blocks + jj)
-    if claim_last(ptr, Int32(cfg.reduce_group), ctid, sync, sLast):
+    if claim_last(ptr, Int32(cfg.reduce_group), ctid, CONSUMER_BARRIER, nthreads):
         vec = REDUCE_VEC  # N % 4 == 0 is checked
         rows = mC.shape[0]
         cols = mC.shape[1]

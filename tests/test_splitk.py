@@ -3,6 +3,7 @@ reduction, through ``cutemk.layers.linear``; on the CPU interpreter, compiled fo
 on the GPU against an fp32 torch reference."""
 
 import os
+import re
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -496,6 +497,9 @@ def test_split_mlp_with_the_reduce_in_the_tiles_compiles_for_hopper(spill_stores
         assert "wgmma.mma_async" in ptx
         assert ptx.count("atom.global.acq_rel.add") >= 2  # one count per gemm_split node
         assert "ld.global.v4" in ptx  # the reducing tile loads 16-byte vectors of partials
+        # thread 0's verdict (last tile or not) reaches the consumers through their barrier
+        # (barrier.cta.red.or), not a shared word
+        assert re.search(r"\bbarrier\.red\.or\.pred\s+%p\d+, 5, 256, %p\d+;", ptx)
         assert spill_stores(path) == 0
 
 

@@ -44,6 +44,8 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 from cutlass.experimental import primitives as _prims
 
+from .config import named_sync, named_sync_or
+
 # Back-off for one spinning thread. The first sleep is short because the common case is a
 # producer that finishes within a few hundred ns; the cap keeps the wake-up latency a hop adds
 # near 0.1 us (a 1 us cap cost the Qwen3-8B decode layer ~7 us over its ~10 dependent hops)
@@ -166,20 +168,27 @@ def notify_event(
 
 
 @cute.jit
-def claim_last(counter_ptr: cute.Pointer, group: Int32, tid: Int32, sync, sWord) -> Boolean:
+def claim_last(
+    counter_ptr: cute.Pointer,
+    group: Int32,
+    tid: Int32,
+    barrier_id: cutlass.Constexpr,
+    threads: cutlass.Constexpr,
+) -> Boolean:
     """The tiles of a group that finish in any order, each ending here after its own global
-    writes (every thread of the caller's barrier ``sync``): thread 0 counts the tile in the
-    counter (a gpu-scope acq_rel add: it releases this tile's writes and acquires those of the
-    tiles counted before); True, on every thread, for the tile that brings the count to
-    ``group``, which then puts the counter back to zero for the next launch and may read the
-    other tiles' writes. ``sWord``: one Int32 of shared memory for the verdict."""
-    sync()
+    writes (every thread of the caller's named barrier ``barrier_id`` of ``threads``): thread 0
+    counts the tile in the counter (a gpu-scope acq_rel add: it releases this tile's writes and
+    acquires those of the tiles counted before); True, on every thread, for the tile that
+    brings the count to ``group``, which then puts the counter back to zero for the next launch
+    and may read the other tiles' writes. Thread 0's verdict reaches the others through the
+    second barrier itself (``named_sync_or``), not a shared word: a word written by thread 0
+    and read by every thread across a barrier of two warpgroups is a hand-over
+    ``compute-sanitizer --tool racecheck`` reported in the MoE kernels."""
+    named_sync(barrier_id, threads)
+    last = Boolean(False)
     if tid == 0:
         old = cute.arch.atomic_add(counter_ptr, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(0)
         if old == group - 1:
-            last = Int32(1)
+            last = Boolean(True)
             cute.arch.store(counter_ptr, Int32(0), sem="relaxed", scope="gpu")
-        sWord[0] = last
-    sync()
-    return sWord[0] != 0
+    return named_sync_or(barrier_id, threads, last)
