@@ -41,10 +41,21 @@ consumer warpgroups run every other task as a SIMT task on the first warpgroup o
 shared scratch, its own barrier 1 of 128 threads) and the others as "ring tiles": both meet on
 barrier 5 (256), consumer thread 0 writes the tile's record, all meet the storer warp (warp 2)
 on barrier 3 (288), the storer reads the record and frees the staging area on an mbarrier. This
-is the hand-over racecheck reports on the MoE kernels (not on the MLP's, which has no SIMT
-task). ``worker``: unaligned named barriers (as the megakernel now); ``worker_aligned``:
-``bar.sync``; ``worker_nosimt``: ring tiles only; ``worker_nreg``: with the worker's
-``setmaxnreg`` split.
+is the record hand-over the megakernel had until its staged mbarrier. ``worker``: unaligned
+named barriers; ``worker_aligned``: ``bar.sync``; ``worker_nosimt``: ring tiles only;
+``worker_nreg``: with the worker's ``setmaxnreg`` split; ``worker_one``: one CTA;
+``worker_no5``: ring tiles without the consumers' barrier 5 before the record's write. On an
+H100 racecheck reports the record (thread 0 writes, the storer reads) in all of these but
+``worker_no5``: a barrier of the consumers alone right before the write, then barrier 3 of the
+consumers and the storer, is what it does not follow; SIMT tasks, register split, barrier form
+and CTA count do not matter. Ring tiles with the record on an mbarrier every consumer thread
+arrives on (the megakernel's ``KernelSpec.epi_mbarrier``), 0 reports: ``worker_mbar``;
+``worker_verdict`` adds ``claim_last``'s old verdict (thread 0 writes a word, barrier 5, every
+consumer reads), ``worker_red`` the verdict through ``barrier.cta.red.or``
+(``device.config.named_sync_or``, as ``claim_last`` now), ``worker_wide`` a write by the first
+warpgroup read by the second across barrier 2 (a wide SIMT body's staging): 0 reports each
+here, though in the MoE kernel racecheck reported the verdict word and the wide bodies'
+staged slot rows, both since removed.
 
 PTX orders both: a ``bar.arrive`` synchronizes with the ``bar.sync`` that completes the same
 barrier phase, an ``mbarrier.arrive`` (release) with the ``mbarrier.try_wait`` (acquire) that
