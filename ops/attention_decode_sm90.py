@@ -151,7 +151,7 @@ class Sm90DecodeConfig:
         return -(-self.tx_bytes // 1024) * 1024
 
     # epilogue buffer, fp32: (m, l) (warps, G, 2), poison flags (warps,), partial outputs
-    # (warps, G, D), the merge word
+    # (warps, G, D)
     @property
     def off_ml(self) -> int:
         return 0

@@ -165,10 +165,8 @@ class Sm90GemmConfig:
     @property
     def epi_bytes(self) -> int:
         """The staged tile, then (with the row norm) the rows' scales in fp32."""
-        if self.combine_k or self.reduce:  # one word: whether this tile is its block's last
-            return 1024
-        if self.split > 1:  # partials go from registers to global memory
-            return 0
+        if self.combine_k or self.reduce or self.split > 1:
+            return 0  # partials go from registers to global memory, nothing is staged
         scales = 4 * self.bm if self.norm_blocks else 0
         return _round_up(self.bm * self.bn * self.out_dtype.itemsize + scales, 1024)
 

@@ -22,7 +22,7 @@ from ..device.config import (
 from ..device.config import (
     WARP_SIZE as WARP,
 )
-from ..device.ring import WAIT_EPI_FULL, epi_acquire, queue_get, queue_put
+from ..device.ring import epi_acquire, queue_get, queue_put
 from ..device.sync import notify_event
 from .layout import (
     PROF_END,
@@ -152,7 +152,7 @@ class ConsumerRoles:
                 )
         if cutlass.const_expr(w.ring_stages > 0):
             # stop the storer, once it has taken the last tile (or its initial arrive, if none):
-            # an arrive on EPI_FULL before that would complete the storer's pending barrier
+            # before that, the stop record would overwrite a record the storer has not read
             epi_acquire(self._epi_free(L, ecount, pwait), w.store_threads)
             if ctid == 0:
                 sEpiRec[R_TASK] = Int32(-1)
@@ -215,14 +215,14 @@ class ConsumerRoles:
         tensors, prog, dev, mProf, epoch = L.tensors, L.prog, L.dev, L.prof, L.epoch
         stamp, num_init, sEpiRec, epi = L.stamp, L.num_init, L.sEpiRec, L.epi
         w = self.w
-        pwait = self._pipeline_wait(dev, L.timeout_ns)
+        staged_wait = self._abortable_wait(dev)
         # the staging buffer starts free
         self._epi_release(L)
         scount = Int32(0)  # staged tiles taken (and the stop): the staged mbarrier's phase
         alive = Boolean(True)
         while alive:
             if cutlass.const_expr(L.epi_full is not None):
-                pwait(L.epi_full, scount & 1, WAIT_EPI_FULL)
+                staged_wait(L.epi_full, scount & 1, 0)
                 scount = scount + 1
             else:
                 named_sync(EPI_FULL_BARRIER, w.store_threads)
@@ -231,9 +231,13 @@ class ConsumerRoles:
             alive = t >= 0
             if cutlass.const_expr(self.spec.watchdog and L.epi_full is not None):
                 # a gave-up wait read a stale record: nothing more is stored (the consumers'
-                # arrives never block, so the storer may leave first)
+                # arrives never block, so the storer may leave first); one verdict for the
+                # warp, as its lanes load the abort word each on its own
                 state = dev[D["state"]]
-                if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                aborted = Boolean(
+                    cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0
+                )
+                if cute.arch.vote_any_sync(aborted):
                     alive = Boolean(False)
             if alive:
                 if cutlass.const_expr(self.spec.profile):

@@ -111,9 +111,9 @@ def own_smem_bytes(task_slots: int, ring_stages: int) -> int:
     """The kernel's own shared memory ahead of the ring, as :meth:`Megakernel.kernel`
     allocates it (16-byte aligned pieces): control words, the record staging, the task queue,
     the done queue, the staged record (Int32s) and the mbarriers (their count as the kernel's,
-    with the staging buffer's release barrier)."""
+    with the staging buffer's release and staged barriers)."""
     words = (4, WARP, task_slots * REC_WIDTH, task_slots, REC_WIDTH)
-    bars = 4 * task_slots + 2 * max(ring_stages, 1) + 1
+    bars = 4 * task_slots + 2 * max(ring_stages, 1) + 2
     return sum(-(-4 * n // 16) * 16 for n in words) + -(-8 * bars // 16) * 16
 
 

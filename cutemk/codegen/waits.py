@@ -58,6 +58,25 @@ class EventWaits:
             state, debug, timeout_ns, bar, parity, code
         )
 
+    def _abortable_wait(self, dev):
+        """An mbarrier wait with no deadline of its own that gives up once the launch is
+        aborting (with the watchdog; else unbounded): the storer's wait for a staged tile,
+        which may be whole phases of other tasks away. A stuck pipeline is caught by the
+        consumers' bounded waits, whose abort ends this one."""
+        if not self.spec.watchdog:
+            return plain_wait
+        state = dev[D["state"]]
+        return lambda bar, parity, code: self._wait_until_abort(state, bar, parity)
+
+    @cute.jit
+    def _wait_until_abort(self, state, bar, parity):
+        done = cute.arch.mbarrier_try_wait(bar, parity)
+        while not done:
+            if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                done = Boolean(True)
+            else:
+                done = cute.arch.mbarrier_try_wait(bar, parity)
+
     @cute.jit
     def _bounded_wait(self, state, debug, timeout_ns: Int64, bar, parity, code: int):
         done = cute.arch.mbarrier_try_wait(bar, parity)

@@ -30,14 +30,13 @@ from cutlass import Int32, cute
 from .config import EPI_EMPTY_BARRIER, named_sync
 
 WAIT_RING_FULL, WAIT_RING_EMPTY, WAIT_QUEUE_FULL, WAIT_QUEUE_EMPTY = 1, 2, 3, 4
-WAIT_EPI_EMPTY, WAIT_EPI_FULL = 5, 6
+WAIT_EPI_EMPTY = 5
 WAIT_NAMES = {
     WAIT_RING_FULL: "consumers waited for a ring slot's loads",
     WAIT_RING_EMPTY: "the producer waited for a ring slot to be freed",
     WAIT_QUEUE_FULL: "consumers waited for a task record",
     WAIT_QUEUE_EMPTY: "the producer waited for a task slot to be freed",
     WAIT_EPI_EMPTY: "consumers waited for the staging buffer's release by the storer",
-    WAIT_EPI_FULL: "the storer waited for a staged tile",
 }
 
 
