@@ -83,7 +83,33 @@ def bind(
                 f"{leaf.name} must have shape {shape_str(leaf.shape)} = {want}, "
                 f"got {tuple(t.shape)}"
             )
+    _check_updates_alone(graph, given)
     return env, {leaf.name: given[leaf.name] for leaf in leaves}
+
+
+def _check_updates_alone(graph: Graph, given: Mapping[str, torch.Tensor]) -> None:
+    """An input an op updates in place (``TileOp.updates``: a KV cache) shares no memory with
+    any other input or weight: the update would change what the other one reads (two caches
+    passed as one tensor: the v rows overwrite the k rows) with nothing ordering the two."""
+    updated = [node.args[i].name for node in graph.nodes for i in node.op.updates.values()]
+    if not updated:
+        return
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.data_ptr()
+        return start, start + t.numel() * t.element_size()
+
+    for name in updated:
+        a0, a1 = span(given[name])
+        for other, t in given.items():
+            if other == name or t.numel() == 0 or a0 == a1:
+                continue
+            b0, b1 = span(t)
+            if a0 < b1 and b0 < a1:
+                raise LayoutError(
+                    f"{name} is updated in place but shares memory with {other}: pass "
+                    "tensors that do not overlap"
+                )
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:

@@ -304,14 +304,15 @@ class Graph:
         issue and landing too), ``poison_outputs``.
         """
         self.validate()
-        self._compiled = True
         if backend is None:
             backend = "cute" if torch.cuda.is_available() else "interpret"
         try:
             cls = registry.backend(backend)
         except ValueError as e:
             raise GraphError(str(e)) from None
-        return cls(self, **options)
+        compiled = cls(self, **options)
+        self._compiled = True  # only once a backend took it: a refused option leaves it open
+        return compiled
 
     # -- internals --------------------------------------------------------------------------
     def _check_open(self) -> None:

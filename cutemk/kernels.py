@@ -155,6 +155,23 @@ def live_pdl() -> bool:
     return os.environ.get("CUTEMK_LIVE_PDL", "0") == "1"
 
 
+MAX_TIMEOUT_S = 24 * 3600.0
+"""The watchdog's longest deadline (its nanoseconds stay far inside the kernel's Int64)."""
+
+
+def check_launch_options(watchdog, timeout_s, poison_outputs) -> None:
+    """The cute backend's switches are bools and the watchdog's deadline a positive, finite
+    number of seconds: a string "no" is not False, and a deadline of 0 or less would abort
+    every launch at its first wait."""
+    for name, v in (("watchdog", watchdog), ("poison_outputs", poison_outputs)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
+        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # NaN fails here too
+        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:.0f}] seconds, got {timeout_s}")
+
+
 def kernel_spec(
     graph: Graph,
     dynamic: bool,
@@ -165,7 +182,7 @@ def kernel_spec(
     """The compile-cache key of ``graph``'s megakernel. ``profile``: False, True (per-task
     and per-CTA stamps) or ``"slices"`` (each ring slice's too). ``live``: the name of the
     token dim when the kernel takes the token count as device data (``CuteGraph.live``)."""
-    if profile not in (False, True, "slices"):
+    if not (profile is False or profile is True or profile == "slices"):
         raise ValueError(f"profile must be False, True or 'slices', got {profile!r}")
     index = {id(v): i for i, v in enumerate(graph.values)}
     # peer tables of the symmetric values follow the graph values in the kernel's tensor tuple

@@ -32,9 +32,10 @@ from .codegen.megakernel import DEVICE_STATE, PROGRAM
 from .codegen.profiling import profile_words, slice_capacity
 from .comm import Communicator, different_plans_error, plan_digest, symmetric_values
 from .diagnose import diagnose_abort as _diagnose
-from .errors import CuteMKError, DeadlockError, DeviceError, LayoutError
+from .errors import CuteMKError, DeadlockError, DeviceError, GraphError, LayoutError
 from .graph import Graph
 from .kernels import (  # noqa: F401 (re-exported: the backend's compile entry points)
+    check_launch_options,
     _COMPILED,
     _cache_path,
     _compile,
@@ -44,7 +45,7 @@ from .kernels import (  # noqa: F401 (re-exported: the backend's compile entry p
     kernel_spec,
     live_pdl,
 )
-from .plan import Plan, dump_stage, instantiate, no_gc
+from .plan import Plan, check_env, dump_stage, instantiate, no_gc
 from .profiles import ProfileReaders
 from .scheduling import SchedulingMode, check_static_schedule, resolve_scheduler
 from .symbolic import free_syms, upper
@@ -166,10 +167,13 @@ class CuteGraph(ProfileReaders):
     ) -> None:
         if not torch.cuda.is_available():
             raise DeviceError("the cute backend needs a CUDA GPU; use backend='interpret'")
+        check_launch_options(watchdog, timeout_s, poison_outputs)
         self.graph = graph
         self.arch = target_arch()
         dev_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.num_sms = dev_sms if num_sms is None else int(num_sms)
+        if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool)):
+            raise TypeError(f"num_sms must be an int, got {num_sms!r}")
+        self.num_sms = dev_sms if num_sms is None else num_sms
         if not 1 <= self.num_sms <= dev_sms:
             raise ValueError(
                 f"num_sms must be in [1, {dev_sms}] (one persistent CTA per SM), got {num_sms}"
@@ -238,6 +242,14 @@ class CuteGraph(ProfileReaders):
         """Install ``plan`` (e.g. one a tool or test edited) for its bound dims. State it
         replaces that a CUDA graph captured stays allocated as long as this object: the graph
         may still replay launches that read it."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"load_plan takes a Plan, got {type(plan).__name__}")
+        if plan.graph is not self.graph:
+            raise GraphError(
+                f"load_plan got a plan of graph {plan.graph.name!r}, not of this one "
+                f"({self.graph.name!r}): its tasks are another kernel's"
+            )
+        check_env(self.graph, plan.env)  # its dims within the graph's bounds (the buffers' sizes)
         key = env_key(plan.env)
         old = self._buffers.get(key)
         if old is not None and old.captured:

@@ -79,6 +79,29 @@ def test_append_then_attend_interpreted(scheduler):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_caches_that_share_memory_are_refused():
+    """A cache updated in place shares no memory with another input: one tensor passed as both
+    caches had its k rows overwritten by the v rows, silently; a cache overlapping q too."""
+    from cutemk.errors import LayoutError
+
+    run = _graph().compile("interpret")
+    a = _step([5, 17], torch.Generator().manual_seed(3))
+    with pytest.raises(
+        LayoutError, match="k_cache is updated in place but shares memory with v_cache"
+    ):
+        run(**{**a, "v_cache": a["k_cache"]})
+    both = torch.randn(2, *a["k_cache"].shape)
+    with pytest.raises(LayoutError, match="shares memory"):  # two views of one buffer
+        run(
+            **{
+                **a,
+                "k_cache": both[0],
+                "v_cache": both[0].view(-1)[: a["v_cache"].numel()].view(a["v_cache"].shape),
+            }
+        )
+    run(**{**a, "k_cache": both[0], "v_cache": both[1]})  # side by side: fine
+
+
 def test_bad_position_is_not_written():
     c = _graph().compile("interpret", num_sms=2)
     a = _step([20, 30], torch.Generator().manual_seed(1))

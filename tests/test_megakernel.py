@@ -394,3 +394,61 @@ def test_the_early_handover_is_part_of_the_kernel_spec(monkeypatch):
     off = runtime.kernel_spec(g, False)
     assert not off.early_handover
     assert on.early_handover and on != off and on.describe()["early_handover"]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The cute backend's constructor on a machine without a GPU (it checks its options and
+    builds no device state): a stand-in device of 132 SMs."""
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(num_sms=2.7), TypeError, "num_sms must be an int"),
+        (dict(num_sms="4"), TypeError, "num_sms must be an int"),
+        (dict(num_sms=True), TypeError, "num_sms must be an int"),
+        (dict(num_sms=0), ValueError, r"num_sms must be in \[1, 132\]"),
+        (dict(watchdog="no"), TypeError, "watchdog must be True or False"),
+        (dict(poison_outputs=1), TypeError, "poison_outputs must be True or False"),
+        (dict(watchdog=True, timeout_s=0), ValueError, "timeout_s must be in"),
+        (dict(timeout_s=-1.0), ValueError, "timeout_s must be in"),
+        (dict(timeout_s=float("nan")), ValueError, "timeout_s must be in"),
+        (dict(timeout_s=float("inf")), ValueError, "timeout_s must be in"),
+        (dict(timeout_s=1e12), ValueError, "timeout_s must be in"),
+        (dict(timeout_s="1"), TypeError, "timeout_s must be a number"),
+        (dict(profile=1), ValueError, "profile must be False, True or 'slices'"),
+    ],
+)
+def test_the_cute_backends_options_are_checked(fake_gpu, options, error, match):
+    """Options were coerced (num_sms 2.7 -> 2, watchdog "no" -> on) or reached the launch as
+    raw errors (timeout_s NaN / inf / 0: every wait aborting at once). A refused option leaves
+    the graph open for more edits."""
+    g = ops.dag_graph([[], [0]], N, M)
+    with pytest.raises(error, match=match):
+        g.compile("cute", **options)
+    g.input("more", (4,), torch.float32)  # not frozen by the failed compile
+
+
+def test_load_plan_takes_only_a_plan_of_its_graph_within_its_dims(fake_gpu):
+    """load_plan installed another graph's plan (its kernel would run that task grid) or one
+    past the dims' maxima (the buffers sized for them) without a word."""
+    from cutemk.errors import GraphError, ShapeError
+
+    g = ops.dag_graph([[], [0]], N, M)
+    other = ops.dag_graph([[], [0], [1]], N, M)
+    c = g.compile("cute", scheduler="static")
+    with pytest.raises(TypeError, match="load_plan takes a Plan, got str"):
+        c.load_plan("plan.json")
+    with pytest.raises(GraphError, match="a plan of graph"):
+        c.load_plan(instantiate(other, {"N": 3, "M": 64}))
+    plan = instantiate(g, {"N": 2, "M": 64})
+    plan.env["M"] = (1 << 20) + 1
+    with pytest.raises(ShapeError, match="exceeds its declared max"):
+        c.load_plan(plan)
