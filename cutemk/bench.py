@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .costmodel import H200
+from .envvars import env_choice
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -240,7 +241,7 @@ def profile_launch(
     # the traced launch starts from the L2 the timed ones see: a warm one hides the round
     # trips to HBM of each step's first reads (~10 us of a decode layer's or MoE block's chain);
     # CUTEMK_TRACE_L2=warm traces right after another launch instead (what the cold L2 costs)
-    warm = os.environ.get("CUTEMK_TRACE_L2", "cold") == "warm"
+    warm = env_choice("CUTEMK_TRACE_L2", ("cold", "warm")) == "warm"
     if not warm:
         flush_l2()
     run()

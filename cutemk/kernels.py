@@ -21,6 +21,7 @@ from typing import Any
 from .arch import target_arch
 from .codegen.megakernel import KernelSpec, Megakernel, worker_shape
 from .comm import is_distributed, symmetric_values
+from .envvars import env_int, env_switch
 from .errors import GraphError
 from .graph import Graph
 from .plan import dump_file
@@ -152,7 +153,7 @@ def live_pdl() -> bool:
     """Whether live kernels built now launch with programmatic dependent launch
     (``CUTEMK_LIVE_PDL=1``; see ``KernelSpec.live_pdl``). Read when a live graph is built or
     looked up, so a switch flipped between calls gets (and keeps) live graphs of its own."""
-    return os.environ.get("CUTEMK_LIVE_PDL", "0") == "1"
+    return env_switch("CUTEMK_LIVE_PDL", False)
 
 
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -225,11 +226,11 @@ def kernel_spec(
         prefetch,
         worker_shape(ops_),
         live_pairs,
-        os.environ.get("CUTEMK_COOPERATIVE", "1") != "0",
-        os.environ.get("CUTEMK_EARLY_HANDOVER", "1") != "0",
-        os.environ.get("CUTEMK_EPI_MBARRIER", "1") != "0",
+        env_switch("CUTEMK_COOPERATIVE", True),
+        env_switch("CUTEMK_EARLY_HANDOVER", True),
+        env_switch("CUTEMK_EPI_MBARRIER", True),
         profile == "slices",
-        os.environ.get("CUTEMK_QUEUE_HEAD", "1") != "0",
+        env_switch("CUTEMK_QUEUE_HEAD", True),
         live is not None and live_pdl(),
     )
     dump_file(f"{graph.name}.{'dynamic' if dynamic else 'static'}.kernel", spec.describe)
@@ -304,7 +305,7 @@ def compile_many(specs: Any, workers: int | None = None, timeout_s: float = 900.
         if path is not None and not path.is_file():
             todo.append(spec)
     # more than the cache keeps would evict what the first workers wrote
-    todo = todo[: int(os.environ.get("CUTEMK_CACHE_MAX_KERNELS", "256"))]
+    todo = todo[: cache_max_kernels()]
     if len(todo) < 2:
         return 0
     try:
@@ -491,16 +492,22 @@ def _load_cached(path: Path):
     return fn
 
 
+def cache_max_kernels() -> int:
+    """Kernels the disk cache keeps (``CUTEMK_CACHE_MAX_KERNELS``, default 256)."""
+    return env_int("CUTEMK_CACHE_MAX_KERNELS", 256, minimum=1)
+
+
 def _store_cached(fn: Any, path: Path) -> None:
     """Write ``fn``'s host code and cubin to ``path`` (atomically: a reader never sees half a
     file). A cache that cannot be written costs the next process a compile, nothing else."""
+    keep = cache_max_kernels()  # a bad setting is an error, not a failed write
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a name the eviction's pattern does not match while it is being written
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         fn.export_to_c(str(tmp), function_name=_EXPORT_NAME)
         os.replace(tmp, path)
-        _evict(path.parent, int(os.environ.get("CUTEMK_CACHE_MAX_KERNELS", "256")))
+        _evict(path.parent, keep)
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"cutemk: could not write the kernel cache {path} ({e})", stacklevel=3)
 

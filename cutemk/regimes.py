@@ -15,12 +15,12 @@ tools such as ``benchmarks/host_path.py``).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from .arch import pin_arch
 from .costmodel import H200
+from .envvars import env_choice
 from .graph import Graph
 from .layers import MoeConfig, mlp_graph, moe_graph
 from .moe_layers import fused_combine_has_tile
@@ -286,8 +286,8 @@ def split_reduce_in_tiles(default: bool | None) -> bool:
     the Hopper tile does not run."""
     if default is None:
         return False
-    mode = os.environ.get("CUTEMK_SPLIT_REDUCE", "")
-    return {"tiles": True, "step": False}.get(mode, default)
+    mode = env_choice("CUTEMK_SPLIT_REDUCE", ("tiles", "step"))
+    return default if mode is None else mode == "tiles"
 
 
 MOE_TILE_DEFAULTS: dict = {

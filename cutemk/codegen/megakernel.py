@@ -45,7 +45,6 @@ serves every token count.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -62,6 +61,7 @@ from ..device.config import (
     WorkerShape,
 )
 from ..device.ring import init_barriers
+from ..envvars import env_int
 from ..errors import GraphError
 from ..tileop import TileOp
 from .dynamic import DynamicQueue
@@ -97,7 +97,7 @@ __all__ = ["DEVICE_STATE", "PROF_WIDTH", "PROGRAM", "KernelSpec", "Megakernel", 
 
 SMEM_ALIGN = 1024  # 128-byte swizzled TMA tiles need 1024-byte aligned shared memory
 SMEM_LIMIT = 232448  # Hopper: shared memory one CTA may use
-SMEM_RESERVED = int(os.environ.get("CUTEMK_SMEM_RESERVED", 4096))
+SMEM_RESERVED = env_int("CUTEMK_SMEM_RESERVED", 4096, minimum=1024, multiple=1024)
 """Bytes kept for the kernel's own state and barriers before the 1024-aligned ring
 (:func:`own_smem_bytes`: 720 B at 16 ring slots, so 1024 is exact; the DSL's count for the MoE
 prefill kernel is then 232,448 B with a sixth 32 KB slot, its limit to the byte).
@@ -136,7 +136,7 @@ def worker_shape(ops: tuple[TileOp, ...]) -> WorkerShape:
     stages = 0
     if rings:
         free = SMEM_LIMIT - SMEM_RESERVED - epi - scratch
-        cap = int(os.environ.get("CUTEMK_RING_STAGES", MAX_RING_STAGES))  # tuning sweeps
+        cap = env_int("CUTEMK_RING_STAGES", MAX_RING_STAGES, minimum=0)  # tuning sweeps
         stages = min(cap, MAX_RING_STAGES, free // slot)
         if cap < 2:
             raise GraphError(f"CUTEMK_RING_STAGES={cap}: the ring needs at least 2 slots")

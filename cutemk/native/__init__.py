@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..envvars import env_switch
+
 _SOURCE = Path(__file__).with_name("sched.c")
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
@@ -64,7 +66,7 @@ def lib() -> ctypes.CDLL | None:
         if _TRIED:
             return _LIB
         try:
-            _LIB = _load() if os.environ.get("CUTEMK_NATIVE", "1") != "0" else None
+            _LIB = _load() if env_switch("CUTEMK_NATIVE", True) else None
         finally:
             _TRIED = True
     return _LIB
