@@ -138,6 +138,28 @@ def apply_rank_map(
         raise _bad_result(what, res, "(rank, index) pairs of ints") from None
 
 
+def check_map_arity(fn: Any, args: tuple | None, what: str, env_kw: bool = True) -> None:
+    """``fn`` is a function that can be called with ``args`` (a tile coordinate's ints, and
+    ``env=`` where it names that parameter; ``env_kw`` False: ``args`` as they are), so a map
+    of the wrong arity is named where the event is declared, not deep in planning."""
+    if not callable(fn):
+        raise GraphError(f"{what} must be a function, got {fn!r}")
+    if args is None:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: taken as it is
+        return
+    try:
+        if env_kw and "env" in sig.parameters:
+            sig.bind(*args, env={})
+        else:
+            sig.bind(*args)
+    except TypeError as e:
+        n = len(args)
+        raise GraphError(f"{what} must take {n} argument{'s' * (n != 1)}: {e}") from None
+
+
 def apply_map(
     fn: IndexMap, coord: Sequence[int], env: Bindings, what: str = "index map"
 ) -> list[Index]:

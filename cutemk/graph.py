@@ -17,7 +17,7 @@ import torch
 
 from . import registry
 from .errors import GraphError, ShapeError
-from .events import EventMap, EventTensor, IndexMap
+from .events import EventMap, EventTensor, IndexMap, check_map_arity
 from .symbolic import Expr, IntLike, Sym, const, free_syms
 from .tileop import TensorSpec, TileOp, check_call_types, check_field_types
 
@@ -212,16 +212,42 @@ class Graph:
         this event *on rank* ``rank`` is complete (see ``cutemk.events.RankIndexMap``).
         """
         self._check_open()
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"an event's name must be a non-empty str, got {name!r}")
+        if not isinstance(shape, (tuple, list, torch.Size)):
+            raise GraphError(f"event {name}: shape must be a tuple of ints and syms, got {shape!r}")
+        for d, dim in enumerate(shape):
+            if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
+                raise GraphError(f"event {name}: shape[{d}] must be an int or a sym, got {dim!r}")
+            if _can_be_negative(dim):
+                raise GraphError(f"event {name}: shape[{d}] must not be negative, got {dim}")
         ev = EventTensor(
             tuple(const(d) if not isinstance(d, int) else d for d in shape), count, name
         )
+        if callable(count):
+            check_map_arity(count, ((0,) * len(shape), {}), f"event {name}: count", env_kw=False)
         em = EventMap(ev)
-        for v, fn in notify:
-            em.notify.append((self._node_of(v, "notify"), fn))
-        for v, fn in wait:
-            em.wait.append((self._node_of(v, "wait"), fn))
-        for v, fn in remote_wait:
-            em.remote_wait.append((self._node_of(v, "remote_wait"), fn))
+        for kind, pairs, out in (
+            ("notify", notify, em.notify),
+            ("wait", wait, em.wait),
+            ("remote_wait", remote_wait, em.remote_wait),
+        ):
+            if not isinstance(pairs, (tuple, list)):
+                raise GraphError(
+                    f"event {name}: {kind} must be a list of (value, map) pairs, got {pairs!r}"
+                )
+            for entry in pairs:
+                if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                    raise GraphError(
+                        f"event {name}: each {kind} entry is a (value, map) pair, got {entry!r}"
+                    )
+                v, fn = entry
+                node = self._node_of(v, kind)
+                grid = node.op.grid()
+                ndim = len(grid) if isinstance(grid, (tuple, list)) else None
+                what = f"event {name}: the {kind} map of {node.name}"
+                check_map_arity(fn, None if ndim is None else (0,) * ndim, what)
+                out.append((node, fn))
         if not em.notify or not (em.wait or em.remote_wait):
             raise GraphError(f"event {name}: needs at least one notifying and one waiting node")
         self.event_maps.append(em)
@@ -262,12 +288,24 @@ class Graph:
             raise GraphError(f"graph {self.name!r} has no outputs")
         self.world_size()
         bound = {s for v in self.leaves for s in v.shape if isinstance(s, Sym)}
-        for name, s in self.syms().items():
+        syms = self.syms()
+        for name, s in syms.items():
             if s not in bound:
                 raise GraphError(
                     f"sym {name} appears in the graph but is not a plain dim of any "
                     "input or weight, so no launch can bind it"
                 )
+        for em in self.event_maps:
+            ev = em.event
+            count = (ev.count,) if isinstance(ev.count, Expr) else ()
+            for s in free_syms(*ev.shape, *count):
+                if syms.get(s.name) != s:
+                    raise GraphError(
+                        f"event {ev.name}: its shape or count uses sym {s.name}"
+                        + ("" if s.name not in syms else f" (max {s.max})")
+                        + ", which no input or weight of the graph declares"
+                        + ("" if s.name not in syms else " with those bounds")
+                    )
         updated: dict[str, str] = {}  # input name -> the node updating it in place
         for node in self.nodes:
             for target in node.op.updates.values():

@@ -28,7 +28,7 @@ from .comm import PeerTable, peer_key
 from .costmodel import H200
 from .errors import CuteMKError, DeadlockError, RaceError
 from .graph import Graph
-from .plan import Plan, dump_stage, instantiate
+from .plan import Plan, check_env, dump_stage, instantiate
 from .regions import node_regions
 from .scheduling import (
     SchedulingMode,
@@ -109,6 +109,7 @@ class InterpretedGraph:
 
     def plan(self, env: dict[str, int]) -> Plan:
         """The instantiated task graph for these dims (cached)."""
+        check_env(self.graph, env)  # before the cache: 5.0 or True must not find T=5 or T=1
         key = env_key(env)
         if key not in self._plans:
             self._plans[key] = instantiate(self.graph, env)
@@ -122,7 +123,9 @@ class InterpretedGraph:
                 self.plan(env), sched, self.num_sms
             )  # custom policies are checked too
             dump_stage(
-                self.plan(env), "schedule", lambda: {"queues": [list(q) for q in sched.queues]}
+                self.plan(env),
+                "schedule",
+                lambda: {"queues": [[int(t) for t in q] for q in sched.queues]},
             )
             self._schedules[key] = sched
         return self._schedules[key]

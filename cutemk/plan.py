@@ -23,6 +23,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -462,7 +463,10 @@ def dump_file(name: str, payload: Any) -> Path | None:
     root = Path(dump_dir)
     if root.exists() and not root.is_dir():
         raise CuteMKError(f"CUTEMK_DUMP={dump_dir!r} is a file, not a directory to dump into")
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CuteMKError(f"CUTEMK_DUMP={dump_dir!r}: cannot create the directory ({e})") from None
     path = root / safe
     if (
         isinstance(payload, dict)
@@ -633,7 +637,7 @@ def _add_waits(waits: list[list[int]], tasks: range, events: np.ndarray) -> None
 
 
 def _explicit_events(graph: Graph, plan: Plan) -> None:
-    env = plan.env
+    env = MappingProxyType(plan.env)  # the maps read the dims; a write would change the plan
     for em in graph.event_maps:
         ev = em.event
         shape = ev.concrete_shape(env)

@@ -27,7 +27,9 @@ def backend(name: str) -> Any:
 
 def register_scheduler(cls: type) -> type:
     """Class decorator: make a scheduling policy known by its ``name``."""
-    name = cls.name
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a scheduler class needs a non-empty str ``name``, got {name!r}")
     if name in _SCHEDULERS and _SCHEDULERS[name] is not cls:
         raise ValueError(f"scheduler name {name!r} registered twice")
     _SCHEDULERS[name] = cls

@@ -283,7 +283,9 @@ class CuteGraph(ProfileReaders):
         if not self.dynamic:
             sched = self.scheduler.build(plan, self.num_sms)
             check_static_schedule(plan, sched, self.num_sms)
-            dump_stage(plan, "schedule", lambda: {"queues": [list(q) for q in sched.queues]})
+            dump_stage(
+                plan, "schedule", lambda: {"queues": [[int(t) for t in q] for q in sched.queues]}
+            )
         low = lower(plan, sched, self.num_sms)
         arrays = low.program_arrays()
         dump_stage(plan, "lowered", arrays)

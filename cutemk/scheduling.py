@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Protocol, Union, runtime_checkable
 
@@ -62,19 +63,33 @@ class DynamicPolicy(Scheduler, Protocol):
 
 
 def resolve_scheduler(spec: Union[str, Scheduler]) -> Scheduler:
-    """'static' / 'dynamic' -> the default policy of that mode; instances pass through."""
+    """'static' / 'dynamic' (or another registered name) -> that policy; instances pass
+    through. Either way the policy is checked: a mode of :class:`SchedulingMode` and the
+    method that mode calls (``build`` / ``initial_order``)."""
     if isinstance(spec, Scheduler) and not isinstance(spec, type):  # a class is no instance
-        if not isinstance(spec.mode, SchedulingMode):
+        policy = spec
+    else:
+        known = scheduler_classes()
+        if not isinstance(spec, str) or spec not in known:
             raise ValueError(
-                f"scheduler {spec!r}: mode must be a SchedulingMode, got {spec.mode!r}"
+                f"scheduler must be one of {sorted(known)} or a Scheduler instance, got {spec!r}"
             )
-        return spec
-    known = scheduler_classes()
-    if not isinstance(spec, str) or spec not in known:
+        try:
+            policy = known[spec]()
+        except TypeError as e:
+            raise ValueError(
+                f"scheduler {spec!r}: a registered policy is built with no arguments ({e})"
+            ) from None
+    if not isinstance(policy.mode, SchedulingMode):
         raise ValueError(
-            f"scheduler must be one of {sorted(known)} or a Scheduler instance, got {spec!r}"
+            f"scheduler {policy!r}: mode must be a SchedulingMode, got {policy.mode!r}"
         )
-    return known[spec]()
+    method = "build" if policy.mode is SchedulingMode.STATIC else "initial_order"
+    if not callable(getattr(policy, method, None)):
+        raise ValueError(
+            f"scheduler {policy!r}: a {policy.mode.value} policy needs a {method}() method"
+        )
+    return policy
 
 
 def checked_initial_order(policy: Scheduler, plan: Plan) -> list[int]:
@@ -82,8 +97,10 @@ def checked_initial_order(policy: Scheduler, plan: Plan) -> list[int]:
     count 0 aside), each once, as ints; ``ScheduleError`` naming what is off (the GPU kernel
     pushes exactly those tasks, so an order that differs would test something else)."""
     order = policy.initial_order(plan)
-    try:
-        order = [int(t) for t in order]
+    try:  # ints (numpy's too), never a float or a string int() would truncate or parse
+        order = [operator.index(t) for t in order]
+        if any(isinstance(t, bool) for t in order):
+            raise TypeError
     except (TypeError, ValueError):
         raise ScheduleError(
             f"{policy.name}: initial_order must be a list of task ids, got {order!r:.200}"
@@ -113,6 +130,24 @@ def topological_order(plan: Plan) -> list[int]:
     return DepGraph.of(plan).topological_order(plan)
 
 
+def _check_queue_types(queues) -> None:
+    """A static schedule's queues are a sequence of sequences of int task ids (numpy ints too):
+    a float id passed the checks and was truncated by the lowering, a string queue failed
+    deep inside them. One pass over the ids' types, in C (``map(type, ...)``)."""
+    if not isinstance(queues, (tuple, list)) or not all(
+        isinstance(q, (tuple, list, range, np.ndarray)) for q in queues
+    ):
+        raise ScheduleError(
+            f"a static schedule's queues must be a sequence of task-id sequences, got "
+            f"{queues!r:.200}"
+        )
+    for kind in set(map(type, itertools.chain.from_iterable(queues))):
+        if kind is bool or not issubclass(kind, (int, np.integer)):
+            raise ScheduleError(
+                f"a static schedule queues task ids that are {kind.__name__}, not ints"
+            )
+
+
 def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None = None) -> None:
     """Raise ScheduleError unless every task is queued once, there are at most ``num_sms``
     queues (when given), and no cross-SM wait cycle exists."""
@@ -120,6 +155,7 @@ def check_static_schedule(plan: Plan, sched: StaticSchedule, num_sms: int | None
         raise ScheduleError(
             f"a static policy's build() must return a StaticSchedule, got {type(sched).__name__}"
         )
+    _check_queue_types(sched.queues)
     if num_sms is not None and sched.num_sms > num_sms:
         raise ScheduleError(f"static schedule has {sched.num_sms} queues for {num_sms} SMs")
     if sched.deps is None and native.lib() is not None:

@@ -9,6 +9,7 @@ every legal binding by interval arithmetic, used to size buffers and queues for 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Mapping, Union
 
@@ -107,7 +108,14 @@ class Sym(Expr):
             v = env[self.name]
         except KeyError:
             raise ShapeError(f"symbolic dim {self.name} is not bound") from None
-        return int(v)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        try:  # numpy ints too; never a float or a string, which int() would truncate or parse
+            if isinstance(v, bool):
+                raise TypeError
+            return operator.index(v)
+        except TypeError:
+            raise ShapeError(f"symbolic dim {self.name} is bound to {v!r}, not an int") from None
 
     def check(self, value: int, what: str = "") -> int:
         """Validate a value for this sym, naming ``what`` (the argument) in the error."""
@@ -187,6 +195,8 @@ def const(v: IntLike) -> Expr:
 
 def _bin(op: str, a: IntLike, b: IntLike) -> Expr:
     a, b = const(a), const(b)
+    if op in ("//", "cdiv") and isinstance(b, Const) and b.value == 0:
+        raise ZeroDivisionError(f"{op} of {a} by 0")
     if isinstance(a, Const) and isinstance(b, Const):
         return Const(BinOp(op, a, b).eval({}))
     # light simplification keeps printed plans readable
@@ -209,6 +219,8 @@ def sym(name: str, max: int, min: int = 1) -> Sym:
 def cdiv(a: IntLike, b: IntLike) -> IntLike:
     """Ceiling division, symbolic when either side is."""
     if isinstance(a, int) and isinstance(b, int):
+        if b == 0:
+            raise ZeroDivisionError(f"cdiv of {a} by 0")
         return -(-a // b)
     return _bin("cdiv", a, b)
 

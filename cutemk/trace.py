@@ -228,6 +228,8 @@ def launch_summary(
     from the first entry to the first task, the task span, the SMs' busy share of it (task
     time / (SMs x span)), from the last task's end to the last CTA's roles done and to the
     last exit (the close)."""
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
+        raise ValueError(f"num_sms must be a positive int (the launch's CTAs), got {num_sms!r}")
     if not records or not ctas:
         return {}
     first_entry = min(c["entry_ns"] for c in ctas)

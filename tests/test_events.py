@@ -278,3 +278,63 @@ def test_fractional_or_non_int_counts_are_refused_by_event(bad):
         instantiate(g, {"T": 12})
     with pytest.raises(TypeError, match="event rows: count must be an int"):
         mk.EventTensor((4,), bad, "rows")
+
+
+def test_an_events_declaration_is_checked_where_it_is_made():
+    """Bad entries, maps and shapes failed deep inside planning (``cannot unpack``, ``'tuple'
+    object is not callable``, ZeroDivisionError) or not at all (a negative dim, a sym no input
+    declares); they are named at ``g.event``."""
+    g, T, h, y = _two_gemms()
+    rows = lambda m, n: (m,)  # noqa: E731
+    bad = [
+        (dict(shape=(2,), notify=(h, rows), wait=[(y, rows)]), "each notify entry is a"),
+        (dict(shape=(2,), notify=[(h, (0,))], wait=[(y, rows)]), "notify map of gemm0 must be a"),
+        (dict(shape=(2,), notify=[(h, lambda m: (m,))], wait=[(y, rows)]), "must take 2 arg"),
+        (dict(shape=(2,), notify=[(h, rows)], wait=[(y, rows)], count=lambda i: 1), "count"),
+        (dict(shape=3, notify=[(h, rows)], wait=[(y, rows)]), "shape must be a tuple"),
+        (dict(shape=(3.0,), notify=[(h, rows)], wait=[(y, rows)]), r"shape\[0\] must be an int"),
+        (dict(shape=(-1,), notify=[(h, rows)], wait=[(y, rows)]), "must not be negative"),
+        (dict(shape=(True,), notify=[(h, rows)], wait=[(y, rows)]), r"shape\[0\] must be an int"),
+        (dict(shape=(2,), notify=[(h, rows)], wait=[(y, rows)], name=""), "non-empty str"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(mk.GraphError, match=match):
+            g.event(**kwargs)
+    with pytest.raises(ZeroDivisionError, match="by 0"):
+        T // 0
+    with pytest.raises(ZeroDivisionError, match="cdiv of 5 by 0"):
+        mk.cdiv(5, 0)
+
+
+def test_an_event_shape_uses_the_graphs_own_syms():
+    g, T, h, y = _two_gemms()
+    g.event((mk.sym("Q", max=4),), notify=[(h, lambda m, n: 0)], wait=[(y, lambda m, n: 0)])
+    with pytest.raises(mk.GraphError, match="uses sym Q, which no input or weight"):
+        g.validate()
+    g2, T2, h2, y2 = _two_gemms()
+    other_t = mk.sym("T", max=8)  # the graph's name, other bounds
+    g2.event((other_t,), notify=[(h2, lambda m, n: 0)], wait=[(y2, lambda m, n: 0)])
+    with pytest.raises(mk.GraphError, match=r"uses sym T \(max 8\).*with those bounds"):
+        g2.validate()
+
+
+def test_a_map_cannot_change_the_plans_dims():
+    """The maps got the plan's own dict: a write changed the dims of a cached plan (NaN
+    output, no error)."""
+    g, T, h, y = _two_gemms()
+
+    def writes(m, n, env):
+        env["T"] = 4
+        return (0,)
+
+    g.event((1,), notify=[(h, writes)], wait=[(y, lambda m, n: (0,))])
+    with pytest.raises(TypeError, match="does not support item assignment"):
+        instantiate(g, {"T": 8})
+
+
+def test_a_dim_bound_to_a_float_or_a_string_is_refused():
+    T = mk.sym("T", max=64)
+    for v in (2.7, "3", True):
+        with pytest.raises(mk.ShapeError, match="is bound to"):
+            (T + 1).eval({"T": v})
+    assert (T + 1).eval({"T": np.int64(3)}) == 4

@@ -489,3 +489,28 @@ def test_a_reference_that_rebinds_a_tensor_is_refused():
     ok = _scale_graph(_variant()).compile("interpret", num_sms=2)
     x = torch.randn(5, 8)
     torch.testing.assert_close(ok(x), 3 * x)
+
+
+def test_plan_dims_are_checked_before_the_cache():
+    """``plan({"T": 5.0})`` found the cached T=5 plan once T=5 had run (and ``True`` T=1's); a
+    list of pairs gave a raw AttributeError."""
+    import cutemk as mk
+    from cutemk.layers import mlp_graph
+
+    g = mlp_graph(mk.sym("T", max=64), 32, 48, block_m=8, block_n=16)
+    c = g.compile("interpret")
+    c.plan({"T": 5})
+    with pytest.raises(mk.ShapeError, match="must be an int"):
+        c.plan({"T": 5.0})
+    with pytest.raises(mk.ShapeError, match="must be an int"):
+        c.plan({"T": True})
+    with pytest.raises(TypeError, match="a dict of sym name"):
+        c.plan([("T", 5)])
+
+
+def test_a_launch_summary_needs_its_sm_count():
+    from cutemk.trace import launch_summary
+
+    for bad in (0, -1, None, 2.0):
+        with pytest.raises(ValueError, match="num_sms must be a positive int"):
+            launch_summary([], [], bad)

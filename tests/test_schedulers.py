@@ -1,12 +1,13 @@
 """Scheduling policies: static queues are complete, balanced and cycle-free; bad ones rejected."""
 
+import numpy as np
 import pytest
 import torch
+from cutemk.schedulers import DynamicScheduler, StaticScheduler
 
 import cutemk as mk
 from cutemk.layers import mlp_graph
 from cutemk.plan import instantiate
-from cutemk.schedulers import DynamicScheduler, StaticScheduler
 
 
 def _plan(t=40):
@@ -239,3 +240,98 @@ def test_idle_ties_put_the_small_tasks_on_the_sms_the_gemm_phases_leave_free(ben
     assert tail_alone  # a tail tile first on its SM: no qkv_proj tile before it
     with pytest.raises(ValueError, match="ties"):
         StaticScheduler(ties="random")
+
+
+def test_a_policy_is_checked_whatever_way_it_comes(request):
+    """A static instance with no ``build``, a registered class of mode "static" (a string), one
+    that needs arguments, a nameless one: raw AttributeError / TypeError deep inside before."""
+    from cutemk import registry
+    from cutemk.registry import register_scheduler
+    from cutemk.scheduling import SchedulingMode, resolve_scheduler
+
+    for probe in ("probe_string_mode", "probe_needs_args"):  # registered below, gone after
+        request.addfinalizer(lambda n=probe: registry._SCHEDULERS.pop(n, None))
+
+    class NoBuild:
+        mode, name = SchedulingMode.STATIC, "nobuild"
+
+    with pytest.raises(ValueError, match=r"a static policy needs a build\(\) method"):
+        resolve_scheduler(NoBuild())
+
+    class NoOrder:
+        mode, name = SchedulingMode.DYNAMIC, "noorder"
+
+    with pytest.raises(ValueError, match=r"needs a initial_order\(\) method"):
+        resolve_scheduler(NoOrder())
+
+    @register_scheduler
+    class StringMode:
+        mode, name = "static", "probe_string_mode"
+
+        def build(self, plan, num_sms):
+            return StaticScheduler().build(plan, num_sms)
+
+    with pytest.raises(ValueError, match="mode must be a SchedulingMode"):
+        resolve_scheduler("probe_string_mode")
+
+    @register_scheduler
+    class NeedsArgs(StaticScheduler):
+        name = "probe_needs_args"
+
+        def __init__(self, depth):
+            super().__init__()
+
+    with pytest.raises(ValueError, match="built with no arguments"):
+        resolve_scheduler("probe_needs_args")
+
+    class Nameless:
+        mode = SchedulingMode.STATIC
+
+    with pytest.raises(TypeError, match="non-empty str"):
+        register_scheduler(Nameless)
+
+
+def test_schedules_of_non_int_task_ids_are_refused():
+    """Float ids passed every check (the lowering truncated them); a string queue failed deep
+    inside; a dynamic order of 2.9 or "3" was truncated or parsed by int()."""
+    from cutemk.errors import ScheduleError
+    from cutemk.scheduling import StaticSchedule, check_static_schedule, checked_initial_order
+
+    _, p = _plan()
+    good = StaticScheduler().build(p, 4)
+    check_static_schedule(p, good, 4)
+    floats = StaticSchedule(tuple(tuple(float(t) for t in q) for q in good.queues))
+    with pytest.raises(ScheduleError, match="task ids that are float"):
+        check_static_schedule(p, floats, 4)
+    with pytest.raises(ScheduleError, match="sequence of task-id sequences"):
+        check_static_schedule(p, StaticSchedule("abc"), 4)
+    numpy_ids = StaticSchedule(tuple(tuple(np.int64(t) for t in q) for q in good.queues))
+    check_static_schedule(p, numpy_ids, 4)  # numpy ints are ints
+
+    class Floats(DynamicScheduler):
+        def initial_order(self, plan):
+            return [t + 0.9 for t in super().initial_order(plan)]
+
+    with pytest.raises(ScheduleError, match="initial_order must be a list of task ids"):
+        checked_initial_order(Floats(), p)
+
+
+def test_a_schedule_of_numpy_queues_is_dumped(monkeypatch, tmp_path):
+    """Numpy queues passed every check and ran, and failed only under ``CUTEMK_DUMP`` (numpy
+    ints are not JSON)."""
+    import json
+
+    from cutemk.scheduling import StaticSchedule
+
+    class NumpyQueues(StaticScheduler):
+        def build(self, plan, num_sms):
+            s = super().build(plan, num_sms)
+            return StaticSchedule(tuple(np.asarray(q, dtype=np.int64) for q in s.queues))
+
+    monkeypatch.setenv("CUTEMK_DUMP", str(tmp_path))
+    g, _ = _plan()
+    x = torch.randn(40, 64)
+    w = {"w_gate_up": torch.randn(96, 64) / 8, "w_down": torch.randn(64, 48) / 8}
+    g.compile("interpret", scheduler=NumpyQueues(), num_sms=4)(x, **w)
+    (dumped,) = tmp_path.glob("*.schedule.json")
+    assert sum(len(q) for q in json.loads(dumped.read_text())["queues"]) > 0
