@@ -46,6 +46,11 @@ def bind(
         t = given[leaf.name]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{leaf.name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested or t.layout != torch.strided:
+            kind = "nested" if t.is_nested else str(t.layout)
+            raise LayoutError(f"{leaf.name} must be a dense (strided) tensor, got a {kind} one")
+        if t.is_meta:
+            raise DeviceError(f"{leaf.name} is a meta tensor: it has no data to compute on")
         if t.dtype != leaf.dtype:
             raise DTypeError(f"{leaf.name} must have dtype {leaf.dtype}, got {t.dtype}")
         if t.dim() != len(leaf.shape):

@@ -103,7 +103,16 @@ class _Call:
     with the per-call slots (leaves, new outputs) left empty, and what each leaf must look like
     for a later call to reuse it without binding again."""
 
-    __slots__ = ("buffers", "checks", "device", "leaf_slots", "outputs", "run", "template")
+    __slots__ = (
+        "buffers",
+        "checks",
+        "device",
+        "leaf_slots",
+        "outputs",
+        "run",
+        "template",
+        "updated",
+    )
 
     @classmethod
     def build(cls, g: CuteGraph, b: _Buffers, leaves: tuple) -> _Call:
@@ -130,6 +139,14 @@ class _Call:
         ]
         # dtype, row-major strides (what bind's canonical view has), device index
         c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
+        # leaves updated in place, with every leaf's bytes: a later call must not alias them
+        # (``binding._check_updates_alone``); empty for most graphs, which then pay nothing
+        nbytes = tuple(t.numel() * t.element_size() for t in leaves)
+        c.updated = tuple(
+            (leaf_index[node.args[i].name], nbytes)
+            for node in g.graph.nodes
+            for i in node.op.updates.values()
+        )
         c.run = None  # the launch alone, made after the first launch (see CuteGraph._runner)
         return c
 
@@ -147,6 +164,14 @@ class _Call:
                 or t.data_ptr() % 16
             ):
                 return False
+        for i, nbytes in self.updated:  # an in-place leaf sharing memory: bind names it
+            a0 = args[i].data_ptr()
+            a1 = a0 + nbytes[i]
+            for j, t in enumerate(args):
+                if j != i and nbytes[j] and a0 < a1:
+                    b0 = t.data_ptr()
+                    if a0 < b0 + nbytes[j] and b0 < a1:
+                        return False
         return True
 
 

@@ -199,3 +199,30 @@ def test_cache_loads_precede_the_events_only_behind_kv_append():
     other = OtherWriter(**{f.name: getattr(node.op, f.name) for f in fields(node.op)})
     object.__setattr__(node, "op", other)
     assert not prefetches(g)["attention_decode"]
+
+
+def test_nested_sparse_and_meta_inputs_are_named():
+    from cutemk.errors import DeviceError, LayoutError
+
+    run = _graph().compile("interpret")
+    a = _step([5, 17], torch.Generator().manual_seed(4))
+    with pytest.raises(LayoutError, match="q must be a dense"):
+        run(**{**a, "q": a["q"].to_sparse()})
+    with pytest.raises(DeviceError, match="q is a meta tensor"):
+        run(**{**a, "q": a["q"].to("meta")})
+
+
+def test_a_repeated_call_with_caches_that_share_memory_binds_again():
+    """A compiled graph's later call with the shapes of an earlier one skips ``bind``: it must
+    not reuse that launch when an updated cache now shares memory with another leaf (the full
+    bind then refuses it)."""
+    from cutemk.runtime import _Call
+
+    caches = torch.randn(2, 64)
+    leaves = (torch.randn(64), caches[0], caches[1])
+    c = _Call()
+    c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
+    c.updated = ((1, (256, 256, 256)),)  # leaf 1 is updated in place
+    assert c.matches(leaves)
+    assert not c.matches((leaves[0], caches[0], caches[0]))  # one cache passed twice
+    assert not c.matches((caches[0], caches[0], caches[1]))  # the cache is another input too
