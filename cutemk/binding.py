@@ -49,8 +49,6 @@ def bind(
         if t.is_nested or t.layout != torch.strided:
             kind = "nested" if t.is_nested else str(t.layout)
             raise LayoutError(f"{leaf.name} must be a dense (strided) tensor, got a {kind} one")
-        if t.is_meta:
-            raise DeviceError(f"{leaf.name} is a meta tensor: it has no data to compute on")
         if t.dtype != leaf.dtype:
             raise DTypeError(f"{leaf.name} must have dtype {leaf.dtype}, got {t.dtype}")
         if t.dim() != len(leaf.shape):
@@ -64,6 +62,8 @@ def bind(
             device = t.device
         elif t.device != device:
             raise DeviceError(f"{leaf.name} is on {t.device} but earlier tensors are on {device}")
+        if t.is_meta:
+            raise DeviceError(f"{leaf.name} is a meta tensor: it has no data to compute on")
         if not t.is_contiguous():
             raise LayoutError(
                 f"{leaf.name} must be contiguous (got strides {t.stride()} for "

@@ -28,7 +28,10 @@ def plan_digest(plan: Any) -> int:
 
     env = {k: v for k, v in plan.env.items() if k != "RANK"}
     shared = [(e, plan.event_label[e], plan.event_count[e]) for e in sorted(plan.shared_events)]
-    digest = hashlib.sha256(repr((sorted(env.items()), shared)).encode()).digest()
+    # every value's concrete shape and dtype: ranks whose graphs differ in a fixed width or a
+    # dtype bind the same dims but would read each other's buffers wrongly
+    values = [(v.name, plan.shapes[v.name], str(v.dtype)) for v in plan.graph.values]
+    digest = hashlib.sha256(repr((sorted(env.items()), shared, values)).encode()).digest()
     return int.from_bytes(digest[:7], "little")
 
 

@@ -26,7 +26,7 @@ import torch
 from .binding import bind, env_key, fresh_
 from .comm import PeerTable, peer_key
 from .costmodel import H200
-from .errors import CuteMKError, DeadlockError, RaceError
+from .errors import CuteMKError, DeadlockError, GraphError, RaceError
 from .graph import Graph
 from .plan import Plan, check_env, dump_stage, instantiate
 from .regions import node_regions
@@ -97,6 +97,13 @@ class InterpretedGraph:
             raise TypeError(f"seed must be an int, got {seed!r}")
         if not isinstance(check_races, bool):
             raise TypeError(f"check_races must be a bool, got {check_races!r}")
+        world = graph.world_size()
+        if world not in (None, 1):
+            raise GraphError(
+                f"graph {graph.name!r} was built for {world} ranks: one interpreted process has "
+                f"no peers to read (simulate them with cutemk.world.simulate_world(g, {world}, "
+                "...), or run the cute backend on each rank)"
+            )
         self.graph = graph
         self.num_sms = num_sms
         self.scheduler = resolve_scheduler(scheduler)

@@ -396,6 +396,17 @@ def check_env(graph: Graph, env: Bindings) -> None:
             raise ShapeError(f"symbolic dim {name} is not bound")
         v = env[name]
         s.check(int(v) if isinstance(v, np.integer) else v, "the plan's bindings")
+    if "WORLD" in env or "RANK" in env:  # a distributed plan: this rank's place in the world
+        world, rank = env.get("WORLD", 1), env.get("RANK", 0)
+        for name, v in (("WORLD", world), ("RANK", rank)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise ShapeError(f"{name} must be an int, got {v!r}")
+        built = graph.world_size()
+        if world < 1 or (built is not None and world != built):
+            want = "at least 1" if built is None else f"{built} (the graph's ops were built for it)"
+            raise ShapeError(f"WORLD={world}: expected {want}")
+        if not 0 <= rank < world:
+            raise ShapeError(f"RANK={rank} is outside the world of {world} ranks")
     for node in graph.nodes:
         node.op.check_bindings(env)
 

@@ -56,6 +56,8 @@ def simulate_world(
         raise TypeError(f"simulate_world: world must be an int, got {world!r}")
     if world < 1:
         raise ValueError(f"simulate_world: world must be at least 1 rank, got {world}")
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
+        raise ValueError(f"simulate_world: num_sms must be a positive int, got {num_sms!r}")
     graph.validate()
     built = graph.world_size()
     if built is not None and built != world:

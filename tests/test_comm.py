@@ -293,3 +293,37 @@ def test_ranks_that_bind_different_dims_are_refused_by_name():
     inputs[1] = {"a": inputs[1]["a"][:32], "w": inputs[1]["w"]}
     with pytest.raises(mk.CuteMKError, match=r"rank 1: the ranks built different plans"):
         simulate_world(g, 2, inputs, "static", num_sms=4)
+
+
+def test_a_graph_of_several_ranks_is_not_interpreted_as_one():
+    """The interpreter ran a world-2 all-gather in one process: 640 NaNs, no error; a plan for
+    WORLD=3 of a graph built for 2, or RANK past the world, or RANK=1.0, were taken."""
+    S = mk.sym("S", max=256)
+    g = mk.Graph("ag")
+    x = g.input("x", (S, 32))
+    g.output(g.call(ops.all_gather, x, world=2, block_m=16, block_n=32), "y")
+    with pytest.raises(GraphError, match="built for 2 ranks.*simulate_world"):
+        g.compile("interpret", num_sms=2)
+    with pytest.raises(ShapeError, match=r"WORLD=3: expected 2"):
+        mk.instantiate(g, {"S": 20, "RANK": 0, "WORLD": 3})
+    with pytest.raises(ShapeError, match="RANK=2 is outside the world of 2"):
+        mk.instantiate(g, {"S": 20, "RANK": 2, "WORLD": 2})
+    with pytest.raises(ShapeError, match="RANK must be an int"):
+        mk.instantiate(g, {"S": 20, "RANK": 1.0, "WORLD": 2})
+    with pytest.raises(ValueError, match="num_sms must be a positive int"):
+        simulate_world(g, 2, [{"x": torch.randn(20, 32)}] * 2, num_sms=0)
+
+
+def test_ranks_with_other_widths_or_dtypes_build_different_plans():
+    """The digest held only the dims and the shared events: ranks whose graphs differ in a fixed
+    width or a dtype agreed, and would read each other's buffers wrongly."""
+    from cutemk.comm import plan_digest
+
+    S = mk.sym("S", max=256)
+    env = {"S": 24, "WORLD": 2}
+    a = mk.instantiate(ag_gemm_graph(S, 64, 40, 2, torch.float32), {**env, "RANK": 0})
+    b = mk.instantiate(ag_gemm_graph(S, 32, 40, 2, torch.float32), {**env, "RANK": 1})
+    c = mk.instantiate(ag_gemm_graph(S, 64, 40, 2, torch.bfloat16), {**env, "RANK": 1})
+    same = mk.instantiate(ag_gemm_graph(S, 64, 40, 2, torch.float32), {**env, "RANK": 1})
+    assert plan_digest(a) != plan_digest(b) and plan_digest(a) != plan_digest(c)
+    assert plan_digest(a) == plan_digest(same)
