@@ -15,6 +15,7 @@ tools such as ``benchmarks/host_path.py``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from .moe_layers import fused_combine_has_tile
 from .ops import DECODE_GATE_UP_WIDTHS, wave_fit_width  # noqa: F401 (re-exported)
 from .ops.gemm_splitk import SLICE as SPLIT_SLICE
 from .symbolic import sym
+from .tileop import check_field_value, expect_positive_int
 
 DECODE_MAX_TOKENS = 128
 """Largest token count the decode regimes serve; larger ones go to the prefill graph."""
@@ -245,6 +247,13 @@ def regime_of(limits: dict[str, int | None], tokens: int) -> str:
     raise AssertionError("the last regime has no limit")
 
 
+def _regime_limit(limits: dict, regime: str, layer: str) -> int | None:
+    """The most tokens ``regime`` serves, or a ValueError naming the regimes there are."""
+    if not isinstance(regime, str) or regime not in limits:
+        raise ValueError(f"no {layer} regime {regime!r}; known: {list(limits)}")
+    return limits[regime]
+
+
 def mlp_regime_graph(
     hidden: int,
     intermediate: int,
@@ -257,7 +266,8 @@ def mlp_regime_graph(
     """The graph :class:`MegaMLP` compiles for ``regime`` (tiles from :data:`MLP_TILES`,
     splits from :data:`MLP_SPLIT_K`, the decode gate/up width from :func:`wave_fit_width`
     over ``num_sms``), for at most ``max_tokens`` tokens; no weights needed."""
-    limit = REGIME_LIMITS[regime]
+    limit = _regime_limit(REGIME_LIMITS, regime, "MLP")
+    expect_positive_int(num_sms, "num_sms")
     limit = max_tokens if limit is None else min(max_tokens, limit)
     (block_m, block_n), down = mlp_tiles(regime, backend)
     split_k = MLP_SPLIT_K.get((backend, regime), 1)
@@ -300,6 +310,33 @@ MOE_TILE_DEFAULTS: dict = {
 and their defaults: :func:`moe_tiles` gives every one, so a config built on another's keeps
 none of its tiles."""
 
+OPTION_SIZE_MAX = {"block_m": 256, "block_n": 256, "down_block_n": 256, "router_block_n": 256}
+"""Largest GEMM tile sizes the options take: no wgmma tile is wider, and the SIMT tile of a
+larger one would take minutes to compile."""
+
+
+def moe_options(options: dict[str, Any] | None, who: str = "options") -> dict[str, Any]:
+    """``options`` checked: known tile fields (:data:`MOE_TILE_DEFAULTS`), a bool for a switch, a
+    positive int (or None where the field takes it) for a size. A field given either way
+    overrides the regime's tiles (:data:`cutemk.regimes.MOE_TILES`), so it is kept (and is
+    part of the module's key) even where it repeats them; they pass through ``moe_tiles``' rules,
+    and shapes an op refuses are refused when its regime's graph is built."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"{who} must be a dict of tile fields, got {type(options).__name__}")
+    options = dict(options or {})
+    for name, value in options.items():
+        if name not in MOE_TILE_DEFAULTS:
+            raise ValueError(f"{who}: unknown {name!r}; known: {list(MOE_TILE_DEFAULTS)}")
+        check_field_value(MoeConfig, name, value, who)  # the field's type
+        if value is None or isinstance(value, bool):
+            continue
+        if value < 1:
+            raise ValueError(f"{who}: {name} must be positive, got {value}")
+        if value > OPTION_SIZE_MAX.get(name, value):
+            raise ValueError(f"{who}: {name} must be at most {OPTION_SIZE_MAX[name]}, got {value}")
+    return options
+
+
 SLOT_GATE_UP_WIDTHS = (48, 64, 96, 128)
 """Gate/up tile widths the 'slots' regime picks from (:func:`moe_tiles`): one token's top-k
 experts are ``top_k * intermediate / width`` tiles, so Qwen3-30B-A3B's 8 x 768 columns are 96
@@ -328,7 +365,14 @@ def moe_tiles(
     token, not two: at two, 48 columns (256 tiles, two waves) stream as many columns an SM as
     96 (128 tiles, one wave). ``overrides`` (``MegaMoE``'s options) go over the table's entry
     before those rules, so they are held to them too."""
-    tiles = {**MOE_TILE_DEFAULTS, **MOE_TILES[(backend, regime)], **(overrides or {})}
+    if (backend, regime) not in MOE_TILES:
+        raise ValueError(
+            f"no MoE tiles for backend={backend!r}, regime={regime!r}; known: {sorted(MOE_TILES)}"
+        )
+    if num_sms is not None:
+        expect_positive_int(num_sms, "num_sms")
+    overrides = moe_options(overrides, "moe_tiles overrides")
+    tiles = {**MOE_TILE_DEFAULTS, **MOE_TILES[(backend, regime)], **overrides}
     if tiles["block_n"] is None:
         tiles["block_n"] = 64
         if intermediate and top_k:
@@ -360,7 +404,9 @@ def moe_regime_graph(
     """The graph :class:`MegaMoE` compiles for ``regime`` (tiles from :func:`moe_tiles` for
     ``num_sms`` SMs, routing on logits in ``dtype``, ``options``: :class:`MoeConfig` fields
     over them), for at most ``max_tokens`` tokens; no weights needed."""
-    limit = MOE_REGIME_LIMITS[regime]
+    limit = _regime_limit(MOE_REGIME_LIMITS, regime, "MoE")
+    if num_sms is not None:
+        expect_positive_int(num_sms, "num_sms")
     limit = max_tokens if limit is None else min(max_tokens, limit)
     sizes = {"intermediate": intermediate, "top_k": top_k, "num_sms": num_sms}
     tiles = moe_tiles(regime, hidden, backend, dtype, overrides=options, **sizes)

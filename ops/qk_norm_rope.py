@@ -147,6 +147,12 @@ class QkNormRopeTile(TileOp):
         return ("positions", "page_table", "seq_lens") if self.appends else ("positions",)
 
     def __post_init__(self) -> None:
+        expect_positive_int(self.heads, "qk_norm_rope heads")
+        expect_positive_int(self.kv_heads, "qk_norm_rope kv_heads")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise TypeError(f"qk_norm_rope eps must be a number, got {self.eps!r}")
+        if not 0 < self.eps < float("inf"):  # 0 on an all-zero row, or negative: NaN q and k
+            raise ValueError(f"qk_norm_rope eps must be positive and finite, got {self.eps}")
         if self.split:
             expect_dtype(self.qkv, (torch.float32,), "qk_norm_rope split partials")
             if not isinstance(self.qkv.shape[0], int):

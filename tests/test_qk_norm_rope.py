@@ -330,3 +330,27 @@ def test_fused_tail_on_the_gpu(norm, head_block, k_in):
         for got, want in ((q, want_q), (kc, want_k), (vc, want_v)):
             got = got.float().cpu()
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_heads_and_eps_are_checked():
+    """``eps`` <= 0 gave NaN q and k with no error, ``heads=0`` an empty q, ``kv_heads=-1`` a
+    ZeroDivisionError."""
+    import cutemk as mk
+    from cutemk import ops
+
+    T = mk.sym("T", max=16)
+    for kwargs, err, match in [
+        (dict(heads=4, kv_heads=2, eps=-1.0), ValueError, "eps must be positive"),
+        (dict(heads=4, kv_heads=2, eps=0.0), ValueError, "eps must be positive"),
+        (dict(heads=4, kv_heads=2, eps=float("nan")), ValueError, "eps must be"),
+        (dict(heads=4, kv_heads=2, eps="1e-6"), TypeError, "eps must be a number"),
+        (dict(heads=0, kv_heads=2), ValueError, "heads must be a positive int"),
+        (dict(heads=2, kv_heads=-1), ValueError, "kv_heads must be a positive int"),
+    ]:
+        g = mk.Graph("qk")
+        qkv = g.input("qkv", (T, 8 * 32))
+        qw, kw = g.weight("qw", (32,)), g.weight("kw", (32,))
+        cs = g.input("cos_sin", (64, 32))
+        pos = g.input("positions", (T,), torch.int32)
+        with pytest.raises(err, match=match):
+            g.call(ops.qk_norm_rope, qkv, qw, kw, cs, pos, **kwargs)

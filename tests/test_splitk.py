@@ -674,3 +674,43 @@ def test_norm_width_needs_sums_of_squares_from_a_reduce():
     g.output(g.call(ops.gemm_split_reduce, part, ss, norm_eps=1e-6, norm_width=256), "y")
     with pytest.raises(GraphError, match="sumsq"):
         g.compile("interpret", num_sms=2)
+
+
+def test_the_regime_builders_name_what_is_wrong():
+    """An unknown regime was a raw KeyError, ``num_sms=0`` a ZeroDivisionError (0 and -1
+    otherwise passed or were replaced by 132), a bad option a raw TypeError."""
+    from cutemk import regimes
+
+    for call, err, match in [
+        (lambda: regimes.mlp_regime_graph(64, 48, "decod", BF, 64), ValueError, "no MLP regime"),
+        (
+            lambda: regimes.moe_regime_graph(64, 48, 8, 2, True, "slot", BF, 64),
+            ValueError,
+            "no MoE regime",
+        ),
+        (lambda: regimes.moe_tiles("decode", 64, backend="cuda"), ValueError, "no MoE tiles"),
+        (
+            lambda: regimes.mlp_regime_graph(4096, 12288, "decode", BF, 128, num_sms=0),
+            ValueError,
+            "num_sms must be a positive int",
+        ),
+        (
+            lambda: regimes.moe_tiles("decode", 64, num_sms=0, intermediate=48, top_k=2),
+            ValueError,
+            "num_sms must be a positive int",
+        ),
+        (
+            lambda: regimes.moe_regime_graph(
+                64, 48, 8, 2, True, "decode", BF, 64, options={"router_split": "x"}
+            ),
+            TypeError,
+            "router_split",
+        ),
+        (
+            lambda: regimes.moe_tiles("decode", 64, overrides={"block_q": 4}),
+            ValueError,
+            "unknown 'block_q'",
+        ),
+    ]:
+        with pytest.raises(err, match=match):
+            call()

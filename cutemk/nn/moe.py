@@ -9,9 +9,7 @@ from torch import nn
 
 from .. import torch_ops
 from ..errors import CuteMKError, DeviceError, DTypeError, ShapeError
-from ..layers import MoeConfig
-from ..regimes import MOE_REGIME_LIMITS, MOE_TILE_DEFAULTS, moe_regime_graph
-from ..tileop import check_field_value
+from ..regimes import MOE_REGIME_LIMITS, MOE_TILE_DEFAULTS, moe_options, moe_regime_graph
 from .base import (
     _check_launch,
     _check_no_bias,
@@ -30,35 +28,9 @@ MOE_OPTIONS = tuple(MOE_TILE_DEFAULTS)
 TOPK_MAX = 32
 """Most experts a token picks (the top-k's picks are one a lane of a warp)."""
 
-OPTION_SIZE_MAX = {"block_m": 256, "block_n": 256, "down_block_n": 256, "router_block_n": 256}
-"""Largest GEMM tile sizes the options take: no wgmma tile is wider, and the SIMT tile of a
-larger one would take minutes to compile."""
-
 
 def _moe_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """``options`` checked: known tile fields (:data:`MOE_OPTIONS`), a bool for a switch, a
-    positive int (or None where the field takes it) for a size. A field given either way
-    overrides the regime's tiles (:data:`cutemk.regimes.MOE_TILES`), so it is kept (and is
-    part of the module's key) even where it repeats them; they pass through ``moe_tiles``' rules,
-    and shapes an op refuses are refused when its regime's graph is built."""
-    if options is not None and not isinstance(options, dict):
-        raise TypeError(
-            f"MegaMoE options must be a dict of tile fields, got {type(options).__name__}"
-        )
-    options = dict(options or {})
-    for name, value in options.items():
-        if name not in MOE_OPTIONS:
-            raise ValueError(f"MegaMoE options: unknown {name!r}; known: {list(MOE_OPTIONS)}")
-        check_field_value(MoeConfig, name, value, "MegaMoE options")  # the field's type
-        if value is None or isinstance(value, bool):
-            continue
-        if value < 1:
-            raise ValueError(f"MegaMoE options: {name} must be positive, got {value}")
-        if value > OPTION_SIZE_MAX.get(name, value):
-            raise ValueError(
-                f"MegaMoE options: {name} must be at most {OPTION_SIZE_MAX[name]}, got {value}"
-            )
-    return options
+    return moe_options(options, "MegaMoE options")
 
 
 class MegaMoE(_LiveModule):
