@@ -127,6 +127,12 @@ def linear(
     cannot take the norm (the caller then adds the norm). Where it can, the reduce node is kept
     for it (no ``fuse_reduce``)."""
     pair = sumsq or out_norm is not None  # (y, ss) or (y, normed) comes back
+    expect_positive_sizes(block_m=block_m, block_n=block_n)
+    if split_block_n is not None:  # 0 or negative was replaced by the default, silently
+        expect_positive_int(split_block_n, "linear split_block_n")
+    for flag, v in (("sumsq", sumsq), ("reduce", reduce), ("fuse_reduce", fuse_reduce)):
+        if not isinstance(v, bool):
+            raise TypeError(f"linear {flag} must be True or False, got {v!r}")
     if out_norm is not None:
         if sumsq or not reduce:
             raise GraphError(f"linear {name}: out_norm takes neither sumsq nor reduce=False")
@@ -292,6 +298,12 @@ def mlp_graph(
     expect_positive_sizes(
         hidden=hidden, intermediate=intermediate, block_m=block_m, block_n=block_n
     )
+    for flag, v in (("fuse_silu", fuse_silu), ("fuse_reduce", fuse_reduce)):
+        if not isinstance(v, bool):  # "no" fused
+            raise TypeError(f"mlp_graph {flag} must be True or False, got {v!r}")
+    for what, pair in (("down_block", down_block), ("split_k", split_k)):
+        if isinstance(pair, tuple) and len(pair) != 2:
+            raise ValueError(f"mlp_graph {what} must be a pair, got {pair!r}")
     g = Graph("qwen3_mlp")
     x = g.input("x", (tokens, hidden), dtype)
     w_gu = g.weight("w_gate_up", (2 * intermediate, hidden), dtype)

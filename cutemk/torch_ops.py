@@ -99,7 +99,9 @@ def mega_live(
     device int (``num_tokens``), the module's weights in its graphs' leaf order -> (max_tokens,
     H), rows past the count undefined. Its shapes never depend on the count, so a compiled
     module captures once (``mode="reduce-overhead"``) for every count."""
-    return _runner(key)._live_rows(x, num_tokens, weights)
+    module = _runner(key)
+    module._check_live_args(x, weights)  # the op may be called directly
+    return module._live_rows(x, num_tokens, weights)
 
 
 @mega_live.register_fake

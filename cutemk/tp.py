@@ -17,16 +17,27 @@ This module sits above the core, beside ``cutemk.layers``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cutemk import ops
 from cutemk.graph import Graph
 from cutemk.symbolic import Sym, cdiv
+from cutemk.tileop import expect_positive_sizes
 
 
 def _span(lo: int, hi: int, size: int) -> range:
     """Block indices of blocks of ``size`` that overlap ``[lo, hi)``."""
     return range(lo // size, (hi - 1) // size + 1) if hi > lo else range(0)
+
+
+def _check_tp(tokens: Any, name: str, **sizes: Any) -> None:
+    """The token dim is a sym (its value is read from the plan's dims) and every size a
+    positive int: 0 was taken for a block and replaced by the default, or ran empty."""
+    if not isinstance(tokens, Sym):
+        raise TypeError(f"{name} must be a sym (cutemk.sym), got {tokens!r}")
+    expect_positive_sizes(**sizes)
 
 
 def gemm_rs_graph(
@@ -42,7 +53,10 @@ def gemm_rs_graph(
 ) -> Graph:
     """``out = reduce_scatter(a @ w^T)``: leaves ``a`` (tokens, k_shard), ``w`` (n, k_shard);
     output ``out`` (tokens / world, n), this rank's rows of the sum over ranks."""
-    rs_bm, rs_bn = rs_block_m or block_m, rs_block_n or block_n
+    _check_tp(tokens, "tokens", k_shard=k_shard, n=n, world=world, block_m=block_m, block_n=block_n)
+    rs_bm = block_m if rs_block_m is None else rs_block_m
+    rs_bn = block_n if rs_block_n is None else rs_block_n
+    expect_positive_sizes(rs_block_m=rs_bm, rs_block_n=rs_bn)
     g = Graph(f"gemm_rs_w{world}")
     a = g.input("a", (tokens, k_shard), dtype)
     w = g.weight("w", (n, k_shard), dtype)
@@ -80,7 +94,18 @@ def ag_gemm_graph(
 ) -> Graph:
     """``y = all_gather(x) @ w^T``: leaves ``x`` (shard_tokens, k), this rank's rows, and ``w``
     (n_shard, k); output ``y`` (shard_tokens * world, n_shard)."""
-    ag_bn = ag_block_n or k
+    _check_tp(
+        shard_tokens,
+        "shard_tokens",
+        k=k,
+        n_shard=n_shard,
+        world=world,
+        block_m=block_m,
+        block_n=block_n,
+        ag_block_m=ag_block_m,
+    )
+    ag_bn = k if ag_block_n is None else ag_block_n
+    expect_positive_sizes(ag_block_n=ag_bn)
     g = Graph(f"ag_gemm_w{world}")
     x = g.input("x", (shard_tokens, k), dtype)
     w = g.weight("w", (n_shard, k), dtype)

@@ -714,3 +714,33 @@ def test_the_regime_builders_name_what_is_wrong():
     ]:
         with pytest.raises(err, match=match):
             call()
+
+
+def test_zero_blocks_and_string_flags_are_refused():
+    """``split_block_n=0`` ran with 256, ``rs_block_m=0`` / ``ag_block_n=0`` with the defaults,
+    ``fuse_silu="no"`` fused, an int for the token sym failed when planned, a one-element
+    ``down_block`` was a raw unpack error."""
+    from cutemk.tp import ag_gemm_graph, gemm_rs_graph
+
+    T = mk.sym("T", max=64)
+    g = mk.Graph("lin")
+    x, w = g.input("x", (T, 64)), g.weight("w", (64, 64))
+    for kwargs, err, match in [
+        (dict(split_k=2, split_block_n=0), ValueError, "split_block_n must be a positive int"),
+        (dict(block_n=0), ValueError, "block_n must be a positive int"),
+        (dict(fuse_reduce="no"), TypeError, "fuse_reduce must be True or False"),
+    ]:
+        with pytest.raises(err, match=match):
+            linear(g, x, w, **{"block_m": 16, "block_n": 64, **kwargs})
+    with pytest.raises(TypeError, match="fuse_silu must be True or False"):
+        mlp_graph(T, 64, 48, fuse_silu="no")
+    with pytest.raises(ValueError, match="down_block must be a pair"):
+        mlp_graph(T, 64, 48, down_block=(16,))
+    with pytest.raises(ValueError, match="rs_block_m must be a positive int"):
+        gemm_rs_graph(T, 48, 96, 2, rs_block_m=0)
+    with pytest.raises(ValueError, match="ag_block_n must be a positive int"):
+        ag_gemm_graph(T, 48, 96, 2, ag_block_n=0)
+    with pytest.raises(TypeError, match="tokens must be a sym"):
+        gemm_rs_graph(64, 48, 96, 2)
+    with pytest.raises(ValueError, match="k_shard must be a positive int"):
+        gemm_rs_graph(T, 0, 96, 2)

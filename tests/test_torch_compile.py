@@ -251,3 +251,21 @@ def test_fullgraph_compile_after_an_eager_call_at_the_same_shape(make):
     want = m(x)
     got = torch.compile(m, fullgraph=True, backend="eager")(x)
     torch.testing.assert_close(got, want)
+
+
+def test_the_live_op_called_directly_checks_its_arguments():
+    """``torch.ops.cutemk.mega_live`` called by hand skipped ``forward_live``'s checks: x of 10
+    rows for a module of 256 ran, an empty weight list was a raw IndexError."""
+    from cutemk import torch_ops
+    from cutemk.errors import LayoutError
+
+    m = _mlp("interpret")
+    key = torch_ops.key_of(m)
+    weights = list(m._leaf_weights())
+    n = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(LayoutError, match=r"takes x of shape \(256, 64\)"):
+        torch.ops.cutemk.mega_live(torch.randn(10, 64), n, weights, key)
+    with pytest.raises(LayoutError, match="takes its 2 weights"):
+        torch.ops.cutemk.mega_live(torch.randn(256, 64), n, [], key)
+    y = torch.ops.cutemk.mega_live(torch.randn(256, 64), n, weights, key)
+    assert y.shape == (256, 64)

@@ -263,6 +263,35 @@ class _LiveModule(_KeyedModule):
             y = torch.ops.cutemk.mega_live(x2, num_tokens, list(weights), key)
         return y if x.dim() == 2 else y.reshape(x.shape)
 
+    def _check_live_args(self, x2: Any, weights: Any) -> None:
+        """The arguments of ``torch.ops.cutemk.mega_live`` called directly, past
+        :meth:`forward_live`'s checks: (max_tokens, H) rows in the weights' dtype, and as many
+        weights as the module's, of their shapes and dtypes."""
+        own = self._leaf_weights()
+        if (
+            not isinstance(weights, (list, tuple))
+            or len(weights) != len(own)
+            or any(
+                not isinstance(w, torch.Tensor) or w.shape != o.shape or w.dtype != o.dtype
+                for w, o in zip(weights, own)
+            )
+        ):
+            raise LayoutError(
+                f"{type(self).__name__}: the live call takes its {len(own)} weights (shapes "
+                f"{[tuple(o.shape) for o in own]}), got {weights!r:.120}"
+            )
+        if (
+            not isinstance(x2, torch.Tensor)
+            or x2.dim() != 2
+            or tuple(x2.shape) != (self.max_tokens, self.hidden)
+            or x2.dtype != own[-1].dtype
+        ):
+            raise LayoutError(
+                f"{type(self).__name__}: the live call takes x of shape "
+                f"({self.max_tokens}, {self.hidden}) in {own[-1].dtype}, got "
+                f"{getattr(x2, 'shape', x2)!r}"
+            )
+
     def _live_rows(
         self,
         x2: torch.Tensor,
