@@ -306,6 +306,21 @@ class Graph:
                         + ", which no input or weight of the graph declares"
                         + ("" if s.name not in syms else " with those bounds")
                     )
+        outputs = {v.name for v in self.outputs}
+        for node in self.nodes:  # values other ranks reach live in symmetric memory
+            for a in node.op.peer_values:
+                v = node.args.get(a) or node.results[a]
+                if v.producer is None:
+                    raise GraphError(
+                        f"{node.name}.{a} ({v.name}) is reached by other ranks, so it must live "
+                        "in symmetric memory: produce it in the graph (copy the input with an "
+                        "op), not pass it as an input"
+                    )
+                if v.name in outputs:
+                    raise GraphError(
+                        f"{v.name} is reached by other ranks, so it lives in symmetric memory "
+                        "and cannot be a graph output (copy it out with another op)"
+                    )
         updated: dict[str, str] = {}  # input name -> the node updating it in place
         for node in self.nodes:
             for target in node.op.updates.values():

@@ -241,10 +241,12 @@ def regime_starts(limits: dict[str, int | None], max_tokens: int) -> list[tuple[
 def regime_of(limits: dict[str, int | None], tokens: int) -> str:
     """The first regime of ``limits`` (in order, the most tokens each serves) that takes
     ``tokens``."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"a regime serves a positive int of tokens, got {tokens!r}")
     for name, limit in limits.items():
         if limit is None or tokens <= limit:
             return name
-    raise AssertionError("the last regime has no limit")
+    raise ValueError(f"{tokens} tokens are past every regime's limit ({dict(limits)})")
 
 
 def _regime_limit(limits: dict, regime: str, layer: str) -> int | None:

@@ -299,9 +299,7 @@ def test_a_graph_of_several_ranks_is_not_interpreted_as_one():
     """The interpreter ran a world-2 all-gather in one process: 640 NaNs, no error; a plan for
     WORLD=3 of a graph built for 2, or RANK past the world, or RANK=1.0, were taken."""
     S = mk.sym("S", max=256)
-    g = mk.Graph("ag")
-    x = g.input("x", (S, 32))
-    g.output(g.call(ops.all_gather, x, world=2, block_m=16, block_n=32), "y")
+    g = ag_gemm_graph(S, 32, 40, 2, torch.float32, 16, 8, 8)
     with pytest.raises(GraphError, match="built for 2 ranks.*simulate_world"):
         g.compile("interpret", num_sms=2)
     with pytest.raises(ShapeError, match=r"WORLD=3: expected 2"):
@@ -311,7 +309,7 @@ def test_a_graph_of_several_ranks_is_not_interpreted_as_one():
     with pytest.raises(ShapeError, match="RANK must be an int"):
         mk.instantiate(g, {"S": 20, "RANK": 1.0, "WORLD": 2})
     with pytest.raises(ValueError, match="num_sms must be a positive int"):
-        simulate_world(g, 2, [{"x": torch.randn(20, 32)}] * 2, num_sms=0)
+        simulate_world(g, 2, [{"x": torch.randn(20, 32), "w": torch.randn(40, 32)}] * 2, num_sms=0)
 
 
 def test_ranks_with_other_widths_or_dtypes_build_different_plans():
@@ -327,3 +325,19 @@ def test_ranks_with_other_widths_or_dtypes_build_different_plans():
     same = mk.instantiate(ag_gemm_graph(S, 64, 40, 2, torch.float32), {**env, "RANK": 1})
     assert plan_digest(a) != plan_digest(b) and plan_digest(a) != plan_digest(c)
     assert plan_digest(a) == plan_digest(same)
+
+
+def test_a_value_other_ranks_reach_is_produced_in_the_graph_and_kept_inside():
+    """The simulator ran what the device refuses (or fails on with a KeyError): the gathered
+    rows as a graph output, and a reduce-scatter of a graph input (peer tables exist for
+    intermediates only)."""
+    S = mk.sym("S", max=256)
+    g = mk.Graph("ag_out")
+    g.output(g.call(ops.all_gather, g.input("x", (S, 32)), world=2, block_m=16, block_n=32), "y")
+    with pytest.raises(GraphError, match="cannot be a graph output"):
+        g.validate()
+    g2 = mk.Graph("rs_in")
+    p = g2.input("partial", (S, 32))
+    g2.output(g2.call(ops.reduce_scatter, p, world=2, block_m=16, block_n=32), "y")
+    with pytest.raises(GraphError, match=r"reached by other ranks.*not pass it as an input"):
+        g2.validate()
