@@ -112,27 +112,42 @@ def trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """argparse type: a positive int (a bad one is a usage error, not a traceback)."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not positive")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cutemk")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run the Qwen3-MoE layer and check it against torch")
-    d.add_argument("--tokens", type=int, nargs="+", default=[1, 7, 64, 300])
-    d.add_argument("--max-tokens", type=int, default=512)
-    d.add_argument("--hidden", type=int, default=128)
-    d.add_argument("--intermediate", type=int, default=64)
-    d.add_argument("--experts", type=int, default=8)
-    d.add_argument("--top-k", type=int, default=2)
-    d.add_argument("--sms", type=int, default=16)
+    d.add_argument("--tokens", type=_positive, nargs="+", default=[1, 7, 64, 300])
+    d.add_argument("--max-tokens", type=_positive, default=512)
+    d.add_argument("--hidden", type=_positive, default=128)
+    d.add_argument("--intermediate", type=_positive, default=64)
+    d.add_argument("--experts", type=_positive, default=8)
+    d.add_argument("--top-k", type=_positive, default=2)
+    d.add_argument("--sms", type=_positive, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--cpu", action="store_true", help="use the interpreter even with a GPU")
     tr = sub.add_parser("trace", help="profile a Qwen3-sized MLP megakernel (GPU)")
-    tr.add_argument("--tokens", type=int, default=256)
-    tr.add_argument("--hidden", type=int, default=2048)
-    tr.add_argument("--intermediate", type=int, default=6144)
+    tr.add_argument("--tokens", type=_positive, default=256)
+    tr.add_argument("--hidden", type=_positive, default=2048)
+    tr.add_argument("--intermediate", type=_positive, default=6144)
     tr.add_argument("--scheduler", default="dynamic", choices=["static", "dynamic"])
     tr.add_argument("--out", default="mlp.trace.json")
     args = p.parse_args(argv)
     if args.cmd == "demo":
+        if max(args.tokens) > args.max_tokens:
+            d.error(f"--tokens {max(args.tokens)} is past --max-tokens {args.max_tokens}")
+        if args.top_k > args.experts:
+            d.error(f"--top-k {args.top_k} is more than --experts {args.experts}")
         return demo(args)
     return trace(args)
 
