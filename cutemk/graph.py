@@ -214,13 +214,7 @@ class Graph:
         self._check_open()
         if not isinstance(name, str) or not name:
             raise GraphError(f"an event's name must be a non-empty str, got {name!r}")
-        if not isinstance(shape, (tuple, list, torch.Size)):
-            raise GraphError(f"event {name}: shape must be a tuple of ints and syms, got {shape!r}")
-        for d, dim in enumerate(shape):
-            if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
-                raise GraphError(f"event {name}: shape[{d}] must be an int or a sym, got {dim!r}")
-            if _can_be_negative(dim):
-                raise GraphError(f"event {name}: shape[{d}] must not be negative, got {dim}")
+        _check_dims(shape, f"event {name}: shape", GraphError, GraphError)
         ev = EventTensor(
             tuple(const(d) if not isinstance(d, int) else d for d in shape), count, name
         )
@@ -379,13 +373,7 @@ class Graph:
         self._check_open()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
-        if not isinstance(shape, (tuple, list, torch.Size)):
-            raise TypeError(f"{name}: shape must be a tuple of ints and syms, got {shape!r}")
-        for d, dim in enumerate(shape):
-            if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
-                raise TypeError(f"{name}.shape[{d}] must be an int or a sym, got {dim!r}")
-            if _can_be_negative(dim):
-                raise ShapeError(f"{name}.shape[{d}] must not be negative, got {dim}")
+        _check_dims(shape, f"{name}.shape", TypeError, ShapeError)
         self._claim(name)
         v = Value(
             self,
@@ -470,6 +458,18 @@ def _checked_declarations(op: TileOp) -> dict[str, TensorSpec]:
             f"{name}.updates names {sorted(unknown)}, not among its outputs {tuple(op.outputs)}"
         )
     return specs
+
+
+def _check_dims(shape: Any, what: str, type_error: type, sign_error: type) -> None:
+    """``shape`` is a tuple of ints and syms none of which can be negative; ``what`` names it
+    in the errors (``type_error`` for a wrong type, ``sign_error`` for a negative dim)."""
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        raise type_error(f"{what} must be a tuple of ints and syms, got {shape!r}")
+    for d, dim in enumerate(shape):
+        if isinstance(dim, bool) or not isinstance(dim, (int, Expr)):
+            raise type_error(f"{what}[{d}] must be an int or a sym, got {dim!r}")
+        if _can_be_negative(dim):
+            raise sign_error(f"{what}[{d}] must not be negative, got {dim}")
 
 
 def _can_be_negative(dim: IntLike) -> bool:
