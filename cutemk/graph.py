@@ -236,7 +236,7 @@ class Graph:
                         f"event {name}: each {kind} entry is a (value, map) pair, got {entry!r}"
                     )
                 v, fn = entry
-                node = self._node_of(v, kind)
+                node = self._node_of(v, f"event {name}: a {kind} entry")
                 grid = node.op.grid()
                 ndim = len(grid) if isinstance(grid, (tuple, list)) else None
                 what = f"event {name}: the {kind} map of {node.name}"
@@ -393,7 +393,7 @@ class Graph:
 
     def _node_of(self, v: Value, what: str) -> Node:
         if not isinstance(v, Value) or v.producer is None or v.graph is not self:
-            raise GraphError(f"event {what}: expected a value produced by a node of this graph")
+            raise GraphError(f"{what}: expected a value produced by a node of this graph")
         return v.producer
 
     def __repr__(self) -> str:

@@ -300,6 +300,9 @@ def test_an_events_declaration_is_checked_where_it_is_made():
     for kwargs, match in bad:
         with pytest.raises(mk.GraphError, match=match):
             g.event(**kwargs)
+    x = g.values[0]  # an input: no node produced it
+    with pytest.raises(mk.GraphError, match="event ord: a notify entry: expected a value produced"):
+        g.event((2,), name="ord", notify=[(x, rows)], wait=[(y, rows)])
     with pytest.raises(ZeroDivisionError, match="by 0"):
         T // 0
     with pytest.raises(ZeroDivisionError, match="cdiv of 5 by 0"):
