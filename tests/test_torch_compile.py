@@ -263,7 +263,7 @@ def test_the_live_op_called_directly_checks_its_arguments():
     key = torch_ops.key_of(m)
     weights = list(m._leaf_weights())
     n = torch.tensor([5], dtype=torch.int32)
-    with pytest.raises(LayoutError, match=r"takes x of shape \(256, 64\)"):
+    with pytest.raises(LayoutError, match=r"takes x of shape \(256, 64\) in its weights"):
         torch.ops.cutemk.mega_live(torch.randn(10, 64), n, weights, key)
     with pytest.raises(LayoutError, match="takes its 2 weights"):
         torch.ops.cutemk.mega_live(torch.randn(256, 64), n, [], key)

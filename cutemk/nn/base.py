@@ -265,15 +265,15 @@ class _LiveModule(_KeyedModule):
 
     def _check_live_args(self, x2: Any, weights: Any) -> None:
         """The arguments of ``torch.ops.cutemk.mega_live`` called directly, past
-        :meth:`forward_live`'s checks: (max_tokens, H) rows in the weights' dtype, and as many
-        weights as the module's, of their shapes and dtypes."""
+        :meth:`forward_live`'s checks: (max_tokens, H) rows, and as many weights as the module
+        has, of their shapes, all in the rows' dtype (the op's key names the module's sizes,
+        not its dtype: the weights passed are the ones that run)."""
         own = self._leaf_weights()
         if (
             not isinstance(weights, (list, tuple))
             or len(weights) != len(own)
             or any(
-                not isinstance(w, torch.Tensor) or w.shape != o.shape or w.dtype != o.dtype
-                for w, o in zip(weights, own)
+                not isinstance(w, torch.Tensor) or w.shape != o.shape for w, o in zip(weights, own)
             )
         ):
             raise LayoutError(
@@ -284,12 +284,12 @@ class _LiveModule(_KeyedModule):
             not isinstance(x2, torch.Tensor)
             or x2.dim() != 2
             or tuple(x2.shape) != (self.max_tokens, self.hidden)
-            or x2.dtype != own[-1].dtype
+            or any(w.dtype != x2.dtype for w in weights)
         ):
             raise LayoutError(
                 f"{type(self).__name__}: the live call takes x of shape "
-                f"({self.max_tokens}, {self.hidden}) in {own[-1].dtype}, got "
-                f"{getattr(x2, 'shape', x2)!r}"
+                f"({self.max_tokens}, {self.hidden}) in its weights' dtype, got "
+                f"{getattr(x2, 'shape', x2)!r} in {getattr(x2, 'dtype', None)}"
             )
 
     def _live_rows(
