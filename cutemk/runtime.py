@@ -112,6 +112,7 @@ class _Call:
         "run",
         "template",
         "updated",
+        "apart",
     )
 
     @classmethod
@@ -147,6 +148,7 @@ class _Call:
             for node in g.graph.nodes
             for i in node.op.updates.values()
         )
+        c.apart = None  # the leaves' addresses last seen not to overlap an in-place leaf
         c.run = None  # the launch alone, made after the first launch (see CuteGraph._runner)
         return c
 
@@ -155,23 +157,27 @@ class _Call:
         argument that is no tensor raises AttributeError)."""
         if len(args) != len(self.checks):
             return False
+        ptrs = []
         for t, (dtype, stride, dev) in zip(args, self.checks):
+            p = t.data_ptr()
             if (
                 t.dtype != dtype
                 or t.stride() != stride
                 or t.get_device() != dev
                 or t.requires_grad
-                or t.data_ptr() % 16
+                or p % 16
             ):
                 return False
-        for i, nbytes in self.updated:  # an in-place leaf sharing memory: bind names it
-            a0 = args[i].data_ptr()
-            a1 = a0 + nbytes[i]
-            for j, t in enumerate(args):
-                if j != i and nbytes[j] and a0 < a1:
-                    b0 = t.data_ptr()
-                    if a0 < b0 + nbytes[j] and b0 < a1:
-                        return False
+            ptrs.append(p)
+        if self.updated:  # an in-place leaf sharing memory with another: bind names it
+            ptrs = tuple(ptrs)
+            if ptrs != self.apart:  # the same tensors as last time: checked then
+                for i, nbytes in self.updated:
+                    a0, a1 = ptrs[i], ptrs[i] + nbytes[i]
+                    for j, b0 in enumerate(ptrs):
+                        if j != i and a0 < a1 and a0 < b0 + nbytes[j] and b0 < a1 and nbytes[j]:
+                            return False
+                self.apart = ptrs
         return True
 
 

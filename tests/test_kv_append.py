@@ -223,6 +223,8 @@ def test_a_repeated_call_with_caches_that_share_memory_binds_again():
     c = _Call()
     c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
     c.updated = ((1, (256, 256, 256)),)  # leaf 1 is updated in place
+    c.apart = None
     assert c.matches(leaves)
     assert not c.matches((leaves[0], caches[0], caches[0]))  # one cache passed twice
     assert not c.matches((caches[0], caches[0], caches[1]))  # the cache is another input too
+    assert c.matches(leaves) and c.matches(leaves)  # the same tensors again: checked once
