@@ -117,6 +117,35 @@ def _check_updates_alone(graph: Graph, given: Mapping[str, torch.Tensor]) -> Non
                 )
 
 
+class LeavesApart:
+    """For a launch kept for repeated calls (which skip :func:`bind`): whether the leaves
+    updated in place still share no memory with another leaf, checked once per set of leaf
+    addresses (the same tensors again cost one tuple compare). Graphs with no in-place leaf
+    check nothing."""
+
+    __slots__ = ("updated", "nbytes", "seen")
+
+    def __init__(self, graph: Graph, leaves: Sequence[torch.Tensor]) -> None:
+        names = [v.name for v in graph.leaves]
+        self.updated = tuple(
+            names.index(node.args[i].name) for node in graph.nodes for i in node.op.updates.values()
+        )
+        self.nbytes = tuple(t.numel() * t.element_size() for t in leaves)
+        self.seen: tuple | None = None
+
+    def __call__(self, ptrs: tuple[int, ...]) -> bool:
+        if not self.updated or ptrs == self.seen:
+            return True
+        nbytes = self.nbytes
+        for i in self.updated:
+            a0, a1 = ptrs[i], ptrs[i] + nbytes[i]
+            for j, b0 in enumerate(ptrs):
+                if j != i and nbytes[j] and a0 < a1 and a0 < b0 + nbytes[j] and b0 < a1:
+                    return False
+        self.seen = ptrs
+        return True
+
+
 def _canonical(t: torch.Tensor) -> torch.Tensor:
     """``t`` as device code sees it: inference only (no autograd: the kernels write no graph,
     and DLPack refuses tensors that require grad), with exactly row-major strides. torch calls

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .binding import bind, poison_
+from .binding import LeavesApart, bind, poison_
 from .codegen.layout import DEVICE_STATE, LH, LIVE_HEADER_WORDS, LIVE_ROW, LR
 from .errors import CuteMKError, GraphError, LayoutError
 from .kernels import _compile, kernel_spec, live_dims
@@ -239,6 +239,7 @@ class LiveGraph:
             if v.alias_of is not None
         ]
         self._checks: tuple | None = None
+        self._apart: LeavesApart | None = None  # set with _checks
 
     # -- building ------------------------------------------------------------------------------
     def _build(self) -> list[_LivePlan]:
@@ -390,22 +391,27 @@ class LiveGraph:
 
     def _matches(self, leaves: tuple) -> bool:
         """``leaves`` can launch as the last bound call's did: same shapes, dtypes, strides
-        (the canonical views' own) and devices, aligned, no autograd."""
+        (the canonical views' own) and devices, aligned, no autograd, and no in-place leaf
+        sharing memory with another (``binding.LeavesApart``)."""
         checks = self._checks
         if checks is None or len(leaves) != len(checks):
             return False
+        ptrs = []
         for t, (shape, dtype, stride, device) in zip(leaves, checks):
+            if not isinstance(t, torch.Tensor):
+                return False
+            p = t.data_ptr()
             if (
-                not isinstance(t, torch.Tensor)
-                or t.shape != shape
+                t.shape != shape
                 or t.dtype != dtype
                 or t.stride() != stride
                 or t.device != device
                 or t.requires_grad
-                or t.data_ptr() % 16
+                or p % 16
             ):
                 return False
-        return True
+            ptrs.append(p)
+        return self._apart(tuple(ptrs))
 
     def _bind(self, leaves: tuple) -> tuple:
         """The full checks of ``leaves`` (``cutemk.binding.bind``) and their canonical views,
@@ -430,6 +436,7 @@ class LiveGraph:
         pos = {v.name: k for k, v in enumerate(g.values)}
         self._leaf_pos = [pos[v.name] for v in g.leaves]
         self._checks = tuple((t.shape, t.dtype, t.stride(), t.device) for t in canonical)
+        self._apart = LeavesApart(g, canonical)
         return canonical
 
     def take_errors(self) -> tuple[int, int]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .arch import target_arch
-from .binding import bind, env_key, fresh_, poison_
+from .binding import LeavesApart, bind, env_key, fresh_, poison_
 from .codegen.lower import (
     ABORT,
     DEBUG_SIZE,
@@ -35,11 +35,11 @@ from .diagnose import diagnose_abort as _diagnose
 from .errors import CuteMKError, DeadlockError, DeviceError, GraphError, LayoutError
 from .graph import Graph
 from .kernels import (  # noqa: F401 (re-exported: the backend's compile entry points)
-    check_launch_options,
     _COMPILED,
     _cache_path,
     _compile,
     _outside_sources,
+    check_launch_options,
     compile_offline,
     kernel_cache_dir,
     kernel_spec,
@@ -111,7 +111,6 @@ class _Call:
         "outputs",
         "run",
         "template",
-        "updated",
         "apart",
     )
 
@@ -140,15 +139,7 @@ class _Call:
         ]
         # dtype, row-major strides (what bind's canonical view has), device index
         c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
-        # leaves updated in place, with every leaf's bytes: a later call must not alias them
-        # (``binding._check_updates_alone``); empty for most graphs, which then pay nothing
-        nbytes = tuple(t.numel() * t.element_size() for t in leaves)
-        c.updated = tuple(
-            (leaf_index[node.args[i].name], nbytes)
-            for node in g.graph.nodes
-            for i in node.op.updates.values()
-        )
-        c.apart = None  # the leaves' addresses last seen not to overlap an in-place leaf
+        c.apart = LeavesApart(g.graph, leaves)  # a later call's in-place leaves overlap none
         c.run = None  # the launch alone, made after the first launch (see CuteGraph._runner)
         return c
 
@@ -157,7 +148,7 @@ class _Call:
         argument that is no tensor raises AttributeError)."""
         if len(args) != len(self.checks):
             return False
-        ptrs = []
+        ptrs = []  # the leaves' addresses (for the in-place leaves' overlap check)
         for t, (dtype, stride, dev) in zip(args, self.checks):
             p = t.data_ptr()
             if (
@@ -169,16 +160,7 @@ class _Call:
             ):
                 return False
             ptrs.append(p)
-        if self.updated:  # an in-place leaf sharing memory with another: bind names it
-            ptrs = tuple(ptrs)
-            if ptrs != self.apart:  # the same tensors as last time: checked then
-                for i, nbytes in self.updated:
-                    a0, a1 = ptrs[i], ptrs[i] + nbytes[i]
-                    for j, b0 in enumerate(ptrs):
-                        if j != i and a0 < a1 and a0 < b0 + nbytes[j] and b0 < a1 and nbytes[j]:
-                            return False
-                self.apart = ptrs
-        return True
+        return self.apart(tuple(ptrs))  # an in-place leaf sharing memory: bind names it
 
 
 class CuteGraph(ProfileReaders):

@@ -213,18 +213,24 @@ def test_nested_sparse_and_meta_inputs_are_named():
 
 
 def test_a_repeated_call_with_caches_that_share_memory_binds_again():
-    """A compiled graph's later call with the shapes of an earlier one skips ``bind``: it must
-    not reuse that launch when an updated cache now shares memory with another leaf (the full
-    bind then refuses it)."""
-    from cutemk.runtime import _Call
+    """A compiled graph's (or live graph's) later call with the shapes of an earlier one skips
+    ``bind``: it must not reuse that launch when an updated cache now shares memory with
+    another leaf (the full bind then refuses it). Checked once per set of addresses."""
+    from cutemk.binding import LeavesApart
 
-    caches = torch.randn(2, 64)
-    leaves = (torch.randn(64), caches[0], caches[1])
-    c = _Call()
-    c.checks = tuple((t.dtype, t.stride(), t.get_device()) for t in leaves)
-    c.updated = ((1, (256, 256, 256)),)  # leaf 1 is updated in place
-    c.apart = None
-    assert c.matches(leaves)
-    assert not c.matches((leaves[0], caches[0], caches[0]))  # one cache passed twice
-    assert not c.matches((caches[0], caches[0], caches[1]))  # the cache is another input too
-    assert c.matches(leaves) and c.matches(leaves)  # the same tensors again: checked once
+    g = _graph()
+    a = _step([5, 17], torch.Generator().manual_seed(3))
+    names = [v.name for v in g.leaves]
+    leaves = [a[n] for n in names]
+    apart = LeavesApart(g, leaves)
+    assert [names[i] for i in apart.updated] == ["k_cache", "v_cache"]
+    ptrs = [t.data_ptr() for t in leaves]
+    assert apart(tuple(ptrs)) and apart.seen == tuple(ptrs)
+    k, v = names.index("k_cache"), names.index("v_cache")
+    same = list(ptrs)
+    same[v] = ptrs[k]  # one tensor for both caches
+    assert not apart(tuple(same))
+    inside = list(ptrs)
+    inside[names.index("q")] = ptrs[k] + 64  # q inside the k cache
+    assert not apart(tuple(inside))
+    assert apart(tuple(ptrs))  # the first set again
