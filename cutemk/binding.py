@@ -96,32 +96,23 @@ def _check_updates_alone(graph: Graph, given: Mapping[str, torch.Tensor]) -> Non
     """An input an op updates in place (``TileOp.updates``: a KV cache) shares no memory with
     any other input or weight: the update would change what the other one reads (two caches
     passed as one tensor: the v rows overwrite the k rows) with nothing ordering the two."""
-    updated = [node.args[i].name for node in graph.nodes for i in node.op.updates.values()]
-    if not updated:
+    if not any(node.op.updates for node in graph.nodes):
         return
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        start = t.data_ptr()
-        return start, start + t.numel() * t.element_size()
-
-    for name in updated:
-        a0, a1 = span(given[name])
-        for other, t in given.items():
-            if other == name or t.numel() == 0 or a0 == a1:
-                continue
-            b0, b1 = span(t)
-            if a0 < b1 and b0 < a1:
-                raise LayoutError(
-                    f"{name} is updated in place but shares memory with {other}: pass "
-                    "tensors that do not overlap"
-                )
+    leaves = [given[v.name] for v in graph.leaves]
+    pair = LeavesApart(graph, leaves).overlap(tuple(t.data_ptr() for t in leaves))
+    if pair is not None:
+        name, other = (graph.leaves[k].name for k in pair)
+        raise LayoutError(
+            f"{name} is updated in place but shares memory with {other}: pass tensors that "
+            "do not overlap"
+        )
 
 
 class LeavesApart:
-    """For a launch kept for repeated calls (which skip :func:`bind`): whether the leaves
-    updated in place still share no memory with another leaf, checked once per set of leaf
-    addresses (the same tensors again cost one tuple compare). Graphs with no in-place leaf
-    check nothing."""
+    """Whether the leaves updated in place share no memory with another leaf. :func:`bind`
+    checks it on every full binding; a launch kept for repeated calls (which skip
+    :func:`bind`) calls it with the leaves' addresses, checked once per set of addresses (the
+    same tensors again cost one tuple compare). Graphs with no in-place leaf check nothing."""
 
     __slots__ = ("updated", "nbytes", "seen")
 
@@ -133,15 +124,21 @@ class LeavesApart:
         self.nbytes = tuple(t.numel() * t.element_size() for t in leaves)
         self.seen: tuple | None = None
 
-    def __call__(self, ptrs: tuple[int, ...]) -> bool:
-        if not self.updated or ptrs == self.seen:
-            return True
+    def overlap(self, ptrs: tuple[int, ...]) -> tuple[int, int] | None:
+        """The first (in-place leaf, other leaf) pair of positions whose bytes overlap."""
         nbytes = self.nbytes
         for i in self.updated:
             a0, a1 = ptrs[i], ptrs[i] + nbytes[i]
             for j, b0 in enumerate(ptrs):
                 if j != i and nbytes[j] and a0 < a1 and a0 < b0 + nbytes[j] and b0 < a1:
-                    return False
+                    return i, j
+        return None
+
+    def __call__(self, ptrs: tuple[int, ...]) -> bool:
+        if not self.updated or ptrs == self.seen:
+            return True
+        if self.overlap(ptrs) is not None:
+            return False
         self.seen = ptrs
         return True
 
