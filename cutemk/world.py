@@ -35,6 +35,7 @@ from .scheduling import (
     checked_initial_order,
     resolve_scheduler,
 )
+from .tileop import expect_positive_int
 
 
 def simulate_world(
@@ -56,8 +57,7 @@ def simulate_world(
         raise TypeError(f"simulate_world: world must be an int, got {world!r}")
     if world < 1:
         raise ValueError(f"simulate_world: world must be at least 1 rank, got {world}")
-    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
-        raise ValueError(f"simulate_world: num_sms must be a positive int, got {num_sms!r}")
+    expect_positive_int(num_sms, "simulate_world: num_sms")
     graph.validate()
     built = graph.world_size()
     if built is not None and built != world:
