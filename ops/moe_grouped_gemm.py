@@ -45,7 +45,7 @@ from cutlass import Boolean, Float32, Int32, cute
 from cutemk.arch import target_arch
 from cutemk.costmodel import tile_time_us
 from cutemk.device.config import NUM_THREADS, simt_sync
-from cutemk.errors import GraphError, ShapeError
+from cutemk.errors import DataError, GraphError, ShapeError
 from cutemk.symbolic import cdiv, upper
 from cutemk.tileop import (
     FLOAT_DTYPES,
@@ -237,7 +237,8 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
                     f"come from a top-k over {experts}"
                 )
             return
-        if getattr(route, "name", None) in ("moe_route", "moe_route_layout"):
+        name = getattr(route, "name", None)
+        if name in ("moe_route", "moe_route_layout"):
             experts = self.w.shape[0]
             if experts != route.num_experts:
                 raise GraphError(
@@ -248,6 +249,19 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
                 raise GraphError(
                     f"moe_grouped_gemm block_m={self.block_m} differs from its moe_route's "
                     f"{route.block_m}"
+                )
+            # below block_m the tile's A box holds expert_rows rows (see gemm_sm90.sm90_config):
+            # fewer than one expert can be given would drop rows
+            if name == "moe_route":
+                tokens, k = route.ids.shape
+                most = upper(tokens) * (1 if route.distinct_ids else k)
+            else:
+                most = upper(route.tokens)
+            if self.expert_rows is not None and self.expert_rows < min(most, self.block_m):
+                raise GraphError(
+                    f"moe_grouped_gemm expert_rows={self.expert_rows} is below the {most} rows "
+                    f"one expert can be routed (the most tokens"
+                    f"{'' if name != 'moe_route' or route.distinct_ids else ' x top-k'})"
                 )
 
     @property
@@ -386,6 +400,12 @@ class MoeGroupedGemmTile(gemm_sm90.HopperGemmOp, TileOp):
         else:
             e, hi = (int(v) for v in t["tile_info"][i])
             lo = 0
+            if self.expert_rows is not None and hi > self.expert_rows:
+                # the device's A box holds expert_rows rows: the routing broke the promise
+                raise DataError(
+                    f"{self.name}: row tile {i} of expert {e} holds {hi} rows, more than "
+                    f"expert_rows={self.expert_rows} (ids that are not distinct in a token?)"
+                )
             if self.row_token is None:
                 a = t["x"][r0 : r0 + hi].float()
             else:

@@ -514,3 +514,70 @@ def test_a_launch_summary_needs_its_sm_count():
     for bad in (0, -1, None, 2.0):
         with pytest.raises(ValueError, match="num_sms must be a positive int"):
             launch_summary([], [], bad)
+
+
+def _grouped_gemm_graph(expert_rows, distinct=True, tokens=16):
+    g = mk.Graph("expert_rows")
+    t = mk.sym("T", max=tokens)
+    x = g.input("x", (t, 32))
+    ids = g.input("ids", (t, 2), torch.int32)
+    tile_info, row_token, _, _ = g.call(
+        ops.moe_route, ids, num_experts=4, block_m=16, distinct_ids=distinct
+    )
+    xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=16)
+    y = g.call(
+        ops.moe_grouped_gemm,
+        xp,
+        g.weight("w", (4, 32, 32)),
+        tile_info,
+        block_m=16,
+        block_n=32,
+        expert_rows=expert_rows,
+    )
+    g.output(y, "y")
+    return g
+
+
+def test_grouped_gemm_refuses_expert_rows_below_what_routing_can_give():
+    """Below block_m the Hopper tile's A box holds expert_rows rows: fewer than the tokens (or
+    tokens x top-k for ids that may repeat) would drop rows silently."""
+    _grouped_gemm_graph(16).validate()
+    with pytest.raises(mk.GraphError, match="expert_rows=8 is below the 16 rows"):
+        _grouped_gemm_graph(8).validate()
+    _grouped_gemm_graph(4, tokens=4).validate()
+    with pytest.raises(mk.GraphError, match="below the 8 rows .* x top-k"):
+        _grouped_gemm_graph(4, distinct=False, tokens=4).validate()
+
+
+def test_grouped_gemm_interpreter_refuses_more_rows_than_expert_rows():
+    """A split route takes ids that repeat; an expert given more rows than the grouped GEMM's
+    expert_rows is a DataError in the interpreter, not rows the device would not load."""
+    g = mk.Graph("split_rows")
+    t = mk.sym("T", max=4)
+    x = g.input("x", (t, 32))
+    ids = g.input("ids", (t, 2), torch.int32)
+    counts = g.call(ops.moe_route_count, ids, num_experts=4, chunk=64)
+    tile_info, _, base = g.call(
+        ops.moe_route_layout, counts, num_experts=4, block_m=16, tokens=t, top_k=2
+    )
+    row_token, _ = g.call(
+        ops.moe_route_place, ids, base, tile_info, num_experts=4, block_m=16, chunk=64
+    )
+    xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=16)
+    y = g.call(
+        ops.moe_grouped_gemm,
+        xp,
+        g.weight("w", (4, 32, 32)),
+        tile_info,
+        block_m=16,
+        block_n=32,
+        expert_rows=4,
+    )
+    g.output(y, "y")
+    c = g.compile("interpret", num_sms=2)
+    w = torch.randn(4, 32, 32)
+    ok = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int32)
+    c(torch.randn(4, 32), ok, w)
+    same = torch.tensor([[1, 1], [1, 1], [1, 1], [2, 1]], dtype=torch.int32)  # 7 rows of expert 1
+    with pytest.raises(mk.DataError, match="holds 7 rows, more than expert_rows=4"):
+        c(torch.randn(4, 32), same, w)
