@@ -410,7 +410,38 @@ def register_op(cls: type[TileOp]) -> type[TileOp]:
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"tile op name {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
+    _check_types_when_built(cls)
     return cls
+
+
+def _check_types_when_built(cls: type[TileOp]) -> None:
+    """Run :func:`check_field_types` on every instance of ``cls`` before its own
+    ``__post_init__``, however it is built (``g.call``, the op's builder, the class itself,
+    ``dataclasses.replace``): the op's checks may compare a value (``eps > 0``) before any
+    check would have named a string or a bool passed for it."""
+    own = cls.__dict__.get("__post_init__")
+    if getattr(own, "_checks_types", False) or (
+        own is None and getattr(getattr(cls, "__post_init__", None), "_checks_types", False)
+    ):
+        return
+    inherited = own if own is not None else getattr(cls, "__post_init__", None)
+    if inherited is not None:
+
+        def __post_init__(self) -> None:
+            check_field_types(self, type(self).name)
+            inherited(self)
+
+        __post_init__._checks_types = True
+        cls.__post_init__ = __post_init__
+        return
+    init = cls.__init__  # no __post_init__: the dataclass's __init__ calls none
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        check_field_types(self, type(self).name)
+
+    __init__._checks_types = True
+    cls.__init__ = __init__
 
 
 def registered_ops() -> dict[str, type[TileOp]]:

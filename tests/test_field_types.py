@@ -356,3 +356,25 @@ def test_a_module_runs_the_scheduler_and_sm_count_set_after_it_was_built():
     with pytest.raises(ValueError, match="or a Scheduler instance"):
         m.scheduler = S.StaticScheduler
     assert m.compiled(m.regime(5)) is graph  # the refused values changed nothing
+
+
+def test_an_op_built_outside_a_graph_checks_its_field_types_first():
+    """An op instance built by its builder, its class or ``dataclasses.replace`` (to be given
+    to ``g.call`` later) names the field, not a comparison inside the op's own checks."""
+    import dataclasses
+
+    from cutemk.tileop import TensorSpec, registered_ops
+
+    x = TensorSpec((16, 64), torch.float32)
+    with pytest.raises(TypeError, match="rmsnorm: eps must be a number, got '1e-6'"):
+        ops.rmsnorm(x, eps="1e-6")
+    op = ops.rmsnorm(x, eps=1e-6)
+    with pytest.raises(TypeError, match="eps must be a number"):
+        dataclasses.replace(op, eps="1e-6")
+    with pytest.raises(TypeError, match="block_m must be an int, got True"):
+        ops.gemm(x, TensorSpec((32, 64), torch.float32), block_m=True)
+    for name, cls in registered_ops().items():  # every op class, however it is built
+        checks = getattr(cls.__post_init__, "_checks_types", False) or getattr(
+            cls.__init__, "_checks_types", False
+        )
+        assert checks, name
