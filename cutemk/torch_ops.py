@@ -66,12 +66,14 @@ def mega_mlp(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, key: str
 ) -> torch.Tensor:
     """MegaMLP's megakernel on token rows ``x`` (T, H) -> (T, H)."""
-    return _runner(key)._launch(x, w_gate_up, w_down)
+    module = _runner(key)
+    module._check_op_args(x, (w_gate_up, w_down))  # the op may be called directly
+    return module._launch(x, w_gate_up, w_down)
 
 
 @mega_mlp.register_fake
 def _(x, w_gate_up, w_down, key):
-    return torch.empty_like(x)
+    return _fake_rows(key, x, (w_gate_up, w_down))
 
 
 @torch.library.custom_op("cutemk::mega_moe", mutates_args=())
@@ -83,12 +85,14 @@ def mega_moe(
     key: str,
 ) -> torch.Tensor:
     """MegaMoE's megakernel on token rows ``x`` (T, H) -> (T, H)."""
-    return _runner(key)._launch(x, w_router, w_gate_up, w_down)
+    module = _runner(key)
+    module._check_op_args(x, (w_router, w_gate_up, w_down))  # the op may be called directly
+    return module._launch(x, w_router, w_gate_up, w_down)
 
 
 @mega_moe.register_fake
 def _(x, w_router, w_gate_up, w_down, key):
-    return torch.empty_like(x)
+    return _fake_rows(key, x, (w_router, w_gate_up, w_down))
 
 
 @torch.library.custom_op("cutemk::mega_live", mutates_args=())
@@ -100,13 +104,13 @@ def mega_live(
     H), rows past the count undefined. Its shapes never depend on the count, so a compiled
     module captures once (``mode="reduce-overhead"``) for every count."""
     module = _runner(key)
-    module._check_live_args(x, weights)  # the op may be called directly
+    module._check_op_args(x, weights, live=True)  # the op may be called directly
     return module._live_rows(x, num_tokens, weights)
 
 
 @mega_live.register_fake
 def _(x, num_tokens, weights, key):
-    return torch.empty_like(x)
+    return _fake_rows(key, x, weights, live=True)
 
 
 @torch.library.custom_op("cutemk::mega_decoder_layer", mutates_args=("k_cache", "v_cache"))
@@ -121,9 +125,19 @@ def mega_decoder_layer(
     key: str,
 ) -> torch.Tensor:
     """MegaDecoderLayer's megakernel: one decode step, the caches updated in place."""
-    return _runner(key)._launch(x, positions, k_cache, v_cache, page_table, seq_lens, weights)
+    module = _runner(key)
+    module._check_op_args(x, weights)  # the op may be called directly
+    return module._launch(x, positions, k_cache, v_cache, page_table, seq_lens, weights)
 
 
 @mega_decoder_layer.register_fake
 def _(x, positions, k_cache, v_cache, page_table, seq_lens, weights, key):
+    return _fake_rows(key, x, weights)
+
+
+def _fake_rows(key: str, x: torch.Tensor, weights: Any, live: bool = False) -> torch.Tensor:
+    """A fake (meta) implementation's output, the rows' shape and dtype, after the module's
+    checks of the op's arguments: a traced call with wrong shapes fails where it is traced,
+    as the real call would, not at its first run."""
+    _runner(key)._check_op_args(x, weights, live=live)
     return torch.empty_like(x)

@@ -630,3 +630,47 @@ def test_steps_name_bad_inputs_and_take_an_empty_batch():
 
     with pytest.raises(ValueError, match="LlamaAttention has no q_norm"):
         MegaDecoderLayer.from_hf(LlamaDecoderLayer(llama_cfg, 0), **kw)
+
+
+def test_the_layer_op_checks_its_rows_and_weights_traced_and_real():
+    """``torch.ops.cutemk.mega_decoder_layer`` with rows or weights of the wrong shape: a
+    clear error from its fake (meta) implementation where it is traced, and from the real
+    call, instead of an output shaped like whatever came in."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cutemk import torch_ops
+    from cutemk.errors import LayoutError
+    from cutemk.nn import MegaDecoderLayer
+
+    layer, _ = hf_layer(CFG_SPLIT)
+    mega = MegaDecoderLayer(
+        folded(layer_weights(layer, CFG_SPLIT)), CFG_SPLIT, max_batch=4, backend="interpret"
+    )
+    key = torch_ops.key_of(mega)
+    weights = list(mega._leaf_weights())
+    h = CFG_SPLIT.hidden
+    for mode in (FakeTensorMode(), None):
+        conv = mode.from_tensor if mode is not None else (lambda t: t)
+
+        def call(x, ws):
+            caches = torch.zeros(8, 16, CFG_SPLIT.kv_heads, CFG_SPLIT.head_dim)
+            rows = x.shape[0]
+            return torch.ops.cutemk.mega_decoder_layer(
+                conv(x),
+                conv(torch.zeros(rows, dtype=torch.int32)),
+                conv(caches),
+                conv(caches.clone()),
+                conv(torch.zeros(rows, CFG_SPLIT.max_pages, dtype=torch.int32)),
+                conv(torch.ones(rows, dtype=torch.int32)),
+                [conv(w) for w in ws],
+                key,
+            )
+
+        with mode if mode is not None else torch.no_grad():
+            with pytest.raises(LayoutError, match=r"T <= max_batch=4"):
+                call(torch.randn(5, h), weights)
+            with pytest.raises(LayoutError, match=rf"\(T, {h}\)"):
+                call(torch.randn(2, h + 1), weights)
+            with pytest.raises(LayoutError, match="takes its"):
+                call(torch.randn(2, h), weights[:-1])

@@ -269,3 +269,29 @@ def test_the_live_op_called_directly_checks_its_arguments():
         torch.ops.cutemk.mega_live(torch.randn(256, 64), n, [], key)
     y = torch.ops.cutemk.mega_live(torch.randn(256, 64), n, weights, key)
     assert y.shape == (256, 64)
+
+
+def test_the_ops_fake_implementations_check_shapes_as_the_real_calls_do():
+    """A traced call of a module's op with arguments of the wrong shape failed only at its
+    first real run: the fakes returned ``empty_like(x)`` for anything. Now the fake (meta)
+    implementation and the real call run the module's same checks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cutemk.errors import LayoutError
+
+    for make, op in ((_mlp, torch.ops.cutemk.mega_mlp), (_moe, torch.ops.cutemk.mega_moe)):
+        m = make("interpret")
+        key = torch_ops.key_of(m)
+        weights = list(m._leaf_weights())
+        bad = [w[:-1] for w in weights]
+        for mode in (FakeTensorMode(), None):  # traced, then real
+            with mode if mode is not None else torch.no_grad():
+                conv = mode.from_tensor if mode is not None else (lambda t: t)
+                ws = [conv(w) for w in weights]
+                with pytest.raises(LayoutError, match="takes its"):
+                    op(conv(torch.randn(5, 64)), *[conv(w) for w in bad], key)
+                with pytest.raises(LayoutError, match=r"T <= max_tokens=256"):
+                    op(conv(torch.randn(300, 64)), *ws, key)
+                with pytest.raises(LayoutError, match=r"\(T, 64\)"):
+                    op(conv(torch.randn(5, 32)), *ws, key)
+                assert op(conv(torch.randn(5, 64)), *ws, key).shape == (5, 64)

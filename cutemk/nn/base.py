@@ -83,6 +83,54 @@ class _KeyedModule(nn.Module):
         self.__dict__.pop("_fast", None)
         return super()._apply(fn, *args, **kwargs)
 
+    # the rows the custom op takes: most rows (and the name of that limit), width
+    _op_rows_name = "max_tokens"
+
+    @property
+    def _op_rows(self) -> int:
+        return self.max_tokens
+
+    @property
+    def _op_width(self) -> int:
+        return self.hidden
+
+    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _check_op_args(self, x2: Any, weights: Any, live: bool = False) -> None:
+        """The arguments of the module's custom op called directly (or traced: fake tensors),
+        past :meth:`forward`'s checks: 2-D rows of H (``_op_rows`` of them for the live op, at
+        most that many otherwise) and as many weights as the module has, of their shapes,
+        all in the rows' dtype (the op's key names the module's sizes, not its dtype: the
+        weights passed are the ones that run). A traced row count (a symbol) is not
+        compared."""
+        own = self._leaf_weights()
+        who = type(self).__name__
+        if (
+            not isinstance(weights, (list, tuple))
+            or len(weights) != len(own)
+            or any(
+                not isinstance(w, torch.Tensor) or w.shape != o.shape for w, o in zip(weights, own)
+            )
+        ):
+            raise LayoutError(
+                f"{who}: the op takes its {len(own)} weights (shapes "
+                f"{[tuple(o.shape) for o in own]}), got {weights!r:.120}"
+            )
+        rows = x2.shape[0] if isinstance(x2, torch.Tensor) and x2.dim() == 2 else None
+        if (
+            rows is None
+            or x2.shape[1] != self._op_width
+            or (rows != self._op_rows if live else isinstance(rows, int) and rows > self._op_rows)
+            or any(w.dtype != x2.dtype for w in weights)
+        ):
+            want = f"({self._op_rows}, {self._op_width})" if live else f"(T, {self._op_width})"
+            most = "" if live else f" with T <= {self._op_rows_name}={self._op_rows}"
+            raise LayoutError(
+                f"{who}: the op takes x of shape {want}{most} in its weights' dtype, got "
+                f"{getattr(x2, 'shape', x2)!r} in {getattr(x2, 'dtype', None)}"
+            )
+
     def _graph(self, regime: str, like: torch.Tensor | None, build) -> Any:
         """The compiled graph of ``regime`` for weights like ``like`` (default: the module's
         ``w_down``), shared by the modules of this key: ``build(dtype, device, backend)``
@@ -262,35 +310,6 @@ class _LiveModule(_KeyedModule):
             key = torch_ops.key_of(self)
             y = torch.ops.cutemk.mega_live(x2, num_tokens, list(weights), key)
         return y if x.dim() == 2 else y.reshape(x.shape)
-
-    def _check_live_args(self, x2: Any, weights: Any) -> None:
-        """The arguments of ``torch.ops.cutemk.mega_live`` called directly, past
-        :meth:`forward_live`'s checks: (max_tokens, H) rows, and as many weights as the module
-        has, of their shapes, all in the rows' dtype (the op's key names the module's sizes,
-        not its dtype: the weights passed are the ones that run)."""
-        own = self._leaf_weights()
-        if (
-            not isinstance(weights, (list, tuple))
-            or len(weights) != len(own)
-            or any(
-                not isinstance(w, torch.Tensor) or w.shape != o.shape for w, o in zip(weights, own)
-            )
-        ):
-            raise LayoutError(
-                f"{type(self).__name__}: the live call takes its {len(own)} weights (shapes "
-                f"{[tuple(o.shape) for o in own]}), got {weights!r:.120}"
-            )
-        if (
-            not isinstance(x2, torch.Tensor)
-            or x2.dim() != 2
-            or tuple(x2.shape) != (self.max_tokens, self.hidden)
-            or any(w.dtype != x2.dtype for w in weights)
-        ):
-            raise LayoutError(
-                f"{type(self).__name__}: the live call takes x of shape "
-                f"({self.max_tokens}, {self.hidden}) in its weights' dtype, got "
-                f"{getattr(x2, 'shape', x2)!r} in {getattr(x2, 'dtype', None)}"
-            )
 
     def _live_rows(
         self,

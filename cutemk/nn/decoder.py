@@ -402,6 +402,20 @@ class MegaDecoderLayer(_KeyedModule):
             x, positions, k_cache, v_cache, page_table, seq_lens, weights, key
         )
 
+    _op_rows_name = "max_batch"
+
+    @property
+    def _op_rows(self) -> int:
+        return self.max_batch
+
+    @property
+    def _op_width(self) -> int:
+        return self.cfg.hidden
+
+    def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights the custom op takes, in ``_names`` order."""
+        return tuple(getattr(self, n) for n in self._names)
+
     def decode_regime_starts(self) -> list[tuple[str, int]]:
         """(regime, its smallest batch) of each decode regime this module runs."""
         return [(r, first) for r, first in self.regime_starts() if r != "prefill"]
