@@ -204,17 +204,20 @@ class _Simulation:
     ) -> None:
         self.plan, self.tensors, self.num_sms, self.rng = plan, tensors, num_sms, rng
         self.check_races = check_races
-        # the simulations of every rank, indexed by rank (set by cutemk.world for W > 1)
+        # the simulations of every rank, indexed by rank, and the id of this rank's task 0 among
+        # all ranks' tasks (set by cutemk.world for W > 1): happens-before crosses ranks
         self.world_sims: list[_Simulation] | None = None
-        self.remote_written = set(peers or ())  # values other ranks write: no local race check
+        self.base = 0
         self.counter = [0] * plan.num_events
         self.done = [False] * plan.num_tasks
         self.skipped = 0
         self.inflight: list[int | None] = [None] * num_sms
-        # happens-before: bitset of tasks ordered before each task / each event's completion
+        # happens-before: bitset of tasks (by id among all ranks' tasks: ``base`` + t) ordered
+        # before each task / each event's completion
         self.anc = [0] * plan.num_tasks
         self.ev_anc = [0] * plan.num_events
-        # -1: not written yet; PRESET: the caller's data (an input updated in place)
+        # each element's writer (``base`` + t of its rank); -1: not written yet; PRESET: the
+        # caller's data (an input updated in place)
         self.writer = (
             {
                 v.name: np.full(plan.shapes[v.name], -1 if v.alias_of is None else PRESET, np.int32)
@@ -278,6 +281,8 @@ class _Simulation:
         self.inflight[sm] = None
         plan = self.plan
         task = plan.tasks[t]
+        for r, e in plan.remote_waits[t]:  # complete now (see actions)
+            self.anc[t] |= self.world_sims[r].ev_anc[e]
         cost = 0.0
         if self._exists(t):
             if self.check_races:
@@ -297,7 +302,7 @@ class _Simulation:
     def _notify(self, t: int, when: float) -> list[int]:
         """Apply task t's notifies; return the events that just reached their count."""
         completed = []
-        mine = self.anc[t] | (1 << t)
+        mine = self.anc[t] | (1 << (self.base + t))
         for e in self.plan.notifies[t]:
             self.counter[e] += 1
             self.ev_anc[e] |= mine
@@ -312,34 +317,57 @@ class _Simulation:
         reads = node_regions(node, "reads", task.coord, self.plan.env, self.views[node.index])
         for arg, box in ((a, b) for a, r in reads.items() for b in r):
             v = node.args[arg] if arg in node.args else node.results[arg]  # own outputs too
-            if v.kind != "intermediate" or box_is_empty(box) or v.name in self.remote_written:
+            if v.kind != "intermediate" or box_is_empty(box):
                 continue
-            w = self.writer[v.name][box_slices(box)]
-            if (w == -1).any():
-                idx = tuple(int(i) for i in np.argwhere(w == -1)[0] + [lo for lo, _ in box])
-                raise RaceError(
-                    f"task {task.label} reads {v.name}{list(idx)} (box {list(box)}) "
-                    "which no task has written: a dependency is missing"
-                )
-            if v.name in self.preset_reader:
-                self.preset_reader[v.name][box_slices(box)][w == PRESET] = t
-            for wt in np.unique(w).tolist():
-                if wt != PRESET and not (self.anc[t] >> wt) & 1:
+            for sim in self._copies(node, arg):
+                w = sim.writer[v.name][box_slices(box)]
+                where = self._where(sim)
+                if (w == -1).any():
+                    idx = tuple(int(i) for i in np.argwhere(w == -1)[0] + [lo for lo, _ in box])
                     raise RaceError(
-                        f"task {task.label} reads {v.name} (box {list(box)}) written by task "
-                        f"{self.plan.tasks[wt].label}, which no event it waits on orders before "
-                        "it: a dependency is missing"
+                        f"{self._where(self)}task {task.label} reads {where}{v.name}{list(idx)} "
+                        f"(box {list(box)}) which no task has written: a dependency is missing"
                     )
+                if sim is self and v.name in self.preset_reader:
+                    self.preset_reader[v.name][box_slices(box)][w == PRESET] = t
+                for wt in np.unique(w).tolist():
+                    if wt != PRESET and not (self.anc[t] >> wt) & 1:
+                        raise RaceError(
+                            f"{self._where(self)}task {task.label} reads {where}{v.name} (box "
+                            f"{list(box)}) written by {self._task_label(wt)}, which no event "
+                            "it waits on orders before it: a dependency is missing"
+                        )
+
+    def _copies(self, node: Any, arg: str) -> list[_Simulation]:
+        """The ranks whose copy of ``node``'s value ``arg`` its regions cover: every rank's
+        for a peer value (``TileOp.peer_values``: the op reads or writes its declared region
+        on each rank, as all-gather pushes and reduce-scatter pulls), else this rank's."""
+        if self.world_sims and arg in node.op.peer_values:
+            return self.world_sims
+        return [self]
+
+    def _where(self, sim: _Simulation) -> str:
+        return f"rank {sim.plan.env['RANK']}: " if self.world_sims else ""
+
+    def _task_label(self, gid: int) -> str:
+        """Task ``gid`` (an id among all ranks' tasks) by rank and label."""
+        for sim in self.world_sims or [self]:
+            if sim.base <= gid < sim.base + sim.plan.num_tasks:
+                return f"{self._where(sim)}task {sim.plan.tasks[gid - sim.base].label}"
+        return f"task {gid}"
 
     def _record_writes(self, t: int) -> None:
         task = self.plan.tasks[t]
         node = task.node
         writes = node_regions(node, "writes", task.coord, self.plan.env, self.views[node.index])
+        me = self.base + t
         for out, box in ((o, b) for o, r in writes.items() for b in r):
             v = node.results.get(out)
-            if v is not None and not box_is_empty(box):
-                w = self.writer[v.name][box_slices(box)]
-                if v.name in self.preset_reader:
+            if v is None or box_is_empty(box):
+                continue
+            for sim in self._copies(node, out):
+                w = sim.writer[v.name][box_slices(box)]
+                if sim is self and v.name in self.preset_reader:
                     early = self.preset_reader[v.name][box_slices(box)]
                     early = early[(early >= 0) & (early != t) & (w == PRESET)]
                     if early.size:
@@ -348,13 +376,14 @@ class _Simulation:
                             f"{list(box)}) before {task.label} updated it in place: a "
                             "dependency is missing"
                         )
-                for wt in np.unique(w[(w >= 0) & (w != t)]).tolist():  # PRESET < 0: no writer
+                for wt in np.unique(w[(w >= 0) & (w != me)]).tolist():  # PRESET < 0: no writer
                     if not (self.anc[t] >> wt) & 1:
                         raise RaceError(
-                            f"tasks {self.plan.tasks[wt].label} and {task.label} both write "
-                            f"{v.name} (box {list(box)}) and no event orders them"
+                            f"{self._task_label(wt)} and {self._task_label(me)} both write "
+                            f"{self._where(sim)}{v.name} (box {list(box)}) and no event orders "
+                            "them"
                         )
-                w[...] = t
+                w[...] = me
 
     # -- static -------------------------------------------------------------------------------
     def run_static(self, sched: StaticSchedule) -> None:

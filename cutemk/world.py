@@ -11,8 +11,11 @@ numbers:
   tiles wait on events no rank will complete; the error names the rank, the task and the event;
 - **results** against single-process references (``cutemk.tp``), with no GPU.
 
-Race checks on values that other ranks write (the all-gather's output) are off: their writers
-are not this rank's tasks.
+- **races across ranks**: happens-before follows cross-rank waits, and an op's peer values
+  (``TileOp.peer_values``) are read or written in their declared region on every rank's copy
+  (all-gather pushes its block into each rank's output, reduce-scatter sums each rank's
+  partial), so a read of a peer's data that no remote wait orders after its writer is a
+  ``RaceError`` naming both ranks' tasks, as a local one is.
 """
 
 from __future__ import annotations
@@ -95,8 +98,10 @@ def simulate_world(
     for r in range(world):
         peers = {n: PeerTable(r, [tensors[q][n] for q in range(world)]) for n in shared}
         sims.append(_Simulation(plans[r], tensors[r], num_sms, rng, check_races, peers))
+    base = 0
     for r, sim in enumerate(sims):
-        sim.world_sims = sims
+        sim.world_sims, sim.base = sims, base
+        base += plans[r].num_tasks
         if policy.mode is SchedulingMode.STATIC:
             sched = policy.build(plans[r], num_sms)
             check_static_schedule(plans[r], sched, num_sms)

@@ -341,3 +341,31 @@ def test_a_value_other_ranks_reach_is_produced_in_the_graph_and_kept_inside():
     g2.output(g2.call(ops.reduce_scatter, p, world=2, block_m=16, block_n=32), "y")
     with pytest.raises(GraphError, match=r"reached by other ranks.*not pass it as an input"):
         g2.validate()
+
+
+@pytest.mark.parametrize("case", [rs_case, ag_case], ids=["gemm_rs", "ag_gemm"])
+def test_a_peer_read_no_remote_wait_orders_is_a_race(monkeypatch, case):
+    """The world simulator checks reads of other ranks' data as the interpreter checks local
+    ones: with the cross-rank waits cut down to the rank's own producers, reduce-scatter's
+    read of a peer's partial (or the GEMM's read of rows a peer's all-gather pushed) is a
+    RaceError naming the ranks (and the writer's task if it ran), in every interleaving, where before it ran unchecked
+    (right or wrong by the order the SMs happened to take)."""
+    event = mk.Graph.event
+
+    def own_rank_only(self, *args, remote_wait=(), **kw):
+        def cut(f):
+            def m(i, j, env):
+                return [(r, t) for r, t in f(i, j, env) if r == env["RANK"]]
+
+            return m
+
+        return event(self, *args, remote_wait=[(v, cut(f)) for v, f in remote_wait], **kw)
+
+    g, inputs, _ = case(2)
+    simulate_world(g, 2, inputs, num_sms=5)  # the graph as built passes
+    monkeypatch.setattr(mk.Graph, "event", own_rank_only)
+    g, inputs, _ = case(2)
+    for scheduler in ("static", "dynamic"):
+        for seed in range(3):
+            with pytest.raises(mk.RaceError, match=r"rank \d: task .*(rank \d: task|no task has)"):
+                simulate_world(g, 2, inputs, scheduler, num_sms=5, seed=seed)
