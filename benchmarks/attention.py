@@ -17,8 +17,13 @@ results/attention_prefill.json; rel_err against SDPA; floor from the causal FLOP
 ``--one-pass``: also the one-pass merge of the ranges (the default is the two-step merge
 wherever the Hopper tile takes it).
 
+``--trace slices`` with ``--prefill``: also where a tile's 64-token step spends its cycles
+(``phase_cycles`` in the slice summary, medians over the slices of the first consumer thread:
+the loop top, the wait for the tensor cores' turn, the S wgmma, mask and softmax, the wait
+for the previous P V).
+
 Run: python benchmarks/attention.py [--splits 16] [--target-tiles 264] [--quick] [--prefill]
-[--one-pass] [--trace]
+[--one-pass] [--trace [slices]]
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cutemk.bench import Results, floor_us, graphed, profile_launch, time_us
+from cutemk.bench import (
+    Results,
+    add_trace_argument,
+    floor_us,
+    graphed,
+    profile_launch,
+    time_us,
+)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = ((1, 8192), (1, 32768), (16, 8192), (64, 4096))  # (batch, KV length)
@@ -91,7 +103,7 @@ def run_prefill(args, warmup: int, rep: int) -> int:
     profiled = None
     if args.trace:  # a graph of its own: profiling adds a timestamp store per task
         profiled = _prefill_graph(max_len, max_t).compile(
-            "cute", scheduler=args.scheduler, profile=True
+            "cute", scheduler=args.scheduler, profile=args.trace
         )
     fa4 = _fa4()
     res = Results(
@@ -204,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="3 warm-up, 10 timed runs")
     p.add_argument("--scheduler", default="static")
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
-    p.add_argument("--trace", action="store_true", help="a profiled launch's summary per case")
+    add_trace_argument(p, "per case, the tiles' summary")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
     p.add_argument(
         "--one-pass",
@@ -228,7 +240,7 @@ def main(argv=None) -> int:
     profiled = None
     if args.trace:  # a graph of its own: profiling adds a timestamp store per task
         profiled = _graph(args.splits, args.target_tiles, args.align, max_len).compile(
-            "cute", scheduler=args.scheduler, profile=True
+            "cute", scheduler=args.scheduler, profile=args.trace
         )
     one_pass = None
     if args.one_pass:

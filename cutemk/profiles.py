@@ -42,7 +42,8 @@ class ProfileReaders:
         """Per ring task of the last launch of a graph compiled with ``profile="slices"``:
         its label, node and SM, and its slices in order as ``(issued_ns, landed_ns)`` (the
         producer armed the slot and issued the loads it may issue before the task's events,
-        the consumers found it landed; 0 where not stamped). ``cutemk.trace.slice_summary``
+        the consumers found it landed; 0 where not stamped), and each slice's ``phases`` word
+        (``cutemk.codegen.profiling.unpack_phases``; 0 where the op stamps none). ``cutemk.trace.slice_summary``
         reads them. Warns where a CTA issued more slices than its region holds (the dynamic
         scheduler's regions hold twice a CTA's share): those were not stamped."""
         if not self.spec.profile_slices or self.last_env is None:
@@ -64,7 +65,7 @@ class ProfileReaders:
             )
         by_task: dict[int, dict[str, Any]] = {}
         for cta in per_cta:
-            for _, t, issued, landed in cta:
+            for _, t, issued, landed, phases in cta:
                 if not 0 <= t < b.plan.num_tasks:
                     continue
                 rec = by_task.setdefault(
@@ -74,9 +75,11 @@ class ProfileReaders:
                         "node": tasks[t].node.name,
                         "sm": int(sm[t]),
                         "slices": [],
+                        "phases": [],
                     },
                 )
                 rec["slices"].append((issued, landed))
+                rec["phases"].append(phases)
         return [by_task[t] for t in sorted(by_task)]
 
     def profile_ctas(self) -> list[dict[str, Any]]:

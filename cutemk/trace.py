@@ -78,12 +78,18 @@ def slice_summary(tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     loads depend on them), of the time between two issues of a task (``issue_gap_us``: the
     producer waited for a free slot, i.e. for the consumers, or was elsewhere) and between two
     landings (``landed_gap_us``: the task's rate of slices; a stream that keeps up with its
-    issues lands a slice every issue gap)."""
+    issues lands a slice every issue gap). For a node whose tiles stamp their slices' phases
+    (``cutemk.codegen.profiling.PHASE_FIELDS``), also the median cycles of each phase over its
+    stamped slices (``phase_cycles``) and how many there were (``phase_slices``)."""
+    from .codegen.profiling import unpack_phases
+
     by_node: dict[str, dict[str, list[float]]] = {}
+    phases: dict[str, list[dict[str, int]]] = {}
     for t in tasks:
         acc = by_node.setdefault(
             t["node"], {"slices": [], "latency": [], "issue_gap": [], "landed_gap": []}
         )
+        phases.setdefault(t["node"], []).extend(unpack_phases(w) for w in t.get("phases", ()) if w)
         sl = t["slices"]
         acc["slices"].append(len(sl))
         acc["latency"] += [(b - a) / 1e3 for a, b in sl if a and b]
@@ -96,8 +102,9 @@ def slice_summary(tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     def median(v: list[float]) -> float | None:
         return round(sorted(v)[len(v) // 2], 3) if v else None
 
-    return [
-        {
+    rows = []
+    for node, acc in by_node.items():
+        row = {
             "node": node,
             "tasks": len(acc["slices"]),
             "slices_per_task": median(acc["slices"]),
@@ -105,8 +112,14 @@ def slice_summary(tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "issue_gap_us": median(acc["issue_gap"]),
             "landed_gap_us": median(acc["landed_gap"]),
         }
-        for node, acc in by_node.items()
-    ]
+        stamped = phases[node]
+        if stamped:
+            row["phase_cycles"] = {
+                f: sorted(p[f] for p in stamped)[len(stamped) // 2] for f in stamped[0]
+            }
+            row["phase_slices"] = len(stamped)
+        rows.append(row)
+    return rows
 
 
 def chrome_trace(records: Sequence[dict[str, Any]], name: str = "megakernel") -> dict[str, Any]:

@@ -342,7 +342,10 @@ def compute(
     epi_free=None,
 ) -> Int32:
     """Consumer warpgroups: the block's slices ``count ..``, then its rows of ``out``; returns
-    the ring count after the tile."""
+    the ring count after the tile. A profiled kernel's ``wait`` with ``phases`` (``profile=
+    "slices"``: ``cutemk.codegen.profiling.LandedStamps``) gets each slice's phases of the
+    first consumer thread, in SM cycles (``PHASE_FIELDS``): the loop top, the wait for the
+    turn, the S wgmma, mask and softmax, the wait for the previous P V."""
     mQ, mK, mPT, mOut = tensors[0], tensors[1], tensors[3], tensors[6]
     g_n, d = cfg.group, cfg.head_dim
     kind = _MMA_KIND[cfg.dtype]
@@ -395,6 +398,11 @@ def compute(
     scale.fill(1.0)
     tail = keys % SLICE_TOKENS
     mma_o.set(warpgroup.Field.ACCUMULATE, True)
+    phases = getattr(wait, "phases", None)
+    timed = phases is not None
+    c_end = cutlass.Int64(0)  # the last slice's end (cycles)
+    if cutlass.const_expr(timed):
+        c_end = cute.arch.clock64()
 
     # Pingpong: a warpgroup issues its tensor-core work (S of slice kt, P V of slice kt - 1) on
     # its turn, then hands the turn over and runs slice kt's softmax while the other's wgmma
@@ -415,7 +423,13 @@ def compute(
             cute.arch.fence_proxy("async.shared", space="cta")
             named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
         _rescale(o, scale, d // 8)  # P V of slice kt - 2 is done: o is in registers
+        c_ready = c_end
+        if cutlass.const_expr(timed):
+            c_ready = cute.arch.clock64()
         _turn_sync(wg)
+        c_turn = c_ready
+        if cutlass.const_expr(timed):
+            c_turn = cute.arch.clock64()
         warpgroup.fence()
         for kb in cutlass.range_constexpr(d // 16):  # S = q K^T
             mma_s.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -427,6 +441,9 @@ def compute(
         warpgroup.commit_group()
         _turn_arrive(1 - wg)
         warpgroup.wait_group(1)  # S is in
+        c_s = c_turn
+        if cutlass.const_expr(timed):
+            c_s = cute.arch.clock64()
         # the causal mask, only where the slice reaches past the block's first row (the
         # softmax scale is applied inside its exponentials)
         t_lo = kt * SLICE_TOKENS
@@ -437,7 +454,15 @@ def compute(
                     if tok > rpos[i // 2] or tok >= keys:
                         sc[tb, i] = Float32(-math.inf)
         _softmax_step(sc, m, lsum, scale, blocks, cfg.scale_log2)
+        c_soft = c_s
+        if cutlass.const_expr(timed):
+            c_soft = cute.arch.clock64()
         warpgroup.wait_group(0)  # P V of the previous slice has read its slot and P
+        if cutlass.const_expr(timed):
+            c_pv = cute.arch.clock64()
+            deltas = [c_ready - c_end, c_turn - c_ready, c_s - c_turn, c_soft - c_s, c_pv - c_soft]
+            phases(count + kt, deltas, ctid)
+            c_end = c_pv
         if kt > 0:
             consumer_release(empty, count + kt - 1, stages, lane)
         # P, rounded to 16 bits: the accumulators' order is the A fragments' order

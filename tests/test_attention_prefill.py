@@ -150,6 +150,26 @@ def test_prefill_attention_compiles_for_hopper(tmp_path, spill_stores, wgmma_ser
     assert not re.search(r"\bbar(\.cta)?\.(sync|arrive)\s+(%r\d+|\d+),", ptx)
 
 
+def test_profiled_prefill_tile_stamps_its_phases_without_spills(
+    tmp_path, spill_stores, wgmma_serialized
+):
+    """``profile="slices"``: the tile reads the SM clock around each step's phases (the loop
+    top, its turn, S, the softmax, the previous P V; ``profiling.PHASE_FIELDS``) and its first
+    thread stores them with the slice's stamps, at no spill and with the wgmma pipelined; the
+    production kernel reads no clock."""
+    g = _graph(32, 8, 128, 16, 1024, torch.bfloat16, max_b=64)
+    compile_offline(g, "static", profile="slices", options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+    assert not wgmma_serialized(ptx_file)
+    assert ptx_file.read_text().count("%clock64") >= 6
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={plain}")
+    (ptx_plain,) = plain.glob("*.ptx")
+    assert "%clock64" not in ptx_plain.read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (16, 2, 64), (8, 8, 16), (16, 8, 32)])

@@ -279,18 +279,29 @@ def test_slice_regions_are_sized_by_the_busiest_queue_and_read_back_per_cta():
     region = (tasks + grid) * PROF_WIDTH
     assert raw.size == region + grid * cap * SLICE_WIDTH
 
-    def stamp(cta, count, task, issued, landed):
+    def stamp(cta, count, task, issued, landed, phases=0):
         at = region + (cta * cap + count) * SLICE_WIDTH
-        raw[at : at + 3] = issued, landed, task
+        raw[at : at + 4] = issued, landed, task, phases
 
-    stamp(0, 0, 2, 100, 150)
+    stamp(0, 0, 2, 100, 150, 7)
     stamp(0, 1, 2, 120, 0)  # issued, never seen landed
     stamp(1, 0, 4, 90, 400)
     assert slice_records(raw, grid, tasks) == [
-        [(0, 2, 100, 150), (1, 2, 120, 0)],
-        [(0, 4, 90, 400)],
+        [(0, 2, 100, 150, 7), (1, 2, 120, 0, 0)],
+        [(0, 4, 90, 400, 0)],
         [],
     ]
+
+
+def test_phase_words_pack_and_unpack_by_field():
+    """A slice's ``phases`` word: ``PHASE_FIELDS`` cycle counts of ``PHASE_BITS`` each, lowest
+    first, saturated; the host unpacks what the device packs (``pack_phases``)."""
+    from cutemk.codegen.profiling import PHASE_BITS, PHASE_FIELDS, PHASE_MAX, unpack_phases
+
+    assert PHASE_BITS * len(PHASE_FIELDS) <= 63
+    vals = [5, PHASE_MAX, 0, 1234, 77]
+    word = sum(v << (PHASE_BITS * i) for i, v in enumerate(vals))
+    assert unpack_phases(word) == dict(zip(PHASE_FIELDS, vals))
 
 
 def test_slice_summary_reads_latency_and_the_gaps_between_slices():
@@ -311,6 +322,25 @@ def test_slice_summary_reads_latency_and_the_gaps_between_slices():
         "landed_gap_us": 0.2,
     }
     assert rows["h"]["issue_gap_us"] is None and rows["h"]["latency_us"] == 0.5
+
+
+def test_slice_summary_adds_the_median_phases_of_tiles_that_stamp_them():
+    from cutemk.codegen.profiling import PHASE_BITS, PHASE_FIELDS
+    from cutemk.trace import slice_summary
+
+    def word(*vals):
+        return sum(v << (PHASE_BITS * i) for i, v in enumerate(vals))
+
+    slices = [(0, 1000), (100, 1200), (200, 1400)]
+    tasks = [
+        {"node": "a", "slices": slices, "phases": [word(10, 20, 300, 400, 5)] * 2 + [0]},
+        {"node": "a", "slices": slices, "phases": [word(30, 0, 310, 420, 9)]},
+        {"node": "g", "slices": slices, "phases": [0, 0, 0]},
+    ]
+    rows = {r["node"]: r for r in slice_summary(tasks)}
+    assert rows["a"]["phase_cycles"] == dict(zip(PHASE_FIELDS, (10, 20, 300, 400, 5)))
+    assert rows["a"]["phase_slices"] == 3  # the unstamped slice is not one of them
+    assert "phase_cycles" not in rows["g"]
 
 
 def test_profile_levels():

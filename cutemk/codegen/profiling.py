@@ -5,10 +5,16 @@ late to land: the loads; slices issued late: the slots, i.e. the consumers).
 
 The profile buffer (int64) holds a record per task, then one per CTA (``layout.PROF_WIDTH``
 words each), then with slices a region per CTA of ``capacity`` slice records of
-``SLICE_WIDTH`` words: (issued ns, landed ns, task, 0), indexed by the CTA's ring count (its
-slices since the launch began, ``cutemk.device.ring``). The capacity is what the region's size
-leaves a CTA, so the kernel needs no argument for it; a slice past it is not stamped, and the
-CTA's record counts the slices it issued (``layout.CTA_SLICES``), so the host knows.
+``SLICE_WIDTH`` words: (issued ns, landed ns, task, phases), indexed by the CTA's ring count
+(its slices since the launch began, ``cutemk.device.ring``). The capacity is what the region's
+size leaves a CTA, so the kernel needs no argument for it; a slice past it is not stamped, and
+the CTA's record counts the slices it issued (``layout.CTA_SLICES``), so the host knows.
+
+``phases`` (0 unless the op stamps it): where a tile that computes slice by slice spent one
+slice's time on its first consumer thread, in SM cycles, ``PHASE_FIELDS`` of ``PHASE_BITS``
+each (saturated). The prefill attention tile (``ops.attention_prefill_sm90``) stamps them:
+its loop top (the slot's wait, o's rescale), the wait for its turn on the tensor cores, its S
+wgmma, the mask and softmax, and the wait for the previous slice's P V.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from cutlass import Int32, cute
 from ..device.config import WARPGROUP
 from .layout import PROF_LANDED, PROF_WIDTH, SLICE_WIDTH
 from .lower import R_NODE, REC_WIDTH
+
+PHASE_FIELDS = ("top", "turn_wait", "s_wgmma", "softmax", "pv_wait")
+"""The fields of a slice's ``phases`` word, lowest bits first (see the module doc)."""
+PHASE_BITS = 12
+PHASE_MAX = (1 << PHASE_BITS) - 1
 
 
 def slice_capacity(ring_slices: Sequence[int], queue_ptr, queue_rec, num_tasks_by_node) -> int:
@@ -102,6 +113,17 @@ class LandedStamps:
             sCtl[1] = first
 
     @cute.jit
+    def phases(self, count: Int32, deltas, ctid: Int32):
+        """Consumer thread ``ctid`` 0: slice ``count``'s ``phases`` word from ``deltas`` (one
+        Int64 cycle count per ``PHASE_FIELDS`` entry). Nothing without a slice region."""
+        if cutlass.const_expr(len(self.region) > 0):
+            mProf = self.prof
+            base, capacity = self.region
+            word = pack_phases(deltas)
+            if ctid == 0 and count < capacity:
+                mProf[base + count * SLICE_WIDTH + 3] = word
+
+    @cute.jit
     def landed(self, count: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         mProf, sCtl = self.prof, self.ctl
@@ -115,10 +137,30 @@ class LandedStamps:
                     mProf[base + count * SLICE_WIDTH + 1] = now
 
 
+@cute.jit
+def pack_phases(deltas) -> cutlass.Int64:
+    """``deltas`` (Int64 cycle counts, ``PHASE_FIELDS`` order) into one word, each clamped to
+    [0, ``PHASE_MAX``]."""
+    word = cutlass.Int64(0)
+    for i in cutlass.range_constexpr(len(deltas)):
+        v = deltas[i]
+        if v < cutlass.Int64(0):
+            v = cutlass.Int64(0)
+        if v > cutlass.Int64(PHASE_MAX):
+            v = cutlass.Int64(PHASE_MAX)
+        word = word | (v << (PHASE_BITS * i))
+    return word
+
+
+def unpack_phases(word: int) -> dict[str, int]:
+    """A ``phases`` word as ``{field: cycles}`` (``PHASE_MAX``: that many or more)."""
+    return {n: (int(word) >> (PHASE_BITS * i)) & PHASE_MAX for i, n in enumerate(PHASE_FIELDS)}
+
+
 def slice_records(raw: np.ndarray, grid: int, num_tasks: int) -> list[list[tuple[int, ...]]]:
-    """Per CTA, its stamped slices in ring order: (count, task, issued ns, landed ns); a slice
-    not issued (past the launch's last, or past the region's capacity) is left out, a stamp
-    not made is 0."""
+    """Per CTA, its stamped slices in ring order: (count, task, issued ns, landed ns, phases);
+    a slice not issued (past the launch's last, or past the region's capacity) is left out, a
+    stamp not made is 0."""
     records = record_words(num_tasks, grid)
     flat = np.asarray(raw).reshape(-1)
     capacity = (flat.size - records) // (grid * SLICE_WIDTH)
@@ -129,5 +171,10 @@ def slice_records(raw: np.ndarray, grid: int, num_tasks: int) -> list[list[tuple
     for cta in range(grid):
         rows = region[cta]
         issued = np.flatnonzero(rows[:, 0])
-        out.append([(int(c), int(rows[c, 2]), int(rows[c, 0]), int(rows[c, 1])) for c in issued])
+        out.append(
+            [
+                (int(c), int(rows[c, 2]), int(rows[c, 0]), int(rows[c, 1]), int(rows[c, 3]))
+                for c in issued
+            ]
+        )
     return out
