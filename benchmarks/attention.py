@@ -17,13 +17,16 @@ results/attention_prefill.json; rel_err against SDPA; floor from the causal FLOP
 ``--one-pass``: also the one-pass merge of the ranges (the default is the two-step merge
 wherever the Hopper tile takes it).
 
+``--wide`` with ``--prefill``: also the tile of the other step (``ops.attention_prefill``'s
+``step``: 64 keys a ring slot, or 128 with K and V in a slot each), as ``cutemk_step<N>``.
+
 ``--trace slices`` with ``--prefill``: also where a tile's 64-token step spends its cycles
 (``phase_cycles`` in the slice summary, medians over the slices of the first consumer thread:
 the loop top, the wait for the tensor cores' turn, the S wgmma, mask and softmax, the wait
 for the previous P V).
 
 Run: python benchmarks/attention.py [--splits 16] [--target-tiles 264] [--quick] [--prefill]
-[--one-pass] [--trace [slices]]
+[--one-pass] [--wide] [--trace [slices]]
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _graph(splits: int, target_tiles: int, align: int, max_len: int, merge_batch
     return g
 
 
-def _prefill_graph(max_len: int, max_tokens: int):
+def _prefill_graph(max_len: int, max_tokens: int, step: int | None = None):
     import cutemk as mk
     from cutemk import ops
 
@@ -91,7 +94,7 @@ def _prefill_graph(max_len: int, max_tokens: int):
     pt = g.input("page_table", (B, max_len // PAGE), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
     cu = g.input("cu_seqlens", (B + 1,), torch.int32)
-    g.output(g.call(ops.attention_prefill, q, k, v, pt, lens, cu), "out")
+    g.output(g.call(ops.attention_prefill, q, k, v, pt, lens, cu, step=step), "out")
     return g
 
 
@@ -100,6 +103,10 @@ def run_prefill(args, warmup: int, rep: int) -> int:
     max_len = max(n + c for _, n, c in PREFILL_CASES)
     max_t = max(b * n for b, n, _ in PREFILL_CASES)
     mk_attn = _prefill_graph(max_len, max_t).compile("cute", scheduler=args.scheduler)
+    wide = None
+    if args.wide:  # the other step, same process
+        other = 128 if mk_attn.graph.nodes[0].op.step == 64 else 64
+        wide = _prefill_graph(max_len, max_t, other).compile("cute", scheduler=args.scheduler)
     profiled = None
     if args.trace:  # a graph of its own: profiling adds a timestamp store per task
         profiled = _prefill_graph(max_len, max_t).compile(
@@ -114,6 +121,7 @@ def run_prefill(args, warmup: int, rep: int) -> int:
             "page_size": PAGE,
             "scheduler": args.scheduler,
             "rep": rep,
+            "step": mk_attn.graph.nodes[0].op.step,
         },
     )
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -155,6 +163,10 @@ def run_prefill(args, warmup: int, rep: int) -> int:
             "cutemk": lambda: mk_attn(q, kc, vc, table, lens, cu),
             "torch_sdpa": sdpa,
         }
+        if wide is not None:
+            impls[f"cutemk_step{wide.graph.nodes[0].op.step}"] = lambda: wide(
+                q, kc, vc, table, lens, cu
+            )
         if fa4 is not None:
             impls["fa4"] = lambda: fa4(q.view(b, n, HQ, D), k_flat, v_flat, causal=True)[0].reshape(
                 b * n, HQ * D
@@ -218,6 +230,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", action="store_true", help="causal prefill cases instead")
     add_trace_argument(p, "per case, the tiles' summary")
     p.add_argument("--page", type=int, default=PAGE, help="tokens a KV-cache page")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="with --prefill: also the tile of the other step (64 / 128 keys, "
+        "CUTEMK_PREFILL_STEP), same process",
+    )
     p.add_argument(
         "--one-pass",
         action="store_true",

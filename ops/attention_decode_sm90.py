@@ -298,6 +298,7 @@ def slice_boxes(
     ring,
     slot,
     tma_at: cutlass.Constexpr,
+    parts: cutlass.Constexpr = "kv",
 ):
     """The warp reads the page ids of the 32-page block holding the slice, lane l page
     ``block + l`` (one coalesced load: the slices after this one read the same ids from L1
@@ -306,7 +307,8 @@ def slice_boxes(
     A slice's pages never cross a block: slices are aligned to their size, a power-of-two
     number of pages of at most 32. ``tensors``: K at 1, the page table at 3, the four TMA
     arguments from ``tma_at`` (the prefill tile, ``ops.attention_prefill_sm90``, streams its
-    slices with this too)."""
+    slices with this too). ``parts``: ``"kv"`` the slot takes K then V (at ``cfg.v_offset``),
+    ``"k"`` / ``"v"`` only that one, from the slot's start."""
     mK, mPT = tensors[1], tensors[3]
     atom_k, tma_k, atom_v, tma_v = (tensors[tma_at + i] for i in range(4))
     lane = cute.arch.lane_idx()
@@ -332,9 +334,13 @@ def slice_boxes(
             cfg.halves, unroll=1
         ):  # unrolled, the producer's 40 registers spill
             off = elem_offset(cfg, hf, r * cfg.box_rows) * cfg.es
-            _copy_box(cfg, atom_k, tma_k, slot_ptr + off, h, p_r, blk, hf, bar)
-            v_off = cfg.v_offset * cfg.es + off
-            _copy_box(cfg, atom_v, tma_v, slot_ptr + v_off, h, p_r, blk, hf, bar)
+            if cutlass.const_expr(parts != "v"):
+                _copy_box(cfg, atom_k, tma_k, slot_ptr + off, h, p_r, blk, hf, bar)
+            if cutlass.const_expr(parts == "kv"):
+                v_off = cfg.v_offset * cfg.es + off
+                _copy_box(cfg, atom_v, tma_v, slot_ptr + v_off, h, p_r, blk, hf, bar)
+            if cutlass.const_expr(parts == "v"):
+                _copy_box(cfg, atom_v, tma_v, slot_ptr + off, h, p_r, blk, hf, bar)
 
 
 def elem_offset(cfg: Sm90DecodeConfig, half: int, row: int) -> int:

@@ -35,6 +35,7 @@ from cutlass import Int32, cute
 
 from cutemk.arch import target_arch
 from cutemk.costmodel import H200, tile_time_us
+from cutemk.envvars import env_choice
 from cutemk.errors import ShapeError
 from cutemk.symbolic import evaluate, upper
 from cutemk.tileop import (
@@ -74,6 +75,9 @@ class AttentionPrefillTile(TileOp):
     seq_lens: TensorSpec  # (B,) int32: lengths after this step
     cu_seqlens: TensorSpec  # (B + 1,) int32: q's row offsets
     scale: float | None = None  # softmax scale (default 1/sqrt(D))
+    # keys a step of the Hopper tile: 64 (one ring slot holds them, K then V) or 128 (K and V
+    # in a slot each: S is m64 n128, K's slot is freed once S is in; ``psm90.WIDE_STEP``)
+    step: int = psm90.SLICE_TOKENS
 
     name: ClassVar[str] = "attention_prefill"
     inputs: ClassVar[tuple[str, ...]] = (
@@ -121,6 +125,11 @@ class AttentionPrefillTile(TileOp):
             raise ShapeError(
                 f"attention_prefill: {hq} query heads over {hkv} KV heads; the tile takes "
                 "1, 2, 4 or 8 query heads a KV head"
+            )
+        if self.step not in (psm90.SLICE_TOKENS, psm90.WIDE_STEP):
+            raise ValueError(
+                f"attention_prefill step must be {psm90.SLICE_TOKENS} or {psm90.WIDE_STEP}, got "
+                f"{self.step!r}"
             )
         if upper(self.seq_lens.shape[0]) > MAX_BATCH:
             raise ShapeError(
@@ -272,6 +281,7 @@ class AttentionPrefillTile(TileOp):
             max_tokens=self.max_tokens,
             scale_log2=self.softmax_scale * LOG2E,
             dtype=self.q.dtype,
+            step=self.step,
         )
 
     def ring_tile(self) -> RingTile:
@@ -358,5 +368,10 @@ def attention_prefill(
     seq_lens: TensorSpec,
     cu_seqlens: TensorSpec,
     scale: float | None = None,
+    step: int | None = None,
 ) -> AttentionPrefillTile:
-    return AttentionPrefillTile(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens, scale)
+    """``step``: keys a step of the Hopper tile (``AttentionPrefillTile.step``); default
+    ``CUTEMK_PREFILL_STEP`` (64 or 128), else 64."""
+    if step is None:
+        step = int(env_choice("CUTEMK_PREFILL_STEP", ("64", "128")) or psm90.SLICE_TOKENS)
+    return AttentionPrefillTile(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens, scale, step)

@@ -48,6 +48,11 @@ from . import gemm_sm90 as gsm90
 from . import varlen
 
 SLICE_TOKENS = 64
+"""Keys a step of the default tile (``Sm90PrefillConfig.step``): a ring slot holds their K rows
+then their V rows."""
+WIDE_STEP = 128
+"""Keys a step of the wide tile: a slot holds the step's K rows or its V rows (S is m64 n128;
+K's slot is freed as soon as S is in, V's after P V)."""
 SWIZZLE_DIMS = dsm90.SWIZZLE_DIMS
 CONSUMER_WARPS = dsm90.CONSUMER_WARPS
 STORE_THREADS = dsm90.STORE_THREADS
@@ -73,9 +78,18 @@ class Sm90PrefillConfig:
     max_tokens: int  # the longest sequence the page table holds
     scale_log2: float  # softmax scale * log2(e)
     dtype: torch.dtype
+    step: int = SLICE_TOKENS  # keys a step: SLICE_TOKENS or WIDE_STEP
 
-    # the decode tile's slot layout (its producer fills these slots)
-    slice_tokens = SLICE_TOKENS
+    @property
+    def wide(self) -> bool:
+        """A step's K and V in two slots (``WIDE_STEP``), not one."""
+        return self.step == WIDE_STEP
+
+    @property
+    def slice_tokens(self) -> int:
+        """Rows of a slot's 64-dimension blocks (the decode tile's slot layout, which its
+        producer fills): the step's keys."""
+        return self.step
 
     @property
     def es(self) -> int:
@@ -92,11 +106,16 @@ class Sm90PrefillConfig:
 
     @property
     def boxes(self) -> int:
-        return SLICE_TOKENS // self.box_rows
+        return self.step // self.box_rows
+
+    @property
+    def slots_per_step(self) -> int:
+        return 2 if self.wide else 1
 
     @property
     def slices(self) -> int:
-        return -(-self.max_tokens // SLICE_TOKENS)
+        """Most ring slots a tile takes."""
+        return self.slots_per_step * -(-self.max_tokens // self.step)
 
     @property
     def halves(self) -> int:
@@ -104,11 +123,12 @@ class Sm90PrefillConfig:
 
     @property
     def v_offset(self) -> int:
-        return SLICE_TOKENS * self.head_dim
+        """V's first element in a slot: after K's, or at its start in a slot of its own."""
+        return 0 if self.wide else SLICE_TOKENS * self.head_dim
 
     @property
     def tx_bytes(self) -> int:
-        return 2 * SLICE_TOKENS * self.head_dim * self.es
+        return (3 - self.slots_per_step) * self.step * self.head_dim * self.es
 
     @property
     def slot_bytes(self) -> int:
@@ -172,7 +192,7 @@ def block_span(cfg: cutlass.Constexpr, tensors, word: Int32):
 def slices_of_block(cfg: cutlass.Constexpr, tensors, word: Int32) -> Int32:
     """Ring slices of a block: the producer's count and the consumers' are this formula."""
     keys = block_span(cfg, tensors, word)[4]
-    return (keys + SLICE_TOKENS - 1) // SLICE_TOKENS
+    return cfg.slots_per_step * ((keys + cfg.step - 1) // cfg.step)
 
 
 @cute.jit
@@ -180,9 +200,17 @@ def load_kv(
     cfg: cutlass.Constexpr, tensors, h: Int32, word: Int32, kt: Int32, idx, bar, ring, slot
 ):
     """Producer warp: slice ``kt``'s K and V boxes of KV head ``h`` into ring slot ``idx``
-    (positions past the block's keys and bad page ids load zeros)."""
+    (positions past the block's keys and bad page ids load zeros); in the wide tile slice
+    ``kt`` is step ``kt // 2``'s K (even) or V (odd)."""
     b, _, _, _, keys, _ = block_span(cfg, tensors, word)
-    dsm90.slice_boxes(cfg, tensors, b, h, kt * SLICE_TOKENS, keys, idx, bar, ring, slot, T_TMA)
+    if cutlass.const_expr(cfg.wide):
+        base = (kt // 2) * cfg.step
+        if kt % 2 == 0:
+            dsm90.slice_boxes(cfg, tensors, b, h, base, keys, idx, bar, ring, slot, T_TMA, "k")
+        else:
+            dsm90.slice_boxes(cfg, tensors, b, h, base, keys, idx, bar, ring, slot, T_TMA, "v")
+    else:
+        dsm90.slice_boxes(cfg, tensors, b, h, kt * SLICE_TOKENS, keys, idx, bar, ring, slot, T_TMA)
 
 
 def _q_layout(cfg: Sm90PrefillConfig):
@@ -198,9 +226,9 @@ def _slot_views(cfg: Sm90PrefillConfig, ring, stages: int, slot: int):
     (head dim, slice tokens) MN-major; both are the decode producer's slot layout (64-dimension
     blocks of (64 tokens, 64) swizzled tiles, one block after the other)."""
     ab = dsm90._CUTE_DTYPES[cfg.dtype]
-    d, es = cfg.head_dim, cfg.es
-    k_one = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_ROWS, SLICE_TOKENS, d), ab, 1)
-    v_one = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_ROWS, d, SLICE_TOKENS), ab, 1)
+    d, es, n = cfg.head_dim, cfg.es, cfg.step
+    k_one = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WG_ROWS, n, d), ab, 1)
+    v_one = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (WG_ROWS, d, n), ab, 1)
     k_l = gsm90._staged(k_one, stages, slot, es)
     v_l = gsm90._staged(v_one, stages, slot, es)
     sK = cute.make_tensor(cute.recast_ptr(ring, k_l.inner, dtype=ab), k_l.outer)
@@ -210,10 +238,10 @@ def _slot_views(cfg: Sm90PrefillConfig, ring, stages: int, slot: int):
 
 def _tiled_mmas(cfg: Sm90PrefillConfig):
     """S = q K^T (q and K from shared memory) and o += P V (P from registers), one warpgroup
-    each: m64 n64 and m64 n(head dim), k16 steps."""
+    each: m64 n(step) and m64 n(head dim), k16 steps."""
     ab = dsm90._CUTE_DTYPES[cfg.dtype]
     mma_s = sm90_utils.make_trivial_tiled_mma(
-        ab, ab, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (WG_ROWS, SLICE_TOKENS)
+        ab, ab, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (WG_ROWS, cfg.step)
     )
     mma_o = sm90_utils.make_trivial_tiled_mma(
         ab,
@@ -260,19 +288,20 @@ def _load_q(cfg: cutlass.Constexpr, mQ, q_base, h: Int32, first: Int32, rows: In
 
 @cute.jit
 def _zero_v_tail(cfg: cutlass.Constexpr, base, t0: Int32, ctid: Int32):
-    """Zero V's rows ``[t0, SLICE_TOKENS)`` of a slot (whole 128-byte rows of each 64-dimension
+    """Zero V's rows ``[t0, step)`` of a slot (whole 128-byte rows of each 64-dimension
     block, so the swizzle does not matter): a last page's slots past a sequence's end are not
     the sequence's, and 0 x NaN in P V would be NaN."""
     words = SWIZZLE_DIMS * cfg.es // 4  # 32-bit words of a row of a block
+    rows = cfg.step
     v = cute.make_tensor(
         cute.recast_ptr(base + cfg.v_offset * cfg.es, dtype=Int32),
-        cute.make_layout(cfg.halves * SLICE_TOKENS * words),
+        cute.make_layout(cfg.halves * rows * words),
     )
-    total = cfg.halves * (SLICE_TOKENS - t0) * words
+    total = cfg.halves * (rows - t0) * words
     for i in cutlass.range(ctid, total, CONSUMER_THREADS, unroll=1):
-        hf = i // ((SLICE_TOKENS - t0) * words)
-        rest = i % ((SLICE_TOKENS - t0) * words)
-        v[hf * SLICE_TOKENS * words + t0 * words + rest] = Int32(0)
+        hf = i // ((rows - t0) * words)
+        rest = i % ((rows - t0) * words)
+        v[hf * rows * words + t0 * words + rest] = Int32(0)
 
 
 @cute.jit
@@ -356,7 +385,8 @@ def compute(
     r = lane // 4  # the accumulators' row (and r + 8)
     c = lane % 4  # their column pair
     b, first, rows, p0, keys, bad = block_span(cfg, tensors, word)
-    n = (keys + SLICE_TOKENS - 1) // SLICE_TOKENS
+    step, per = cfg.step, cfg.slots_per_step
+    n = (keys + step - 1) // step
     num_pages = mK.shape[0]
     pid = Int32(0)
 
@@ -377,11 +407,11 @@ def compute(
     tSrQ = mma_s.make_fragment_A(thr_s.partition_A(sQ))
     tSrK = mma_s.make_fragment_B(thr_s.partition_B(sK))
     tOrV = mma_o.make_fragment_B(thr_o.partition_B(sV))
-    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((WG_ROWS, SLICE_TOKENS)), Float32)
+    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((WG_ROWS, step)), Float32)
     acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((WG_ROWS, d)), Float32)
-    tOrP = mma_o.make_fragment_A(thr_o.partition_shape_A((WG_ROWS, SLICE_TOKENS)))
+    tOrP = mma_o.make_fragment_A(thr_o.partition_shape_A((WG_ROWS, step)))
     # the m64 accumulators per warp are the m16n8 layout of 8-column blocks: (block, i) views
-    blocks = SLICE_TOKENS // 8
+    blocks = step // 8
     sc = cute.make_tensor(acc_s.iterator, cute.make_layout((blocks, 4), stride=(4, 1)))
     o = cute.make_tensor(acc_o.iterator, cute.make_layout((d // 8, 4), stride=(4, 1)))
     m = cute.make_rmem_tensor((2,), Float32)
@@ -396,7 +426,7 @@ def compute(
         rpos[half] = p0 + big % cfg.rows
     scale = cute.make_rmem_tensor((2,), Float32)  # o's rescale by the last softmax step
     scale.fill(1.0)
-    tail = keys % SLICE_TOKENS
+    tail = keys % step
     mma_o.set(warpgroup.Field.ACCUMULATE, True)
     phases = getattr(wait, "phases", None)
     timed = phases is not None
@@ -404,25 +434,30 @@ def compute(
     if cutlass.const_expr(timed):
         c_end = cute.arch.clock64()
 
-    # Pingpong: a warpgroup issues its tensor-core work (S of slice kt, P V of slice kt - 1) on
-    # its turn, then hands the turn over and runs slice kt's softmax while the other's wgmma
+    # Pingpong: a warpgroup issues its tensor-core work (S of step kt, P V of step kt - 1) on
+    # its turn, then hands the turn over and runs step kt's softmax while the other's wgmma
     # run. Warpgroup 1 lets 0 go first; each has n + 1 turns; 0 takes 1's last hand-over.
+    # A step's ring slots: one (K then V) or, wide, two (K, then V): slots count + per * kt ..
     if wg == 1:
         _turn_arrive(0)
-    prev = Int32(0)  # slice kt - 1's ring slot
+    prev = Int32(0)  # the ring slot of step kt - 1's V
     for kt in cutlass.range(n, unroll=1):
-        if pid < 0 or pid >= num_pages:  # the previous slice's page ids, read a slice ago
+        if pid < 0 or pid >= num_pages:  # the previous step's page ids, read a step ago
             bad = Boolean(True)
-        pos = kt * SLICE_TOKENS + lane * cfg.box_rows
+        pos = kt * step + lane * cfg.box_rows
         pid = Int32(0)
-        if lane < cfg.boxes and pos < keys:  # every warp checks the slice's pages itself
+        if lane < cfg.boxes and pos < keys:  # every warp checks the step's pages itself
             pid = mPT[b, pos // cfg.page]
-        idx = consumer_wait(full, count + kt, stages, wait)
-        if kt == n - 1 and tail != 0:
-            _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
-        _rescale(o, scale, d // 8)  # P V of slice kt - 2 is done: o is in registers
+        idx = consumer_wait(full, count + per * kt, stages, wait)
+        if cutlass.const_expr(cfg.wide):
+            if kt > 0:  # V of the previous step (its loads may land after this step's K)
+                prev = consumer_wait(full, count + per * kt - 1, stages, wait)
+        else:
+            if kt == n - 1 and tail != 0:
+                _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
+        _rescale(o, scale, d // 8)  # P V of step kt - 2 is done: o is in registers
         c_ready = c_end
         if cutlass.const_expr(timed):
             c_ready = cute.arch.clock64()
@@ -436,18 +471,20 @@ def compute(
             cute.gemm(mma_s, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, idx], acc_s)
         warpgroup.commit_group()
         if kt > 0:  # o += P V of the previous slice
-            for kb in cutlass.range_constexpr(SLICE_TOKENS // 16):
+            for kb in cutlass.range_constexpr(step // 16):
                 cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
         warpgroup.commit_group()
         _turn_arrive(1 - wg)
         warpgroup.wait_group(1)  # S is in
+        if cutlass.const_expr(cfg.wide):
+            consumer_release(empty, count + per * kt, stages, lane)  # K's slot: S has read it
         c_s = c_turn
         if cutlass.const_expr(timed):
             c_s = cute.arch.clock64()
         # the causal mask, only where the slice reaches past the block's first row (the
         # softmax scale is applied inside its exponentials)
-        t_lo = kt * SLICE_TOKENS
-        if t_lo + SLICE_TOKENS - 1 > p0 or t_lo + SLICE_TOKENS > keys:
+        t_lo = kt * step
+        if t_lo + step - 1 > p0 or t_lo + step > keys:
             for tb in cutlass.range_constexpr(blocks):
                 for i in cutlass.range_constexpr(4):
                     tok = t_lo + tb * 8 + 2 * c + i % 2
@@ -457,24 +494,32 @@ def compute(
         c_soft = c_s
         if cutlass.const_expr(timed):
             c_soft = cute.arch.clock64()
-        warpgroup.wait_group(0)  # P V of the previous slice has read its slot and P
+        warpgroup.wait_group(0)  # P V of the previous step has read its slot and P
         if cutlass.const_expr(timed):
             c_pv = cute.arch.clock64()
             deltas = [c_ready - c_end, c_turn - c_ready, c_s - c_turn, c_soft - c_s, c_pv - c_soft]
-            phases(count + kt, deltas, ctid)
+            phases(count + per * kt, deltas, ctid)
             c_end = c_pv
-        if kt > 0:
-            consumer_release(empty, count + kt - 1, stages, lane)
+        if kt > 0:  # the previous step's V (and, not wide, its K)
+            consumer_release(empty, count + per * kt - 1, stages, lane)
         # P, rounded to 16 bits: the accumulators' order is the A fragments' order
         for i in cutlass.range_constexpr(cute.size(tOrP)):
             tOrP[i] = acc_s[i].to(ab)
-        prev = idx
-    # the last slice's P V, on a last turn
+        if cutlass.const_expr(not cfg.wide):
+            prev = idx
+    # the last step's P V, on a last turn
+    if cutlass.const_expr(cfg.wide):
+        if n > 0:
+            prev = consumer_wait(full, count + per * n - 1, stages, wait)
+            if tail != 0:
+                _zero_v_tail(cfg, ring + prev * slot, tail, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
     _rescale(o, scale, d // 8)
     _turn_sync(wg)
     warpgroup.fence()
     if n > 0:
-        for kb in cutlass.range_constexpr(SLICE_TOKENS // 16):
+        for kb in cutlass.range_constexpr(step // 16):
             cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
     warpgroup.commit_group()
     _turn_arrive(1 - wg)
@@ -482,7 +527,7 @@ def compute(
         _turn_sync(0)
     warpgroup.wait_group(0)
     if n > 0:
-        consumer_release(empty, count + n - 1, stages, lane)
+        consumer_release(empty, count + per * n - 1, stages, lane)
 
     if pid < 0 or pid >= num_pages:
         bad = Boolean(True)
@@ -509,4 +554,4 @@ def compute(
                 for j in cutlass.range_constexpr(d // 8):
                     v = pack2(kind, o[j, 2 * half] * inv, o[j, 2 * half + 1] * inv)
                     gOut[out_row, (head * d + j * 8 + 2 * c) // 2] = v
-    return count + n
+    return count + per * n

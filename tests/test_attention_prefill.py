@@ -18,7 +18,7 @@ from cutemk import ops
 from cutemk.runtime import compile_offline
 
 
-def _graph(hq, hkv, d, page, max_pages, dtype, max_b=8, max_t=8192):
+def _graph(hq, hkv, d, page, max_pages, dtype, max_b=8, max_t=8192, step=None):
     g = mk.Graph("prefill_attention")
     B = mk.sym("B", min=1, max=max_b)
     T = mk.sym("T", min=1, max=max_t)
@@ -28,7 +28,7 @@ def _graph(hq, hkv, d, page, max_pages, dtype, max_b=8, max_t=8192):
     pt = g.input("page_table", (B, max_pages), torch.int32)
     lens = g.input("seq_lens", (B,), torch.int32)
     cu = g.input("cu_seqlens", (B + 1,), torch.int32)
-    out = g.call(ops.attention_prefill, q, k, v, pt, lens, cu)
+    out = g.call(ops.attention_prefill, q, k, v, pt, lens, cu, step=step)
     g.output(out, "out")
     return g
 
@@ -170,14 +170,50 @@ def test_profiled_prefill_tile_stamps_its_phases_without_spills(
     assert "%clock64" not in ptx_plain.read_text()
 
 
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("d,page", [(128, 16), (64, 8), (128, 256)])
+def test_wide_step_tile_compiles_for_hopper(
+    tmp_path, spill_stores, wgmma_serialized, scheduler, d, page
+):
+    """``step=128``: a step's K and V in a ring slot each, S one m64 n128 wgmma per k16 (no
+    m64 n64), no spill, the wgmma pipelined; the loads are one TMA box per page (of at most
+    64 rows) and 64 dimensions, K or V alone."""
+    g = _graph(32, 8, d, page, 1024, torch.bfloat16, max_b=64, step=128)
+    op = g.nodes[0].op
+    assert op.step == 128 and op.sm90().slices == 2 * (1024 * page // 128)
+    assert op.sm90().tx_bytes == 128 * d * 2 and op.sm90().v_offset == 0
+    compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx_file,) = tmp_path.glob("*.ptx")
+    assert spill_stores(ptx_file) == 0
+    assert not wgmma_serialized(ptx_file)
+    ptx = ptx_file.read_text()
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    if d == 128:  # (at D = 64, P V is m64 n64)
+        assert "m64n64k16" not in ptx
+
+
+def test_prefill_step_is_64_or_128_and_read_from_the_environment(monkeypatch):
+    g = _graph(32, 8, 128, 16, 64, torch.bfloat16)
+    assert g.nodes[0].op.step == 64
+    monkeypatch.setenv("CUTEMK_PREFILL_STEP", "128")
+    assert _graph(32, 8, 128, 16, 64, torch.bfloat16).nodes[0].op.step == 128
+    monkeypatch.setenv("CUTEMK_PREFILL_STEP", "96")
+    with pytest.raises(ValueError, match="CUTEMK_PREFILL_STEP"):
+        _graph(32, 8, 128, 16, 64, torch.bfloat16)
+    monkeypatch.delenv("CUTEMK_PREFILL_STEP")
+    with pytest.raises(ValueError, match="step must be 64 or 128"):
+        _graph(32, 8, 128, 16, 64, torch.bfloat16, step=96)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("step", [64, 128])
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 @pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (16, 2, 64), (8, 8, 16), (16, 8, 32)])
-def test_prefill_attention_on_the_gpu(scheduler, hq, hkv, page):
+def test_prefill_attention_on_the_gpu(scheduler, hq, hkv, page, step):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     d, max_pages = 128, 1024
-    c = _graph(hq, hkv, d, page, max_pages, torch.bfloat16, max_b=64).compile(
+    c = _graph(hq, hkv, d, page, max_pages, torch.bfloat16, max_b=64, step=step).compile(
         "cute", scheduler=scheduler, watchdog=True, poison_outputs=True
     )
     gen = torch.Generator().manual_seed(1)
