@@ -97,6 +97,8 @@ def test_megakernel_compiles_for_sm90a(scheduler, watchdog, tmp_path):
         assert re.search(r"st\.release\.gpu\.global", ptx)  # ring slot publish
     # the watchdog's abort flag is raised with a CAS; without the watchdog there is none
     assert bool(re.search(r"atom\.global\.acq_rel\.cas", ptx)) == watchdog
+    # with it, the consumer threads agree on leaving once a record (barrier 8, all of them)
+    assert bool(re.search(r"barrier(\.cta)?\.red\.or\.pred\s+%p\d+, 8, 256, ", ptx)) == watchdog
 
 
 # -------------------------------------------------------------------------------------- GPU

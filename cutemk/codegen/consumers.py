@@ -11,12 +11,14 @@ import cutlass
 from cutlass import Boolean, Int32, Int64, cute
 
 from ..device.config import (
+    CONSUMER_STOP_BARRIER,
     EPI_EMPTY_BARRIER,
     EPI_FULL_BARRIER,
     NUM_THREADS,
     SIMT_WIDE_THREADS,
     named_arrive,
     named_sync,
+    named_sync_or,
     simt_sync,
 )
 from ..device.config import (
@@ -65,7 +67,11 @@ class ConsumerRoles:
             t, node, c0, c1 = rec[R_TASK], rec[R_NODE], rec[R_C0], rec[R_C1]
             alive = t >= 0
             if cutlass.const_expr(self.spec.watchdog):  # a gave-up wait may have read a stale slot
-                if cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu") != 0:
+                # one verdict for every consumer thread: a warp that saw the abort flag raised
+                # and left while another ran the task would leave that one waiting in the
+                # task's named barriers (and itself at the closing barrier) for ever
+                seen = cute.arch.load(state.iterator + ABORT, Int32, sem="relaxed", scope="gpu")
+                if named_sync_or(CONSUMER_STOP_BARRIER, w.consumer_threads, seen != 0):
                     alive = Boolean(False)
             if alive:
                 start = Int64(0)

@@ -45,6 +45,10 @@ MMA_TURN_BARRIER = 6
 """Consumer warpgroup ``w``'s turn to issue its tensor-core work is barrier ``6 + w`` (both
 consumer warpgroups: one syncs, the other arrives), so the two alternate on the tensor cores
 while the other runs its SIMT part (the prefill attention tile's softmax)."""
+CONSUMER_STOP_BARRIER = 8
+"""Every consumer thread, once a task record with the watchdog: their one verdict on leaving
+(``barrier.cta.red.or`` of each thread's view of the abort flag), so no warp stays in a task's
+named barriers while another has left for the kernel's closing barrier."""
 STORER_WARP = 2
 """Warp of the producer warpgroup that stores ring tiles and publishes them."""
 
@@ -74,7 +78,10 @@ def named_sync(barrier_id: int, threads: int, *, loc=None, ip=None) -> None:
 def named_sync_or(barrier_id: int, threads: int, pred, *, loc=None, ip=None) -> Boolean:
     """:func:`named_sync` that also ORs ``pred`` over its participants (``barrier.cta.red.or``,
     not ``.aligned``): every thread gets True if any passed True. Hands one thread's decision
-    to the others through the barrier itself, with no shared-memory word to write and read."""
+    to the others through the barrier itself, with no shared-memory word to write and read.
+    Every participant must reach it from the same call site: ptxas 13 emits the same code for
+    the unaligned and the ``.aligned`` form of ``barrier.red`` (unlike ``barrier.sync``), so it
+    is not a hand-over between roles that run different code."""
     p = Boolean(pred).ir_value(loc=loc, ip=ip)
     r = nvvm.barrier_cta_red(
         p,
