@@ -524,17 +524,16 @@ def _grouped_gemm_graph(expert_rows, distinct=True, tokens=16):
     tile_info, row_token, _, _ = g.call(
         ops.moe_route, ids, num_experts=4, block_m=16, distinct_ids=distinct
     )
+    return _experts_on(g, x, tile_info, row_token, expert_rows)
+
+
+def _experts_on(g, x, tile_info, row_token, expert_rows):
+    """``g`` with x permuted into a route's layout and one grouped GEMM over 4 experts (16-row
+    tiles) as its output."""
     xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=16)
-    y = g.call(
-        ops.moe_grouped_gemm,
-        xp,
-        g.weight("w", (4, 32, 32)),
-        tile_info,
-        block_m=16,
-        block_n=32,
-        expert_rows=expert_rows,
-    )
-    g.output(y, "y")
+    w = g.weight("w", (4, 32, 32))
+    kw = dict(block_m=16, block_n=32, expert_rows=expert_rows)
+    g.output(g.call(ops.moe_grouped_gemm, xp, w, tile_info, **kw), "y")
     return g
 
 
@@ -563,18 +562,7 @@ def test_grouped_gemm_interpreter_refuses_more_rows_than_expert_rows():
     row_token, _ = g.call(
         ops.moe_route_place, ids, base, tile_info, num_experts=4, block_m=16, chunk=64
     )
-    xp = g.call(ops.moe_permute, x, tile_info, row_token, block_m=16)
-    y = g.call(
-        ops.moe_grouped_gemm,
-        xp,
-        g.weight("w", (4, 32, 32)),
-        tile_info,
-        block_m=16,
-        block_n=32,
-        expert_rows=4,
-    )
-    g.output(y, "y")
-    c = g.compile("interpret", num_sms=2)
+    c = _experts_on(g, x, tile_info, row_token, 4).compile("interpret", num_sms=2)
     w = torch.randn(4, 32, 32)
     ok = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int32)
     c(torch.randn(4, 32), ok, w)

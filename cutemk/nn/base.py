@@ -83,23 +83,14 @@ class _KeyedModule(nn.Module):
         self.__dict__.pop("_fast", None)
         return super()._apply(fn, *args, **kwargs)
 
-    # the rows the custom op takes: most rows (and the name of that limit), width
-    _op_rows_name = "max_tokens"
-
-    @property
-    def _op_rows(self) -> int:
-        return self.max_tokens
-
-    @property
-    def _op_width(self) -> int:
-        return self.hidden
+    _op_rows_name = "max_tokens"  # the name of the module's most rows (``max_tokens``)
 
     def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def _check_op_args(self, x2: Any, weights: Any, live: bool = False) -> None:
         """The arguments of the module's custom op called directly (or traced: fake tensors),
-        past :meth:`forward`'s checks: 2-D rows of H (``_op_rows`` of them for the live op, at
+        past :meth:`forward`'s checks: 2-D rows of H (``max_tokens`` of them for the live op, at
         most that many otherwise) and as many weights as the module has, of their shapes,
         all in the rows' dtype (the op's key names the module's sizes, not its dtype: the
         weights passed are the ones that run). A traced row count (a symbol) is not
@@ -120,12 +111,16 @@ class _KeyedModule(nn.Module):
         rows = x2.shape[0] if isinstance(x2, torch.Tensor) and x2.dim() == 2 else None
         if (
             rows is None
-            or x2.shape[1] != self._op_width
-            or (rows != self._op_rows if live else isinstance(rows, int) and rows > self._op_rows)
+            or x2.shape[1] != self.hidden
+            or (
+                rows != self.max_tokens
+                if live
+                else isinstance(rows, int) and rows > self.max_tokens
+            )
             or any(w.dtype != x2.dtype for w in weights)
         ):
-            want = f"({self._op_rows}, {self._op_width})" if live else f"(T, {self._op_width})"
-            most = "" if live else f" with T <= {self._op_rows_name}={self._op_rows}"
+            want = f"({self.max_tokens}, {self.hidden})" if live else f"(T, {self.hidden})"
+            most = "" if live else f" with T <= {self._op_rows_name}={self.max_tokens}"
             raise LayoutError(
                 f"{who}: the op takes x of shape {want}{most} in its weights' dtype, got "
                 f"{getattr(x2, 'shape', x2)!r} in {getattr(x2, 'dtype', None)}"

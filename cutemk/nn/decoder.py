@@ -404,14 +404,6 @@ class MegaDecoderLayer(_KeyedModule):
 
     _op_rows_name = "max_batch"
 
-    @property
-    def _op_rows(self) -> int:
-        return self.max_batch
-
-    @property
-    def _op_width(self) -> int:
-        return self.cfg.hidden
-
     def _leaf_weights(self) -> tuple[torch.Tensor, ...]:
         """The weights the custom op takes, in ``_names`` order."""
         return tuple(getattr(self, n) for n in self._names)
