@@ -428,8 +428,8 @@ def compute(
     scale.fill(1.0)
     tail = keys % step
     mma_o.set(warpgroup.Field.ACCUMULATE, True)
-    phases = getattr(wait, "phases", None)
-    timed = phases is not None
+    phases = getattr(wait, "phases", None)  # a profiled kernel's; stamped with slice regions
+    timed = phases is not None and len(getattr(wait, "region", ())) > 0
     c_end = cutlass.Int64(0)  # the last slice's end (cycles)
     if cutlass.const_expr(timed):
         c_end = cute.arch.clock64()
@@ -448,11 +448,11 @@ def compute(
         pid = Int32(0)
         if lane < cfg.boxes and pos < keys:  # every warp checks the step's pages itself
             pid = mPT[b, pos // cfg.page]
-        idx = consumer_wait(full, count + per * kt, stages, wait)
         if cutlass.const_expr(cfg.wide):
-            if kt > 0:  # V of the previous step (its loads may land after this step's K)
+            if kt > 0:  # V of the previous step, issued before this step's K
                 prev = consumer_wait(full, count + per * kt - 1, stages, wait)
-        else:
+        idx = consumer_wait(full, count + per * kt, stages, wait)
+        if cutlass.const_expr(not cfg.wide):
             if kt == n - 1 and tail != 0:
                 _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
                 cute.arch.fence_proxy("async.shared", space="cta")
