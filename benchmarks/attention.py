@@ -20,7 +20,7 @@ wherever the Hopper tile takes it).
 ``--wide`` with ``--prefill``: also the tile of the other step (``ops.attention_prefill``'s
 ``step``: 64 keys a ring slot, or 128 with K and V in a slot each), as ``cutemk_step<N>``.
 
-``--trace slices`` with ``--prefill``: also where a tile's 64-token step spends its cycles
+``--trace slices`` with ``--prefill``: also where a tile's step (64 or 128 keys) spends its cycles
 (``phase_cycles`` in the slice summary, medians over the slices of the first consumer thread:
 the loop top, the wait for the tensor cores' turn, the S wgmma, mask and softmax, the wait
 for the previous P V).

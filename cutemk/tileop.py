@@ -419,17 +419,14 @@ def _check_types_when_built(cls: type[TileOp]) -> None:
     ``__post_init__``, however it is built (``g.call``, the op's builder, the class itself,
     ``dataclasses.replace``): the op's checks may compare a value (``eps > 0``) before any
     check would have named a string or a bool passed for it."""
-    own = cls.__dict__.get("__post_init__")
-    if getattr(own, "_checks_types", False) or (
-        own is None and getattr(getattr(cls, "__post_init__", None), "_checks_types", False)
-    ):
+    post = getattr(cls, "__post_init__", None)  # its own, or a base class's
+    if getattr(post, "_checks_types", False):
         return
-    inherited = own if own is not None else getattr(cls, "__post_init__", None)
-    if inherited is not None:
+    if post is not None:
 
         def __post_init__(self) -> None:
             check_field_types(self, type(self).name)
-            inherited(self)
+            post(self)
 
         __post_init__._checks_types = True
         cls.__post_init__ = __post_init__

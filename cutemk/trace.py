@@ -114,9 +114,7 @@ def slice_summary(tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         stamped = phases[node]
         if stamped:
-            row["phase_cycles"] = {
-                f: sorted(p[f] for p in stamped)[len(stamped) // 2] for f in stamped[0]
-            }
+            row["phase_cycles"] = {f: median([p[f] for p in stamped]) for f in stamped[0]}
             row["phase_slices"] = len(stamped)
         rows.append(row)
     return rows
