@@ -1,8 +1,7 @@
 import json
+import os
 
 import pytest
-
-import os
 
 from cutemk.bench import (
     Results,
@@ -405,3 +404,28 @@ def test_small_tasks_chain_matches_torch(benchmark_script):
         want = (n.float() + want).bfloat16().float()
     assert torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2)
     assert torch.allclose(ys.float(), xs.float() @ w_s.float().T, rtol=2e-2, atol=0.5)
+
+
+def test_sass_loops_finds_backward_branches_and_counts_their_opcodes(benchmark_script):
+    sl = benchmark_script("sass_loops")
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/              @!P0 MUFU.EX2 R2, R3 ;
+        /*0030*/                   FMUL R4, R4, R5 ;
+.L_x_2:
+        /*0040*/                   FADD R6, R6, R7 ;
+        /*0050*/               @P1 BRA `(.L_x_2) ;
+        /*0060*/               @P2 BRA `(.L_x_1) ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0080*/                   EXIT ;
+"""
+    found = {(s, e): ops for s, e, ops in sl.loops(sass)}
+    # two backward branches (the forward one to .L_x_3 is no loop)
+    assert set(found) == {(0x40, 0x50), (0x10, 0x60)}
+    outer = found[(0x10, 0x60)]
+    assert outer == {"HGMMA": 1, "MUFU": 1, "FMUL": 1, "FADD": 1, "BRA": 2}
+    assert found[(0x40, 0x50)] == {"FADD": 1, "BRA": 1}
+    assert sl.opcode("@!P0 MUFU.EX2 R2, R3") == "MUFU"
