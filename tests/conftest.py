@@ -85,12 +85,14 @@ def spill_stores():
 
 @pytest.fixture
 def wgmma_serialized():
-    """``wgmma_serialized(ptx_path)``: whether ptxas serialized the kernel's wgmma (its
-    warning C7515: a non-wgmma instruction defines an accumulator register of a wgmma in
-    flight, e.g. a wgmma or an accumulator's update under a branch), which costs every
-    tensor-core tile of the kernel its overlap."""
+    """``wgmma_serialized(ptx_path)``: whether ptxas serialized the kernel's wgmma, which
+    costs every tensor-core tile of the kernel its overlap. Its notes C7514 / C7515 (a
+    non-wgmma instruction reads or defines an accumulator register of a wgmma in flight, e.g.
+    an accumulator's update under a branch) and C7520 (a ``wgmma.fence`` it had to add on a
+    divergent path, e.g. before a wgmma under a branch) all say "wgmma.mma_async instructions
+    are serialized"."""
 
     def run(path) -> bool:
-        return "C7515" in _ptxas(path)
+        return "wgmma.mma_async instructions are serialized" in _ptxas(path)
 
     return run

@@ -156,7 +156,7 @@ def test_decode_layer_with_the_down_reduce_in_its_tiles_compiles_for_hopper(tmp_
     assert spill_stores(ptx_file) == 0
 
 
-def test_prefill_layer_compiles_for_hopper(tmp_path):
+def test_prefill_layer_compiles_for_hopper(tmp_path, wgmma_serialized):
     """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
     projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
     (Register spills of this kernel: see benchmarks/NOTES.md.)"""
@@ -181,6 +181,8 @@ def test_prefill_layer_compiles_for_hopper(tmp_path):
     # the attention's S = q K^T (the projections' tiles are 128 wide)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
     assert "mma.sync" not in ptx
+    # the attention's last P V under its branch serialized every wgmma of the layer (C7520)
+    assert not wgmma_serialized(ptx_file)
 
 
 def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
