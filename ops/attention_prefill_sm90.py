@@ -441,88 +441,72 @@ def compute(
     if wg == 1:
         _turn_arrive(0)
     prev = Int32(0)  # the ring slot of step kt - 1's V
-    # The first step is peeled off (traced twice: ``first`` is a Python bool): in the loop
-    # every step issues P V, so its commit group is never empty and ``wait_group(1)`` waits
-    # for S alone. A P V under a branch makes ptxas add a dummy wgmma for the maybe-empty
-    # group, and then the wait covers P V too (the softmax no longer overlaps it).
-    n_first = Int32(n > 0)
-    for peeled in cutlass.range_constexpr(2):
-        first = peeled == 0
-        hi = n_first
-        if cutlass.const_expr(not first):
-            hi = n
-        for kt in cutlass.range(peeled, hi, unroll=1):
-            if pid < 0 or pid >= num_pages:  # the previous step's page ids, read a step ago
-                bad = Boolean(True)
-            pos = kt * step + lane * cfg.box_rows
-            pid = Int32(0)
-            if lane < cfg.boxes and pos < keys:  # every warp checks the step's pages itself
-                pid = mPT[b, pos // cfg.page]
-            if cutlass.const_expr(cfg.wide):
-                if cutlass.const_expr(not first):  # V of the previous step, before this step's K
-                    prev = consumer_wait(full, count + per * kt - 1, stages, wait)
-            idx = consumer_wait(full, count + per * kt, stages, wait)
-            if cutlass.const_expr(not cfg.wide):
-                if kt == n - 1 and tail != 0:
-                    _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
-            _rescale(o, scale, d // 8)  # P V of step kt - 2 is done: o is in registers
-            c_ready = c_end
-            if cutlass.const_expr(timed):
-                c_ready = cute.arch.clock64()
-            _turn_sync(wg)
-            c_turn = c_ready
-            if cutlass.const_expr(timed):
-                c_turn = cute.arch.clock64()
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(d // 16):  # S = q K^T
-                mma_s.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(mma_s, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, idx], acc_s)
-            warpgroup.commit_group()
-            if cutlass.const_expr(not first):  # o += P V of the previous slice, a group of its own
-                for kb in cutlass.range_constexpr(step // 16):
-                    cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
-                warpgroup.commit_group()
-            _turn_arrive(1 - wg)
-            warpgroup.wait_group(peeled)  # S is in (P V may still run)
-            if cutlass.const_expr(cfg.wide):
-                consumer_release(empty, count + per * kt, stages, lane)  # K's slot: S has read it
-            c_s = c_turn
-            if cutlass.const_expr(timed):
-                c_s = cute.arch.clock64()
-            # the causal mask, only where the slice reaches past the block's first row (the
-            # softmax scale is applied inside its exponentials)
-            t_lo = kt * step
-            if t_lo + step - 1 > p0 or t_lo + step > keys:
-                for tb in cutlass.range_constexpr(blocks):
-                    for i in cutlass.range_constexpr(4):
-                        tok = t_lo + tb * 8 + 2 * c + i % 2
-                        if tok > rpos[i // 2] or tok >= keys:
-                            sc[tb, i] = Float32(-math.inf)
-            _softmax_step(sc, m, lsum, scale, blocks, cfg.scale_log2)
-            c_soft = c_s
-            if cutlass.const_expr(timed):
-                c_soft = cute.arch.clock64()
-            warpgroup.wait_group(0)  # P V of the previous step has read its slot and P
-            if cutlass.const_expr(timed):
-                c_pv = cute.arch.clock64()
-                deltas = [
-                    c_ready - c_end,
-                    c_turn - c_ready,
-                    c_s - c_turn,
-                    c_soft - c_s,
-                    c_pv - c_soft,
-                ]
-                phases(count + per * kt, deltas, ctid)
-                c_end = c_pv
-            if cutlass.const_expr(not first):  # the previous step's V (and, not wide, its K)
-                consumer_release(empty, count + per * kt - 1, stages, lane)
-            # P, rounded to 16 bits: the accumulators' order is the A fragments' order
-            for i in cutlass.range_constexpr(cute.size(tOrP)):
-                tOrP[i] = acc_s[i].to(ab)
-            if cutlass.const_expr(not cfg.wide):
-                prev = idx
+    for kt in cutlass.range(n, unroll=1):
+        if pid < 0 or pid >= num_pages:  # the previous step's page ids, read a step ago
+            bad = Boolean(True)
+        pos = kt * step + lane * cfg.box_rows
+        pid = Int32(0)
+        if lane < cfg.boxes and pos < keys:  # every warp checks the step's pages itself
+            pid = mPT[b, pos // cfg.page]
+        if cutlass.const_expr(cfg.wide):
+            if kt > 0:  # V of the previous step, issued before this step's K
+                prev = consumer_wait(full, count + per * kt - 1, stages, wait)
+        idx = consumer_wait(full, count + per * kt, stages, wait)
+        if cutlass.const_expr(not cfg.wide):
+            if kt == n - 1 and tail != 0:
+                _zero_v_tail(cfg, ring + idx * slot, tail, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
+        _rescale(o, scale, d // 8)  # P V of step kt - 2 is done: o is in registers
+        c_ready = c_end
+        if cutlass.const_expr(timed):
+            c_ready = cute.arch.clock64()
+        _turn_sync(wg)
+        c_turn = c_ready
+        if cutlass.const_expr(timed):
+            c_turn = cute.arch.clock64()
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(d // 16):  # S = q K^T
+            mma_s.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma_s, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb, idx], acc_s)
+        warpgroup.commit_group()
+        if kt > 0:  # o += P V of the previous slice
+            for kb in cutlass.range_constexpr(step // 16):
+                cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
+        warpgroup.commit_group()
+        _turn_arrive(1 - wg)
+        warpgroup.wait_group(1)  # S is in
+        if cutlass.const_expr(cfg.wide):
+            consumer_release(empty, count + per * kt, stages, lane)  # K's slot: S has read it
+        c_s = c_turn
+        if cutlass.const_expr(timed):
+            c_s = cute.arch.clock64()
+        # the causal mask, only where the slice reaches past the block's first row (the
+        # softmax scale is applied inside its exponentials)
+        t_lo = kt * step
+        if t_lo + step - 1 > p0 or t_lo + step > keys:
+            for tb in cutlass.range_constexpr(blocks):
+                for i in cutlass.range_constexpr(4):
+                    tok = t_lo + tb * 8 + 2 * c + i % 2
+                    if tok > rpos[i // 2] or tok >= keys:
+                        sc[tb, i] = Float32(-math.inf)
+        _softmax_step(sc, m, lsum, scale, blocks, cfg.scale_log2)
+        c_soft = c_s
+        if cutlass.const_expr(timed):
+            c_soft = cute.arch.clock64()
+        warpgroup.wait_group(0)  # P V of the previous step has read its slot and P
+        if cutlass.const_expr(timed):
+            c_pv = cute.arch.clock64()
+            deltas = [c_ready - c_end, c_turn - c_ready, c_s - c_turn, c_soft - c_s, c_pv - c_soft]
+            phases(count + per * kt, deltas, ctid)
+            c_end = c_pv
+        if kt > 0:  # the previous step's V (and, not wide, its K)
+            consumer_release(empty, count + per * kt - 1, stages, lane)
+        # P, rounded to 16 bits: the accumulators' order is the A fragments' order
+        for i in cutlass.range_constexpr(cute.size(tOrP)):
+            tOrP[i] = acc_s[i].to(ab)
+        if cutlass.const_expr(not cfg.wide):
+            prev = idx
     # the last step's P V, on a last turn
     if cutlass.const_expr(cfg.wide):
         if n > 0:
@@ -533,11 +517,11 @@ def compute(
                 named_sync(CONSUMER_BARRIER, CONSUMER_THREADS)
     _rescale(o, scale, d // 8)
     _turn_sync(wg)
-    if n > 0:  # (fence, wgmma and commit in the branch: no empty group, see the loop)
-        warpgroup.fence()
+    warpgroup.fence()
+    if n > 0:
         for kb in cutlass.range_constexpr(step // 16):
             cute.gemm(mma_o, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, prev], acc_o)
-        warpgroup.commit_group()
+    warpgroup.commit_group()
     _turn_arrive(1 - wg)
     if wg == 0:
         _turn_sync(0)

@@ -184,8 +184,7 @@ def test_wide_step_tile_compiles_for_hopper(
     assert op.sm90().tx_bytes == 128 * d * 2 and op.sm90().v_offset == 0
     compile_offline(g, scheduler, options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
-    # (at D = 64, page 8, static: 8 bytes, since the first step is a copy of its own)
-    assert spill_stores(ptx_file) <= (8 if d == 64 else 0)
+    assert spill_stores(ptx_file) == 0
     assert not wgmma_serialized(ptx_file)
     ptx = ptx_file.read_text()
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
