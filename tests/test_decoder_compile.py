@@ -156,10 +156,8 @@ def test_decode_layer_with_the_down_reduce_in_its_tiles_compiles_for_hopper(tmp_
     assert spill_stores(ptx_file) == 0
 
 
-def test_prefill_layer_compiles_for_hopper(tmp_path):
-    """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
-    projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
-    (Register spills of this kernel: see benchmarks/NOTES.md.)"""
+def _qwen3_8b_prefill_graph():
+    """Qwen3-8B's prefill step (``decoder_prefill_graph``), bf16, up to 8192 tokens."""
     cfg = DecoderConfig(
         hidden=4096,
         intermediate=12288,
@@ -173,7 +171,14 @@ def test_prefill_layer_compiles_for_hopper(tmp_path):
         block_n=128,
         fold_norms=True,
     )
-    g = decoder_prefill_graph(mk.sym("T", max=8192), mk.sym("B", max=64), cfg, torch.bfloat16)
+    return decoder_prefill_graph(mk.sym("T", max=8192), mk.sym("B", max=64), cfg, torch.bfloat16)
+
+
+def test_prefill_layer_compiles_for_hopper(tmp_path):
+    """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
+    projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
+    (Register spills of this kernel: see benchmarks/NOTES.md.)"""
+    g = _qwen3_8b_prefill_graph()
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     ptx = ptx_file.read_text()
@@ -190,20 +195,7 @@ def test_prefill_layer_compiles_for_hopper(tmp_path):
     "benchmarks/NOTES.md",
 )
 def test_prefill_layer_wgmma_is_not_serialized(tmp_path, wgmma_serialized):
-    cfg = DecoderConfig(
-        hidden=4096,
-        intermediate=12288,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        max_pages=1025,
-        max_positions=16385,
-        block_m=128,
-        block_n=128,
-        fold_norms=True,
-    )
-    g = decoder_prefill_graph(mk.sym("T", max=8192), mk.sym("B", max=64), cfg, torch.bfloat16)
+    g = _qwen3_8b_prefill_graph()
     compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
     (ptx_file,) = tmp_path.glob("*.ptx")
     assert not wgmma_serialized(ptx_file)
