@@ -29,14 +29,22 @@ from cutemk import ops  # noqa: E402
 from cutemk.kernels import compile_offline  # noqa: E402
 
 
+def cubin(graph: mk.Graph, scheduler: str, d: str) -> str:
+    """``graph``'s megakernel for sm_90a as a cubin in directory ``d`` (PTX from the DSL,
+    ``ptxas``); its path."""
+    compile_offline(graph, scheduler, options=f"--keep-ptx --dump-dir={d}")
+    (ptx,) = glob.glob(os.path.join(d, "*.ptx"))
+    path = os.path.join(d, "k.cubin")
+    subprocess.run(["ptxas", "-arch=sm_90a", ptx, "-o", path], check=True)
+    return path
+
+
 def text_bytes(graph: mk.Graph, scheduler: str = "static") -> int:
     """The ``.text`` bytes of ``graph``'s megakernel for sm_90a (PTX from the DSL, ``ptxas``)."""
     with tempfile.TemporaryDirectory() as d:
-        compile_offline(graph, scheduler, options=f"--keep-ptx --dump-dir={d}")
-        (ptx,) = glob.glob(os.path.join(d, "*.ptx"))
-        cubin = os.path.join(d, "k.cubin")
-        subprocess.run(["ptxas", "-arch=sm_90a", ptx, "-o", cubin], check=True)
-        out = subprocess.run(["readelf", "-S", "-W", cubin], capture_output=True, text=True)
+        out = subprocess.run(
+            ["readelf", "-S", "-W", cubin(graph, scheduler, d)], capture_output=True, text=True
+        )
     total = 0
     for line in out.stdout.splitlines():
         parts = line.split()

@@ -66,8 +66,8 @@ def breakdown(mlp, x, calls: int) -> None:
     raw = getattr(fn, "_tvm_ffi_function", None)
     if raw is not None:
         steps["  the same, TVM-FFI function without its wrapper"] = lambda: raw(tensors, *tail)
-    # every tensor converted ahead: what is left is the kernel's host code (its TMA
-    # descriptors encoded from the tensors, the launch)
+    # every tensor converted ahead: what is left is the kernel's host code (its checks, the TMA
+    # descriptors it builds inline, the launch)
     import tvm_ffi
 
     converted = [tvm_ffi.from_dlpack(t) if isinstance(t, torch.Tensor) else t for t in tensors]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import shutil
@@ -25,8 +24,9 @@ import sys
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cutemk.kernels import compile_offline  # noqa: E402
+from code_size import cubin  # noqa: E402
 
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"\s*(\.L_x_\d+):")
@@ -86,19 +86,18 @@ def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
 
 
 def kernel_sass(graph, scheduler: str) -> str:
+    """``graph``'s megakernel for sm_90a, disassembled."""
     with tempfile.TemporaryDirectory() as d:
-        compile_offline(graph, scheduler, options=f"--keep-ptx --dump-dir={d}")
-        (ptx,) = glob.glob(os.path.join(d, "*.ptx"))
-        cubin = os.path.join(d, "k.cubin")
-        subprocess.run(["ptxas", "-arch=sm_90a", ptx, "-o", cubin], check=True)
         return subprocess.run(
-            [nvdisasm(), "-c", cubin], capture_output=True, text=True, check=True
+            [nvdisasm(), "-c", cubin(graph, scheduler, d)],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
 
 
 def build(name: str, step: int):
     if name == "prefill":
-        sys.path.insert(0, os.path.dirname(__file__))
         from attention import _prefill_graph
 
         return _prefill_graph(8192, 8192, step)

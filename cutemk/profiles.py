@@ -44,8 +44,9 @@ class ProfileReaders:
         producer armed the slot and issued the loads it may issue before the task's events,
         the consumers found it landed; 0 where not stamped), and each slice's ``phases`` word
         (``cutemk.codegen.profiling.unpack_phases``; 0 where the op stamps none).
-        ``cutemk.trace.slice_summary`` reads them. Warns where a CTA issued more slices than its region holds (the dynamic
-        scheduler's regions hold twice a CTA's share): those were not stamped."""
+        ``cutemk.trace.slice_summary`` reads them. Warns where a CTA issued more slices than its
+        region holds (the dynamic scheduler's regions hold twice a CTA's share): those were not
+        stamped."""
         if not self.spec.profile_slices or self.last_env is None:
             raise ValueError(
                 "compile with profile='slices' and run once before reading slice stamps"

@@ -156,8 +156,17 @@ def test_decode_layer_with_the_down_reduce_in_its_tiles_compiles_for_hopper(tmp_
     assert spill_stores(ptx_file) == 0
 
 
+@pytest.fixture(scope="module")
+def prefill_layer_ptx(tmp_path_factory):
+    """The PTX file of Qwen3-8B's prefill step (``decoder_prefill_graph``, bf16, up to 8192
+    tokens, static), compiled once for the tests below."""
+    d = tmp_path_factory.mktemp("prefill_layer")
+    compile_offline(_qwen3_8b_prefill_graph(), "static", options=f"--keep-ptx --dump-dir={d}")
+    (ptx_file,) = d.glob("*.ptx")
+    return ptx_file
+
+
 def _qwen3_8b_prefill_graph():
-    """Qwen3-8B's prefill step (``decoder_prefill_graph``), bf16, up to 8192 tokens."""
     cfg = DecoderConfig(
         hidden=4096,
         intermediate=12288,
@@ -174,14 +183,11 @@ def _qwen3_8b_prefill_graph():
     return decoder_prefill_graph(mk.sym("T", max=8192), mk.sym("B", max=64), cfg, torch.bfloat16)
 
 
-def test_prefill_layer_compiles_for_hopper(tmp_path):
+def test_prefill_layer_compiles_for_hopper(prefill_layer_ptx):
     """Qwen3-8B's prefill step (``decoder_prefill_graph``) as one kernel for sm_90a: the
     projections on the Hopper GEMM, the append and the causal attention on the tensor cores.
     (Register spills of this kernel: see benchmarks/NOTES.md.)"""
-    g = _qwen3_8b_prefill_graph()
-    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    ptx = ptx_file.read_text()
+    ptx = prefill_layer_ptx.read_text()
     assert "wgmma.mma_async" in ptx
     # the attention's S = q K^T (the projections' tiles are 128 wide)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
@@ -194,11 +200,8 @@ def test_prefill_layer_compiles_for_hopper(tmp_path):
     "outside it, and ptxas serializes every wgmma of the layer kernel (C7520); see "
     "benchmarks/NOTES.md",
 )
-def test_prefill_layer_wgmma_is_not_serialized(tmp_path, wgmma_serialized):
-    g = _qwen3_8b_prefill_graph()
-    compile_offline(g, "static", options=f"--keep-ptx --dump-dir={tmp_path}")
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    assert not wgmma_serialized(ptx_file)
+def test_prefill_layer_wgmma_is_not_serialized(prefill_layer_ptx, wgmma_serialized):
+    assert not wgmma_serialized(prefill_layer_ptx)
 
 
 def test_moe_decode_layer_on_the_slot_layout_compiles_for_hopper(tmp_path):
